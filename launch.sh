@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Quick start:
+#   ./launch.sh                                  the embedded default (experiments/reverse.py)
+#   ./launch.sh test [PYTEST_ARGS...]            the test suite
+#   ./launch.sh EXPERIMENT.py [--workdir=DIR] [--config.a.b=value ...]
+#   ./launch.sh --list_attention                 the attention variants and their kwargs
+# The first call creates .venv from pyproject.toml; an edited pyproject.toml re-installs it.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${FFL_VENV:-.venv}"
+
+find_python() {
+  for py in "${PYTHON:-}" python3.12 python3.11 python3.10 python3; do
+    [ -n "$py" ] || continue
+    command -v "$py" >/dev/null 2>&1 || continue
+    if "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null; then
+      echo "$py"; return 0
+    fi
+  done
+  echo "launch.sh: needs Python >= 3.10 (set PYTHON=/path/to/python3)" >&2
+  return 2
+}
+
+setup_venv() {
+  local want have=""
+  want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+  [ -f "$VENV/.pyproject.sha256" ] && have=$(cat "$VENV/.pyproject.sha256")
+  if [ "$want" != "$have" ] || [ ! -x "$VENV/bin/python" ]; then
+    local py; py=$(find_python)
+    echo "launch.sh: installing into $VENV with $py (first run takes a few minutes)" >&2
+    [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+    "$VENV/bin/python" -m pip install -q -e ".[test${FFL_EXTRAS:+,$FFL_EXTRAS}]" >&2
+    echo "$want" > "$VENV/.pyproject.sha256"
+  fi
+}
+
+setup_venv
+PY="$VENV/bin/python"
+
+if [ "${1:-}" = "test" ]; then
+  shift
+  # Eight virtual CPU devices let the multi-device tests run on any machine.
+  exec "$PY" -m pytest "$@"
+fi
+
+EXPERIMENT=experiments/reverse.py
+if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
+  EXPERIMENT="$1"; shift
+fi
+if [ ! -f "${EXPERIMENT%%:*}" ]; then
+  echo "launch.sh: experiment file '${EXPERIMENT%%:*}' not found; experiments are: $(ls experiments/*.py | tr '\n' ' ')" >&2
+  exit 2
+fi
+exec "$PY" -m flaxformer_lite.main --config="$EXPERIMENT" "$@"
