@@ -1,0 +1,111 @@
+"""Scaled dot-product attention (Vaswani et al. 2017, eq. 1).
+
+Shapes follow `jax.nn.dot_product_attention`:
+  query [b, n, h, d], key/value [b, m, h, d]; weights and logits [b, h, n, m].
+  `mask` is boolean (True = may attend), broadcastable to [b, h, n, m];
+  `bias` is added to the scaled logits, broadcastable to [b, h, n, m].
+
+A query row whose keys are all masked gets uniform weights over the keys (the
+same rule as `jax.nn.dot_product_attention` and flax): finite, never NaN.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Masked logits are set to this (times the dtype's max), not -inf, so that a
+# fully masked row stays finite. Same constant as jax.nn.dot_product_attention.
+_MASK_VALUE = -0.7
+
+
+def masked_logits(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """Replaces logits where `mask` is False by a large finite negative number."""
+  if mask is None:
+    return logits
+  big_neg = _MASK_VALUE * jnp.finfo(logits.dtype).max
+  return jnp.where(mask.astype(bool), logits, big_neg)
+
+
+def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
+                    deterministic=True, dtype=None):
+  """Masked float32 softmax over the last axis, then dropout.
+
+  logits [..., m] -> weights [..., m] in `dtype` (default: logits' dtype).
+  Dropout zeroes weights with probability `dropout_rate` and rescales the
+  rest by 1/(1-rate), as in the paper's attention dropout.
+  """
+  dtype = dtype or logits.dtype
+  logits = masked_logits(logits.astype(jnp.float32), mask)
+  weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
+  if not deterministic and dropout_rate > 0.0:
+    if dropout_rng is None:
+      raise ValueError('attention dropout needs dropout_rng when deterministic=False')
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0).astype(dtype)
+  return weights
+
+
+def dot_product_attention_weights(query, key, *, mask=None, bias=None,
+                                  dropout_rate=0.0, dropout_rng=None,
+                                  deterministic=True, dtype=None):
+  """softmax(q·k / sqrt(d) + bias), masked.
+
+  Args:
+    query: [b, n, h, d].
+    key: [b, m, h, d].
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    bias: broadcastable to [b, h, n, m]; added to the scaled logits.
+  Returns:
+    weights [b, h, n, m], rows summing to 1 (before dropout).
+  """
+  dtype = dtype or query.dtype
+  query = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  logits = jnp.einsum('bnhd,bmhd->bhnm', query, key.astype(dtype))
+  if bias is not None:
+    logits = logits + bias.astype(logits.dtype)
+  return softmax_weights(logits, mask, dropout_rate=dropout_rate,
+                         dropout_rng=dropout_rng, deterministic=deterministic,
+                         dtype=dtype)
+
+
+def dot_product_attention(query, key, value, *, mask=None, bias=None,
+                          dropout_rate=0.0, dropout_rng=None,
+                          deterministic=True, dtype=None,
+                          implementation=None):
+  """Scaled dot-product attention.
+
+  Args:
+    query: [b, n, h, d].
+    key, value: [b, m, h, d].
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    bias: broadcastable to [b, h, n, m]; added to the scaled logits.
+    implementation: None (automatic), 'reference' (explicit weights, the
+      only path with dropout), or 'xla'/'cudnn' for
+      `jax.nn.dot_product_attention`. None uses `jax.nn.dot_product_attention`
+      whenever dropout is inactive, and lets it pick its backend.
+  Returns:
+    [b, n, h, d] in `dtype` (default: query's dtype).
+  """
+  dtype = dtype or query.dtype
+  dropout_active = not deterministic and dropout_rate > 0.0
+  if implementation == 'reference' or dropout_active:
+    if implementation not in (None, 'reference'):
+      raise ValueError(f'implementation={implementation!r} has no attention '
+                       "dropout; use implementation=None or 'reference'")
+    weights = dot_product_attention_weights(
+        query, key, mask=mask, bias=bias, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
+    return jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
+  if implementation not in (None, 'xla', 'cudnn'):
+    raise ValueError(f"implementation={implementation!r}; valid: None, "
+                     "'reference', 'xla', 'cudnn'")
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  b, n, h, _ = query.shape
+  m = key.shape[1]
+  if mask is not None:
+    mask = jnp.broadcast_to(mask.astype(bool), jnp.broadcast_shapes(mask.shape, (1, 1, n, m)))
+  if bias is not None:
+    bias = jnp.broadcast_to(bias, jnp.broadcast_shapes(bias.shape, (1, 1, n, m)))
+    bias = bias.astype(dtype)
+  return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                      implementation=implementation)

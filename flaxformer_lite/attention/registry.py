@@ -1,0 +1,125 @@
+"""Named attention variants: the one swap point (`config.model.attention`).
+
+A variant is a pure function plus an entry here. `MultiHeadAttention` calls
+  fn(query [b,n,h,d], key [b,m,h,d], value [b,m,h,d], *, mask, bias,
+     dropout_rate, dropout_rng, deterministic, dtype, **params, **kwargs)
+  -> [b, n, h, d]
+where `params` are arrays the layer creates from `AttentionVariant.params`
+(learned tables, per-head scalars) and `kwargs` are the variant's options
+from `config.model.attention_kwargs`. Variants with `uses_positions` also
+receive `q_offset` (the absolute position of the first query; non-zero when
+decoding with a cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from flaxformer_lite.attention.dot_product import dot_product_attention
+
+ALL_MODELS = ('encoder_decoder', 'decoder_only')
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant:
+  """One registry entry.
+
+  name: the config value.
+  fn: the pure attention function (signature above).
+  kwargs: option name -> default; the types of the defaults are the types
+    accepted from the command line.
+  params: (num_heads, head_dim, kwargs) -> {name: (shape, initializer)}; the
+    layer creates these parameters and passes them to `fn` by name.
+  models: model types that can use the variant.
+  validate: kwargs -> None, raising ValueError with a reason.
+  uses_positions: fn takes `q_offset`.
+  doc: one line for `--list_attention`.
+  """
+  name: str
+  fn: Callable[..., Any]
+  kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  params: Callable[..., Mapping[str, Any]] | None = None
+  models: tuple[str, ...] = ALL_MODELS
+  validate: Callable[[Mapping[str, Any]], None] | None = None
+  uses_positions: bool = False
+  doc: str = ''
+
+
+_REGISTRY: dict[str, AttentionVariant] = {}
+
+
+def register(variant: AttentionVariant) -> AttentionVariant:
+  if variant.name in _REGISTRY:
+    raise ValueError(f'attention variant {variant.name!r} is registered twice')
+  _REGISTRY[variant.name] = variant
+  return variant
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get(name: str) -> AttentionVariant:
+  if name not in _REGISTRY:
+    raise ValueError(f'unknown attention variant {name!r}; valid: {", ".join(names())}')
+  return _REGISTRY[name]
+
+
+def all_kwargs() -> dict[str, Any]:
+  """Every option any variant accepts -> its default (one type per name)."""
+  out: dict[str, Any] = {}
+  for v in _REGISTRY.values():
+    for k, default in v.kwargs.items():
+      if k in out and type(out[k]) is not type(default):
+        raise TypeError(f'attention option {k!r} has two types in the registry')
+      out.setdefault(k, default)
+  return out
+
+
+def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]:
+  """The variant's options: its defaults overridden by `given`.
+
+  `given` may hold None for options left unset (the config declares every
+  option of every variant as an unset placeholder). An option set for a
+  variant that does not take it is an error naming the variant's options.
+  """
+  variant = get(name)
+  given = {k: v for k, v in dict(given or {}).items() if v is not None}
+  unknown = sorted(set(given) - set(variant.kwargs))
+  if unknown:
+    valid = ', '.join(f'{k}={v!r}' for k, v in variant.kwargs.items()) or 'none'
+    raise ValueError(f'attention_kwargs {unknown} do not apply to attention='
+                     f'{name!r}; its options are: {valid}')
+  kwargs = {**variant.kwargs, **given}
+  if variant.validate is not None:
+    variant.validate(kwargs)
+  return kwargs
+
+
+def describe(variant: AttentionVariant) -> str:
+  """One line: name, models, options with defaults, doc."""
+  opts = ' '.join(f'{k}={v!r}' for k, v in variant.kwargs.items()) or '-'
+  return (f'{variant.name}\tmodels={",".join(variant.models)}\t'
+          f'kwargs: {opts}\t{variant.doc}')
+
+
+def _validate_dot_product(kwargs):
+  if kwargs['implementation'] not in ('auto', 'reference', 'xla', 'cudnn'):
+    raise ValueError(f"attention_kwargs.implementation={kwargs['implementation']!r}; "
+                     "valid: 'auto', 'reference', 'xla', 'cudnn'")
+
+
+def _dot_product(query, key, value, *, implementation='auto', **common):
+  return dot_product_attention(
+      query, key, value,
+      implementation=None if implementation == 'auto' else implementation,
+      **common)
+
+
+register(AttentionVariant(
+    name='dot_product',
+    fn=_dot_product,
+    kwargs={'implementation': 'auto'},
+    validate=_validate_dot_product,
+    doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); jax.nn.dot_product_attention '
+        'when dropout is off'))

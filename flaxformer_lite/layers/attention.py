@@ -1,0 +1,128 @@
+"""Multi-head attention: the parameters around a registry attention function."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import registry
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head self or cross attention with an autoregressive decoding cache.
+
+  Called as `(inputs_q [b, n, f], inputs_kv [b, m, f] | None, *, mask, bias,
+  deterministic)` -> [b, n, out_features]. `inputs_kv=None` is
+  self-attention, projected by one fused q/k/v matmul.
+
+  With `decode=True` (self-attention only) the layer keeps `cached_key`,
+  `cached_value` [b, max_len, h, d] and `cache_index` in the 'cache'
+  collection. The first `apply` after `init` may pass any number of tokens
+  (a prompt: prefill), later ones as many as wanted (usually one); each call
+  appends its keys/values at `cache_index` and its queries see every cached
+  position at or before their own. `mask`, if given, is and-ed with that rule.
+
+  Attributes:
+    num_heads: number of heads h; must divide qkv_features.
+    qkv_features: h * d (default: the input features).
+    out_features: output features (default: the input features).
+    attention: registry name of the attention function.
+    attention_kwargs: the variant's options (unset ones may be None).
+    dropout_rate: attention-weights dropout.
+  """
+  num_heads: int
+  qkv_features: int | None = None
+  out_features: int | None = None
+  attention: str = 'dot_product'
+  attention_kwargs: Mapping[str, Any] | None = None
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+  bias_init: Any = nn.initializers.zeros
+  use_bias: bool = True
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_kv=None, *, mask=None, bias=None,
+               deterministic=True):
+    features = inputs_q.shape[-1]
+    qkv_features = self.qkv_features or features
+    if qkv_features % self.num_heads:
+      raise ValueError(f'qkv_features={qkv_features} is not divisible by '
+                       f'num_heads={self.num_heads}')
+    h, d = self.num_heads, qkv_features // self.num_heads
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias)
+
+    if inputs_kv is None:
+      qkv = dense(features=(3, h, d), name='qkv')(inputs_q)  # [b, n, 3, h, d]
+      query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+      if self.decode:
+        raise ValueError('decode=True caches self-attention only; build '
+                         'cross-attention with decode=False')
+      query = dense(features=(h, d), name='query')(inputs_q)  # [b, n, h, d]
+      kv = dense(features=(2, h, d), name='kv')(inputs_kv)  # [b, m, 2, h, d]
+      key, value = kv[:, :, 0], kv[:, :, 1]
+
+    q_offset = 0
+    if self.decode:
+      key, value, mask, q_offset = self._update_cache(key, value, mask)
+
+    variant = registry.get(self.attention)
+    kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
+    tables = variant.params(h, d, kwargs) if variant.params else {}
+    params = {name: self.param(name, init, shape, self.param_dtype)
+              for name, (shape, init) in tables.items()}
+    if variant.uses_positions:
+      kwargs['q_offset'] = q_offset
+    dropout_active = not deterministic and self.dropout_rate > 0.0
+    x = variant.fn(
+        query, key, value, mask=mask, bias=bias,
+        dropout_rate=self.dropout_rate,
+        dropout_rng=self.make_rng('dropout') if dropout_active else None,
+        deterministic=deterministic, dtype=self.dtype, **params, **kwargs)
+    return nn.DenseGeneral(
+        features=self.out_features or features, axis=(-2, -1),
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias, name='out')(x)
+
+  def _update_cache(self, key, value, mask):
+    """Writes key/value [b, L, h, d] at cache_index; returns the full cache.
+
+    Returns (key, value [b, max_len, h, d], mask [.., L, max_len], q_offset).
+    The pass that creates the cache (inside `init`) attends over its own
+    inputs only, with the caller's mask.
+    """
+    initialized = self.has_variable('cache', 'cached_key')
+    cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape,
+                                 value.dtype)
+    cache_index = self.variable('cache', 'cache_index',
+                                lambda: jnp.array(0, dtype=jnp.int32))
+    if not initialized:
+      return key, value, mask, 0
+    length, max_len = key.shape[1], cached_key.value.shape[1]
+    index = cache_index.value
+    key = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype),
+                                       (0, index, 0, 0))
+    value = jax.lax.dynamic_update_slice(cached_value.value,
+                                         value.astype(cached_value.value.dtype),
+                                         (0, index, 0, 0))
+    cached_key.value, cached_value.value = key, value
+    cache_index.value = index + length
+    # Query i of this call sits at absolute position index + i and may see
+    # cached keys at positions <= its own. A 'causal' flag would be wrong
+    # here: it would align query 0 with key 0.
+    q_pos = index + jnp.arange(length)
+    visible = jnp.arange(max_len)[None, :] <= q_pos[:, None]  # [L, max_len]
+    visible = visible[None, None]
+    mask = visible if mask is None else jnp.logical_and(mask, visible)
+    return key, value, mask, index

@@ -1,0 +1,87 @@
+"""Token embeddings and absolute positions."""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+POSITIONS = ('sinusoidal', 'learned', 'none')
+
+
+def sinusoidal_positions(length: int, features: int, *, offset=0,
+                         max_timescale: float = 10000.0):
+  """The 2017 paper's table, sin/cos interleaved.
+
+  PE[p, 2i] = sin(p / max_timescale^(2i/features)),
+  PE[p, 2i+1] = cos(p / max_timescale^(2i/features)), p = offset + 0..length-1.
+
+  Returns [length, features] float32. `offset` may be traced (decoding).
+  """
+  if features % 2:
+    raise ValueError(f'sinusoidal positions need an even feature size, got {features}')
+  position = (offset + jnp.arange(length, dtype=jnp.float32))[:, None]  # [n, 1]
+  inv_freq = max_timescale ** (-np.arange(0, features, 2, dtype=np.float32) / features)
+  angles = position * inv_freq[None, :]  # [n, f/2]
+  # stack on a new last axis then flatten: sin, cos, sin, cos, ...
+  return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, features)
+
+
+class AddPositions(nn.Module):
+  """Adds absolute positions to [b, n, f] inputs.
+
+  kind: 'sinusoidal' (fixed), 'learned' ([max_len, f] table) or 'none'.
+  With `decode=True`, remembers how many positions were consumed in the
+  'cache' collection, so that step t gets position t.
+  """
+  kind: str = 'sinusoidal'
+  max_len: int = 512
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.kind not in POSITIONS:
+      raise ValueError(f'positions={self.kind!r}; valid: {", ".join(POSITIONS)}')
+    if self.kind == 'none':
+      return x
+    length, features = x.shape[-2], x.shape[-1]
+    offset = 0
+    if self.decode:
+      initialized = self.has_variable('cache', 'position_index')
+      index = self.variable('cache', 'position_index', lambda: jnp.array(0, jnp.int32))
+      if initialized:
+        offset = index.value
+        index.value = offset + length
+    if self.kind == 'sinusoidal':
+      pos = sinusoidal_positions(length, features, offset=offset)
+    else:
+      table = self.param('pos_embedding', nn.initializers.normal(stddev=0.02),
+                         (self.max_len, features))
+      pos = jnp.take(table, offset + jnp.arange(length), axis=0)
+    return x + pos.astype(x.dtype)
+
+
+class Embed(nn.Module):
+  """Token embedding shared by encoder, decoder and the output softmax.
+
+  `__call__`: ids [b, n] -> [b, n, f], scaled by sqrt(f).
+  `attend`: [b, n, f] -> logits [b, n, vocab] with the same (unscaled) table.
+  Initialised with stddev f^-0.5, so the scaled embedding has unit variance.
+  """
+  vocab_size: int
+  features: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param(
+        'embedding', nn.initializers.normal(stddev=self.features ** -0.5),
+        (self.vocab_size, self.features), self.param_dtype)
+
+  def __call__(self, ids):
+    x = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+    return x * jnp.sqrt(self.features).astype(self.dtype)
+
+  def attend(self, x):
+    return jnp.einsum('bnf,vf->bnv', x, self.embedding.astype(self.dtype))

@@ -1,0 +1,159 @@
+"""Transformer blocks (Vaswani et al. 2017): FFN, encoder and decoder stacks.
+
+Pre-LN (default; LN before each sublayer, one final LN per stack) or post-LN
+(the 2017 paper: LN after each residual sum). Activations are [b, n, d_model].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from flaxformer_lite.layers.attention import MultiHeadAttention
+from flaxformer_lite.layers.embeddings import AddPositions, Embed
+
+ACTIVATIONS = {'relu': nn.relu, 'gelu': nn.gelu}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Everything the Transformer modules need (built by `models.build`)."""
+  vocab_size: int
+  d_model: int = 128
+  num_heads: int = 4
+  num_encoder_layers: int = 2
+  num_decoder_layers: int = 2
+  mlp_dim: int = 512
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
+  attention: str = 'dot_product'
+  attention_kwargs: Mapping[str, Any] | None = None
+  positions: str = 'sinusoidal'
+  max_len: int = 512
+  pre_ln: bool = True
+  activation: str = 'relu'
+  dtype: Any = jnp.float32
+  decode: bool = False
+
+
+class MlpBlock(nn.Module):
+  """d_model -> mlp_dim -> activation -> dropout -> d_model."""
+  mlp_dim: int
+  activation: str = 'relu'
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, deterministic=True):
+    d = x.shape[-1]
+    x = nn.Dense(self.mlp_dim, dtype=self.dtype, name='wi')(x)
+    x = ACTIVATIONS[self.activation](x)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    return nn.Dense(d, dtype=self.dtype, name='wo')(x)
+
+
+class _Residual(nn.Module):
+  """x + dropout(sublayer(LN(x))) (pre-LN) or LN(x + dropout(sublayer(x)))."""
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, sublayer, *, deterministic):
+    cfg = self.cfg
+    norm = nn.LayerNorm(dtype=cfg.dtype, name='norm')
+    y = sublayer(norm(x) if cfg.pre_ln else x)
+    y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
+    return x + y if cfg.pre_ln else norm(x + y)
+
+
+def _attention(cfg: TransformerConfig, name: str, decode: bool = False):
+  return MultiHeadAttention(
+      num_heads=cfg.num_heads, attention=cfg.attention,
+      attention_kwargs=cfg.attention_kwargs,
+      dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, decode=decode,
+      name=name)
+
+
+class EncoderLayer(nn.Module):
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, *, mask, deterministic=True):
+    cfg = self.cfg
+    attn = _attention(cfg, 'self_attention')
+    x = _Residual(cfg, name='attention_block')(
+        x, lambda y: attn(y, mask=mask, deterministic=deterministic),
+        deterministic=deterministic)
+    mlp = MlpBlock(cfg.mlp_dim, cfg.activation, cfg.dropout_rate, cfg.dtype, name='mlp')
+    return _Residual(cfg, name='mlp_block')(
+        x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
+
+
+class DecoderLayer(nn.Module):
+  """Causal self-attention (cached when decoding), cross-attention, FFN.
+
+  `encoded=None` drops the cross-attention (decoder-only LM).
+  """
+  cfg: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, encoded=None, *, self_mask, cross_mask=None,
+               deterministic=True):
+    cfg = self.cfg
+    self_attn = _attention(cfg, 'self_attention', decode=cfg.decode)
+    x = _Residual(cfg, name='self_attention_block')(
+        x, lambda y: self_attn(y, mask=self_mask, deterministic=deterministic),
+        deterministic=deterministic)
+    if encoded is not None:
+      cross_attn = _attention(cfg, 'cross_attention')
+      x = _Residual(cfg, name='cross_attention_block')(
+          x, lambda y: cross_attn(y, encoded, mask=cross_mask,
+                                  deterministic=deterministic),
+          deterministic=deterministic)
+    mlp = MlpBlock(cfg.mlp_dim, cfg.activation, cfg.dropout_rate, cfg.dtype, name='mlp')
+    return _Residual(cfg, name='mlp_block')(
+        x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
+
+
+def _embed_tokens(cfg, embed, ids, deterministic, name, decode=False):
+  x = embed(ids)
+  x = AddPositions(cfg.positions, cfg.max_len, decode=decode, name=name)(x)
+  return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+class Encoder(nn.Module):
+  """ids [b, n] -> [b, n, d_model]."""
+  cfg: TransformerConfig
+  embed: Embed
+
+  @nn.compact
+  def __call__(self, ids, *, mask, deterministic=True):
+    cfg = self.cfg
+    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions')
+    for i in range(cfg.num_encoder_layers):
+      x = EncoderLayer(cfg, name=f'layer_{i}')(x, mask=mask, deterministic=deterministic)
+    return nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x) if cfg.pre_ln else x
+
+
+class Decoder(nn.Module):
+  """ids [b, n] (and encoded [b, m, d_model]) -> logits [b, n, vocab]."""
+  cfg: TransformerConfig
+  embed: Embed
+  num_layers: int
+
+  @nn.compact
+  def __call__(self, ids, encoded=None, *, self_mask, cross_mask=None,
+               deterministic=True):
+    cfg = self.cfg
+    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
+                      decode=cfg.decode)
+    for i in range(self.num_layers):
+      x = DecoderLayer(cfg, name=f'layer_{i}')(
+          x, encoded, self_mask=self_mask, cross_mask=cross_mask,
+          deterministic=deterministic)
+    if cfg.pre_ln:
+      x = nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x)
+    # The paper multiplies the embedding by sqrt(d) on the way in; tied logits
+    # use the raw table, as in T5/flax WMT.
+    return self.embed.attend(x).astype(jnp.float32)

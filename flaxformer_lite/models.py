@@ -1,0 +1,114 @@
+"""build(model_config) -> a linen Module.
+
+Token ids: PAD_ID=0 (masked everywhere), BOS_ID=1 (first decoder input),
+EOS_ID=2 (ends every target).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from flaxformer_lite.layers import Decoder, Embed, Encoder, TransformerConfig
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+MODEL_TYPES = ('encoder_decoder', 'decoder_only')
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def shift_right(targets, bos_id: int = BOS_ID):
+  """Decoder inputs for teacher forcing: [t0, t1, ...] -> [bos, t0, ...].
+
+  targets [b, n] int -> [b, n].
+  """
+  return jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+
+
+class EncoderDecoder(nn.Module):
+  """Encoder-decoder Transformer with one embedding for both sides and the softmax.
+
+  `__call__(inputs [b, m], decoder_inputs [b, n])` -> logits [b, n, vocab].
+  """
+  cfg: TransformerConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed')
+    self.encoder = Encoder(cfg, self.embed, name='encoder')
+    self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, name='decoder')
+
+  def encode(self, inputs, *, deterministic=True):
+    """inputs [b, m] -> [b, m, d_model]."""
+    mask = nn.make_attention_mask(inputs > PAD_ID, inputs > PAD_ID, dtype=bool)
+    return self.encoder(inputs, mask=mask, deterministic=deterministic)
+
+  def decode(self, encoded, inputs, decoder_inputs, *, deterministic=True):
+    """encoded [b, m, d], inputs [b, m], decoder_inputs [b, n] -> logits [b, n, V].
+
+    When `cfg.decode`, decoder_inputs are the next tokens after the cache
+    (n >= 1); the cache supplies the causal mask.
+    """
+    if self.cfg.decode:
+      self_mask = None
+      queries_valid = jnp.ones_like(decoder_inputs, dtype=bool)
+    else:
+      self_mask = nn.combine_masks(
+          nn.make_attention_mask(decoder_inputs > PAD_ID, decoder_inputs > PAD_ID,
+                                dtype=bool),
+          nn.make_causal_mask(decoder_inputs, dtype=bool), dtype=bool)
+      queries_valid = decoder_inputs > PAD_ID
+    cross_mask = nn.make_attention_mask(queries_valid, inputs > PAD_ID, dtype=bool)
+    return self.decoder(decoder_inputs, encoded, self_mask=self_mask,
+                        cross_mask=cross_mask, deterministic=deterministic)
+
+  def __call__(self, inputs, decoder_inputs, *, deterministic=True):
+    encoded = self.encode(inputs, deterministic=deterministic)
+    return self.decode(encoded, inputs, decoder_inputs, deterministic=deterministic)
+
+
+class DecoderOnly(nn.Module):
+  """Causal language model. `__call__(ids [b, n])` -> logits [b, n, vocab]."""
+  cfg: TransformerConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed')
+    self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, name='decoder')
+
+  def __call__(self, ids, *, deterministic=True):
+    if self.cfg.decode:
+      self_mask = None
+    else:
+      self_mask = nn.combine_masks(
+          nn.make_attention_mask(ids > PAD_ID, ids > PAD_ID, dtype=bool),
+          nn.make_causal_mask(ids, dtype=bool), dtype=bool)
+    return self.decoder(ids, self_mask=self_mask, deterministic=deterministic)
+
+
+def transformer_config(model_config: Mapping[str, Any], *, decode=False) -> TransformerConfig:
+  """config.model (ConfigDict or dict) -> TransformerConfig."""
+  c = model_config
+  kwargs = c['attention_kwargs']
+  kwargs = dict(kwargs.items()) if kwargs is not None else {}
+  return TransformerConfig(
+      vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
+      num_encoder_layers=c['num_encoder_layers'],
+      num_decoder_layers=c['num_decoder_layers'], mlp_dim=c['mlp_dim'],
+      dropout_rate=c['dropout_rate'],
+      attention_dropout_rate=c['attention_dropout_rate'],
+      attention=c['attention'],
+      attention_kwargs=tuple(sorted((k, v) for k, v in kwargs.items() if v is not None)),
+      positions=c['positions'], max_len=c['max_len'], pre_ln=c['pre_ln'],
+      activation=c['activation'], dtype=DTYPES[c['dtype']], decode=decode)
+
+
+def build(model_config: Mapping[str, Any], *, decode: bool = False) -> nn.Module:
+  """config.model -> EncoderDecoder | DecoderOnly (set by `model_config.type`).
+
+  `decode=True` builds the same parameters with decoding caches.
+  """
+  if model_config['type'] not in MODEL_TYPES:
+    raise ValueError(f"model.type={model_config['type']!r}; valid: {', '.join(MODEL_TYPES)}")
+  cfg = transformer_config(model_config, decode=decode)
+  return (EncoderDecoder if model_config['type'] == 'encoder_decoder' else DecoderOnly)(cfg)
