@@ -1,0 +1,206 @@
+"""The base experiment config, its validation, and config.json I/O.
+
+Experiment files start from `base_config()` and set values. Every option of
+every attention variant is declared under `model.attention_kwargs` as an
+unset placeholder, so `--config.model.attention_kwargs.X=...` works from any
+experiment file; options that the chosen variant does not take are errors.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import ml_collections
+from ml_collections import config_dict
+
+from flaxformer_lite import data, models
+from flaxformer_lite.attention import registry
+from flaxformer_lite.layers import embeddings, transformer
+from flaxformer_lite.train import schedules
+
+PARALLEL_MODES = ('jit',)
+# Keys that may change between a run and its resumption.
+RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
+                     'train.checkpoint_every', 'train.keep_checkpoints',
+                     'eval.num_examples_to_log', 'eval.final_test')
+
+
+class ConfigError(ValueError):
+  """A bad config value; main.py turns it into exit code 2."""
+
+
+def attention_kwargs_placeholders() -> ml_collections.ConfigDict:
+  """Every option of every registered variant, unset, typed by its default."""
+  return ml_collections.ConfigDict(
+      {k: config_dict.placeholder(type(v)) for k, v in registry.all_kwargs().items()})
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = m = ml_collections.ConfigDict()
+  m.type = 'encoder_decoder'  # models.MODEL_TYPES
+  m.vocab_size = 0  # 0: taken from the dataset
+  m.d_model = 128
+  m.num_heads = 4
+  m.num_encoder_layers = 2
+  m.num_decoder_layers = 2
+  m.mlp_dim = 512
+  m.dropout_rate = 0.1
+  m.attention_dropout_rate = 0.0
+  m.attention = 'dot_product'  # any name from --list_attention
+  m.attention_kwargs = attention_kwargs_placeholders()
+  m.positions = 'sinusoidal'  # sinusoidal | learned | none
+  m.max_len = 256  # longest sequence (learned positions, decoding)
+  m.pre_ln = True  # False: post-LN as in the 2017 paper
+  m.activation = 'relu'  # relu | gelu
+  m.dtype = 'float32'  # float32 | bfloat16 (compute; params stay float32)
+
+  c.train = t = ml_collections.ConfigDict()
+  t.num_steps = 2000
+  t.batch_size = 64  # global: across all devices and hosts
+  t.schedule = 'rsqrt'  # schedules.SCHEDULES
+  # 'rsqrt': factor on the paper's d^-0.5 * min(s^-0.5, s * warmup^-1.5);
+  # the other schedules: the peak learning rate.
+  t.learning_rate = 1.0
+  t.warmup_steps = 400
+  t.label_smoothing = 0.1
+  t.adam_b1 = 0.9
+  t.adam_b2 = 0.98
+  t.adam_eps = 1e-9
+  t.weight_decay = 0.0
+  t.grad_clip = 0.0  # global-norm clipping; 0 = off
+  t.log_every = 100
+  t.eval_every = 500
+  t.checkpoint_every = 500
+  t.keep_checkpoints = 3
+  t.parallel = 'jit'
+
+  c.data = d = ml_collections.ConfigDict()
+  d.task = 'reverse'  # data.TASKS
+  d.manual_dir = ''  # raw files for real corpora (not used by synthetic tasks)
+  d.data_dir = ''  # TFDS data dir; '' = $TFDS_DATA_DIR or ~/tensorflow_datasets
+  d.num_symbols = 16
+  d.min_len = 1
+  d.max_len = 16
+  d.num_train = 50_000
+  d.num_eval = 1_000
+  d.seed = 0
+
+  c.eval = e = ml_collections.ConfigDict()
+  e.batch_size = 250
+  e.num_examples_to_log = 3
+  e.final_test = True  # evaluate 'test' and 'test_long' after training
+  return c
+
+
+def _check(ok: bool, message: str):
+  if not ok:
+    raise ConfigError(message)
+
+
+def _choice(name: str, value: Any, valid):
+  _check(value in valid, f'{name}={value!r} is not valid; valid: {", ".join(map(str, valid))}')
+
+
+def validate(config) -> None:
+  """Raises ConfigError naming the bad value and what is valid. No compilation."""
+  m, t, d = config.model, config.train, config.data
+  _choice('model.type', m.type, models.MODEL_TYPES)
+  _choice('model.attention', m.attention, registry.names())
+  variant = registry.get(m.attention)
+  _check(m.type in variant.models,
+         f'model.attention={m.attention!r} cannot be used in model.type={m.type!r}; '
+         f'it works in: {", ".join(variant.models)}')
+  try:
+    registry.resolve_kwargs(m.attention, m.attention_kwargs)
+  except ValueError as e:
+    raise ConfigError(f'model.{e}') from None
+  for key in ('d_model', 'num_heads', 'mlp_dim', 'max_len'):
+    _check(m[key] > 0, f'model.{key}={m[key]} must be > 0')
+  for key in ('num_encoder_layers', 'num_decoder_layers'):
+    _check(m[key] >= 0, f'model.{key}={m[key]} must be >= 0')
+  _check(m.d_model % m.num_heads == 0,
+         f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; '
+         f'valid num_heads: {[h for h in range(1, m.d_model + 1) if m.d_model % h == 0]}')
+  _choice('model.positions', m.positions, embeddings.POSITIONS)
+  _check(m.positions != 'sinusoidal' or m.d_model % 2 == 0,
+         f'sinusoidal positions need an even model.d_model, got {m.d_model}')
+  _choice('model.activation', m.activation, tuple(transformer.ACTIVATIONS))
+  _choice('model.dtype', m.dtype, tuple(models.DTYPES))
+  for key in ('dropout_rate', 'attention_dropout_rate'):
+    _check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')
+
+  _check(t.num_steps > 0, f'train.num_steps={t.num_steps} must be > 0')
+  _check(t.batch_size > 0, f'train.batch_size={t.batch_size} must be > 0')
+  _choice('train.schedule', t.schedule, schedules.SCHEDULES)
+  _check(t.learning_rate > 0, f'train.learning_rate={t.learning_rate} must be > 0')
+  _check(t.warmup_steps > 0 or t.schedule == 'constant',
+         f'train.warmup_steps={t.warmup_steps} must be > 0 for schedule {t.schedule!r}')
+  _check(0.0 <= t.label_smoothing < 1.0,
+         f'train.label_smoothing={t.label_smoothing} must be in [0, 1)')
+  for key in ('log_every', 'eval_every', 'checkpoint_every', 'keep_checkpoints'):
+    _check(t[key] > 0, f'train.{key}={t[key]} must be > 0')
+  _choice('train.parallel', t.parallel, PARALLEL_MODES)
+  n = jax.device_count()
+  _check(t.batch_size % n == 0,
+         f'train.batch_size={t.batch_size} is global and must be divisible by the '
+         f'{n} devices; e.g. {n * max(1, t.batch_size // n)}')
+
+  _choice('data.task', d.task, data.TASKS)
+  _check(1 <= d.min_len <= d.max_len,
+         f'data.min_len={d.min_len} and data.max_len={d.max_len} need 1 <= min_len <= max_len')
+  _check(d.num_symbols >= 1, f'data.num_symbols={d.num_symbols} must be >= 1')
+  _check(d.num_train >= t.batch_size,
+         f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
+  longest = 2 * d.max_len + 1  # the test_long split, EOS included
+  _check(m.positions != 'learned' or m.max_len >= longest,
+         f'model.max_len={m.max_len} is shorter than the longest sequence ({longest}, '
+         f'data.max_len={d.max_len} doubled for test_long, + EOS); set model.max_len >= {longest}')
+  e = config.eval
+  _check(e.batch_size > 0 and e.batch_size % n == 0,
+         f'eval.batch_size={e.batch_size} must be > 0 and divisible by the {n} devices')
+
+
+def to_json(config) -> str:
+  return config.to_json(indent=2, sort_keys=True)
+
+
+def _tuples(x):
+  if isinstance(x, dict):
+    return {k: _tuples(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return tuple(_tuples(v) for v in x)
+  return x
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+  """config.json -> ConfigDict; JSON lists come back as tuples."""
+  return ml_collections.ConfigDict(_tuples(json.loads(text)))
+
+
+def flatten(x, prefix='') -> dict[str, Any]:
+  """Nested dict/ConfigDict -> {'a.b.c': value}."""
+  out = {}
+  for k, v in (x.items() if hasattr(x, 'items') else ()):
+    key = f'{prefix}{k}'
+    if hasattr(v, 'items'):
+      out.update(flatten(v, key + '.'))
+    else:
+      out[key] = v
+  return out
+
+
+def differences(saved, new) -> list[str]:
+  """'key: saved -> new' for keys that matter for resuming (see RESUMABLE_CHANGES)."""
+  a, b = flatten(saved), flatten(new)
+  out = []
+  for k in sorted(set(a) | set(b)):
+    if k in RESUMABLE_CHANGES:
+      continue
+    va, vb = a.get(k, '<missing>'), b.get(k, '<missing>')
+    if _tuples(va) != _tuples(vb):
+      out.append(f'{k}: {va!r} -> {vb!r}')
+  return out

@@ -1,0 +1,130 @@
+"""Entry point: `python -m flaxformer_lite.main --config=EXP.py [--workdir=DIR] [--config.a.b=v]`.
+
+Exit codes: 0 done; 2 bad flag or config (nothing compiled, nothing saved
+overwritten); 3 non-finite loss (the last good checkpoint is kept).
+"""
+from __future__ import annotations
+
+import difflib
+import logging as std_logging
+import os
+import runpy
+import sys
+
+from absl import app, flags, logging
+from ml_collections import ConfigDict, config_flags
+
+from flaxformer_lite import config as config_lib
+from flaxformer_lite.attention import registry
+
+FLAGS = flags.FLAGS
+DEFAULT_EXPERIMENT = 'experiments/reverse.py'
+# No default here: a default is loaded (with the overrides) at import time.
+config_flags.DEFINE_config_file('config', None,
+                                f'Experiment file (get_config() -> ConfigDict); '
+                                f'default {DEFAULT_EXPERIMENT}.',
+                                lock_config=True)
+flags.DEFINE_string('workdir', None,
+                    'Checkpoints, metrics.jsonl, TensorBoard events, config.json. '
+                    'Default: workdirs/<experiment name>. Re-running on it resumes.')
+flags.DEFINE_bool('list_attention', False, 'List attention variants and exit.')
+
+
+def _fail(message: str, code: int = 2):
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(code)
+
+
+def _experiment_path(argv) -> str:
+  for arg in argv[1:]:
+    if arg.startswith('--config='):
+      return arg.split('=', 1)[1].split(':', 1)[0]
+  return DEFAULT_EXPERIMENT
+
+
+def _explain_override(argv) -> str | None:
+  """Names the first --config.a.b override whose key does not exist."""
+  try:
+    base = runpy.run_path(_experiment_path(argv))['get_config']()
+  except Exception:  # the experiment file itself is broken: reported elsewhere
+    return None
+  for arg in argv[1:]:
+    if not arg.startswith('--config.'):
+      continue
+    path = arg[len('--config.'):].split('=', 1)[0]
+    node, walked = base, []
+    for key in path.split('.'):
+      if not isinstance(node, ConfigDict) or key not in node:
+        valid = sorted(node.keys()) if isinstance(node, ConfigDict) else []
+        near = difflib.get_close_matches(key, valid, n=1)
+        where = '.'.join(walked) or 'the config'
+        hint = f' Did you mean {".".join(walked + near)!r}?' if near else ''
+        return (f'unknown config key {path!r} (no {key!r} in {where}).{hint} '
+                f'Valid keys in {where}: {", ".join(valid)}')
+      node = node[key]
+      walked.append(key)
+  return None
+
+
+def parse_flags(argv):
+  """absl flag parsing that reports every bad flag as one message and exit 2."""
+  if not any(a.startswith('--config=') for a in argv[1:]):
+    argv = [argv[0], f'--config={DEFAULT_EXPERIMENT}', *argv[1:]]
+  experiment = _experiment_path(argv)
+  if not os.path.isfile(experiment):
+    _fail(f'experiment file {experiment!r} not found; experiments: '
+          f'{", ".join(sorted(os.listdir("experiments"))) if os.path.isdir("experiments") else "?"}')
+  try:
+    rest = FLAGS(argv)
+  except flags.Error as e:
+    _fail(f'{e}. Override values must parse as the type of the key they replace.')
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    _fail(_explain_override(argv) or f'bad --config override: {e}')
+  if len(rest) > 1:
+    _fail(f'unexpected arguments {rest[1:]}; flags look like --workdir=DIR or '
+          '--config.model.attention=NAME')
+  if not isinstance(FLAGS.config, ConfigDict):
+    _fail(f'could not load a config from {experiment!r}: it needs a get_config() '
+          'returning an ml_collections.ConfigDict')
+  return rest
+
+
+def _setup_logging():
+  """Our progress at INFO on stderr; other libraries (orbax, tfds) at WARNING."""
+  logging.set_verbosity(logging.WARNING)
+  log = std_logging.getLogger('flaxformer_lite')
+  handler = std_logging.StreamHandler(sys.stderr)
+  handler.setFormatter(std_logging.Formatter('%(asctime)s %(message)s', '%H:%M:%S'))
+  log.addHandler(handler)
+  log.setLevel(std_logging.INFO)
+  log.propagate = False
+
+
+def main(argv):
+  del argv
+  _setup_logging()
+  if FLAGS.list_attention:
+    for name in registry.names():
+      print(registry.describe(registry.get(name)))
+    return
+  from flaxformer_lite.train import loop  # imported late: --list_attention stays fast
+
+  config = FLAGS.config
+  workdir = FLAGS.workdir or os.path.join(
+      'workdirs', os.path.splitext(os.path.basename(_experiment_path(sys.argv)))[0])
+  try:
+    config_lib.validate(config)
+    std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(workdir))
+    loop.train_and_evaluate(config, workdir)
+  except config_lib.ConfigError as e:
+    _fail(str(e), 2)
+  except loop.NonFiniteLossError as e:
+    _fail(str(e), 3)
+
+
+def run():
+  app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == '__main__':
+  run()

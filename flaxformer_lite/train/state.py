@@ -1,0 +1,32 @@
+"""Train state and optimizer."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from flaxformer_lite.models import shift_right
+from flaxformer_lite.train import schedules
+
+
+def create_optimizer(train_config, d_model: int):
+  """Adam(b1, b2, eps) on the configured schedule; optional clipping and decay."""
+  t = train_config
+  lr = schedules.create(t, d_model)
+  if t.weight_decay:
+    opt = optax.adamw(lr, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps,
+                      weight_decay=t.weight_decay)
+  else:
+    opt = optax.adam(lr, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps)
+  return optax.chain(optax.clip_by_global_norm(t.grad_clip), opt) if t.grad_clip else opt
+
+
+def create(model, config, example_batch, rng) -> train_state.TrainState:
+  """Initialises parameters from `example_batch` shapes and the optimizer."""
+  inputs = jnp.asarray(example_batch['inputs'])
+  decoder_inputs = shift_right(jnp.asarray(example_batch['targets']))
+  params = jax.jit(model.init)(rng, inputs, decoder_inputs)['params']
+  tx = create_optimizer(config.train, config.model.d_model)
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+

@@ -1,0 +1,50 @@
+"""Pure step functions: (state, batch, rng) -> (state, metrics); jit them outside."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite import decoding
+from flaxformer_lite.models import PAD_ID, shift_right
+from flaxformer_lite.train import losses
+
+
+def train_step(state, batch, rng, *, label_smoothing: float):
+  """One optimizer update. Dropout draws from fold_in(rng, step), so a resumed
+  run draws the same numbers as an uninterrupted one."""
+  inputs, targets = batch['inputs'], batch['targets']
+  weights = (targets != PAD_ID).astype(jnp.float32)
+  dropout_rng = jax.random.fold_in(rng, state.step)
+
+  def loss_fn(params):
+    logits = state.apply_fn({'params': params}, inputs, shift_right(targets),
+                            deterministic=False, rngs={'dropout': dropout_rng})
+    sums = losses.token_metrics(logits, targets, weights, label_smoothing)
+    return sums['loss'] / jnp.maximum(sums['tokens'], 1.0), sums
+
+  grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads)
+  sums['grad_norm'] = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+  return new_state, sums
+
+
+def eval_step(params, batch, *, apply_fn, label_smoothing: float):
+  """Teacher-forced metric sums on one batch (PAD rows weigh nothing)."""
+  targets = batch['targets']
+  weights = (targets != PAD_ID).astype(jnp.float32)
+  logits = apply_fn({'params': params}, batch['inputs'], shift_right(targets))
+  return losses.token_metrics(logits, targets, weights, label_smoothing)
+
+
+def predict_step(params, inputs, *, model, decode_model, max_len: int):
+  """Greedy decoding: inputs [b, m] -> tokens [b, max_len]."""
+  return decoding.greedy_translate(model, decode_model, params, inputs, max_len)
+
+
+def sequence_matches(predicted, targets):
+  """Per-example exact match of the whole sequence (EOS and padding after it).
+
+  predicted, targets [b, n] -> ([b] bool match, [b] bool real example).
+  """
+  real = jnp.any(targets != PAD_ID, axis=-1)
+  return jnp.all(predicted == targets, axis=-1) & real, real

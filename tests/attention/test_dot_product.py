@@ -1,0 +1,311 @@
+"""Scaled dot-product attention against an explicit loop reference.
+
+The reference (`_loop_weights`, `_loop_attention`) walks batch, head, query
+and key one at a time in python floats: logit = q.k / sqrt(d) + bias, masked
+keys excluded from the softmax, a query with no visible key gets uniform
+weights over all keys (the documented rule), output = sum_j w_j v_j.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.attention import dot_product_attention
+from flaxformer_lite.attention import dot_product_attention_weights
+from flaxformer_lite.attention import registry
+
+IMPLEMENTATIONS = [None, 'reference', 'xla']
+B, N, M, H, D = 2, 4, 5, 2, 3
+
+
+def _loop_weights(q, k, mask=None, bias=None, keep=None, rate=0.0):
+  """q [b, n, h, d], k [b, m, h, d] -> weights [b, h, n, m], one entry at a time."""
+  b, n, h, d = q.shape
+  m = k.shape[1]
+  mask = np.ones((b, h, n, m), bool) if mask is None else np.broadcast_to(mask, (b, h, n, m))
+  bias = np.zeros((b, h, n, m)) if bias is None else np.broadcast_to(bias, (b, h, n, m))
+  w = np.zeros((b, h, n, m), np.float64)
+  for bi in range(b):
+    for hi in range(h):
+      for i in range(n):
+        logits = []
+        for j in range(m):
+          dot = 0.0
+          for c in range(d):
+            dot += float(q[bi, i, hi, c]) * float(k[bi, j, hi, c])
+          logits.append(dot / math.sqrt(d) + float(bias[bi, hi, i, j]))
+        visible = [j for j in range(m) if mask[bi, hi, i, j]]
+        if not visible:
+          for j in range(m):
+            w[bi, hi, i, j] = 1.0 / m
+          continue
+        top = max(logits[j] for j in visible)
+        exps = {j: math.exp(logits[j] - top) for j in visible}
+        total = sum(exps.values())
+        for j in visible:
+          w[bi, hi, i, j] = exps[j] / total
+        if keep is not None:
+          for j in range(m):
+            w[bi, hi, i, j] = w[bi, hi, i, j] / (1.0 - rate) if keep[bi, hi, i, j] else 0.0
+  return w
+
+
+def _loop_attention(q, k, v, mask=None, bias=None, keep=None, rate=0.0):
+  """-> [b, n, h, d]: out[b, i, h, :] = sum_j w[b, h, i, j] v[b, j, h, :]."""
+  w = _loop_weights(q, k, mask, bias, keep, rate)
+  b, n, h, d = q.shape
+  m = k.shape[1]
+  out = np.zeros((b, n, h, v.shape[-1]), np.float64)
+  for bi in range(b):
+    for hi in range(h):
+      for i in range(n):
+        for j in range(m):
+          out[bi, i, hi, :] += w[bi, hi, i, j] * np.asarray(v[bi, j, hi, :], np.float64)
+  return out
+
+
+def _qkv(seed, n=N, m=M, b=B, h=H, d=D):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(b, n, h, d)).astype(np.float32)
+  k = rng.normal(size=(b, m, h, d)).astype(np.float32)
+  v = rng.normal(size=(b, m, h, d)).astype(np.float32)
+  return q, k, v
+
+
+def _check(q, k, v, *, mask=None, bias=None, implementation=None):
+  j = lambda x: None if x is None else jnp.asarray(x)
+  got_w = dot_product_attention_weights(j(q), j(k), mask=j(mask), bias=j(bias))
+  np.testing.assert_allclose(np.asarray(got_w), _loop_weights(q, k, mask, bias),
+                             atol=1e-5, rtol=1e-5)
+  got = dot_product_attention(j(q), j(k), j(v), mask=j(mask), bias=j(bias),
+                              implementation=implementation)
+  assert got.shape == q.shape[:3] + v.shape[-1:]
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), _loop_attention(q, k, v, mask, bias),
+                             atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('seed', [0, 1])
+def test_no_mask(implementation, seed):
+  q, k, v = _qkv(seed)
+  _check(q, k, v, implementation=implementation)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('n,m', [(1, 5), (4, 2), (6, 3)])
+def test_cross_attention_lengths(implementation, n, m):
+  q, k, v = _qkv(2, n=n, m=m)
+  _check(q, k, v, implementation=implementation)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+def test_key_padding_mask_differs_per_example(implementation):
+  q, k, v = _qkv(3)
+  lengths = [2, 5]  # example 0 sees keys 0..1, example 1 sees all keys
+  valid = np.array([[j < n for j in range(M)] for n in lengths])  # [b, m]
+  mask = valid[:, None, None, :]  # [b, 1, 1, m]
+  _check(q, k, v, mask=mask, implementation=implementation)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+def test_causal_mask(implementation):
+  q, k, v = _qkv(4, n=5, m=5)
+  causal = np.array([[j <= i for j in range(5)] for i in range(5)])
+  _check(q, k, v, mask=causal[None, None], implementation=implementation)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('shape', [(B, H, N, M), (B, 1, N, M), (1, 1, N, M),
+                                   (1, H, N, M), (B, 1, 1, M), (N, M)])
+def test_random_mask_broadcast_shapes(implementation, shape):
+  q, k, v = _qkv(5)
+  rng = np.random.default_rng(sum(shape))
+  mask = rng.random(shape) < 0.6
+  _check(q, k, v, mask=mask, implementation=implementation)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('shape', [(B, H, N, M), (1, H, N, M), (N, M)])
+def test_bias_added_to_scaled_logits(implementation, shape):
+  q, k, v = _qkv(6)
+  bias = np.random.default_rng(7).normal(size=shape).astype(np.float32) * 2
+  mask = np.random.default_rng(8).random((B, 1, N, M)) < 0.7
+  _check(q, k, v, bias=bias, implementation=implementation)
+  _check(q, k, v, bias=bias, mask=mask, implementation=implementation)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+def test_fully_masked_query_row_is_uniform_and_finite(implementation):
+  q, k, v = _qkv(9)
+  mask = np.ones((B, 1, N, M), bool)
+  mask[0, 0, 1, :] = False  # query 1 of example 0 sees nothing
+  mask[1, 0, 3, :] = False
+  bias = np.random.default_rng(10).normal(size=(1, H, N, M)).astype(np.float32)
+  for b in (None, bias):
+    got = np.asarray(dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                           mask=jnp.asarray(mask),
+                                           bias=None if b is None else jnp.asarray(b),
+                                           implementation=implementation))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[0, 1], v[0].mean(axis=0), atol=1e-5)
+    np.testing.assert_allclose(got[1, 3], v[1].mean(axis=0), atol=1e-5)
+    _check(q, k, v, mask=mask, bias=b, implementation=implementation)
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_weights_are_a_distribution_over_visible_keys(seed):
+  q, k, _ = _qkv(seed)
+  mask = np.random.default_rng(seed).random((B, H, N, M)) < 0.5
+  mask[..., 0] = True  # every row sees at least one key
+  w = np.asarray(dot_product_attention_weights(jnp.asarray(q), jnp.asarray(k),
+                                               mask=jnp.asarray(mask)))
+  assert np.all(w >= 0)
+  np.testing.assert_array_equal(w[~mask], 0.0)
+  np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+@pytest.mark.parametrize('seed', range(3))
+def test_permuting_keys_and_values_together_is_invariant(implementation, seed):
+  q, k, v = _qkv(seed)
+  mask = np.random.default_rng(seed + 100).random((B, 1, N, M)) < 0.7
+  perm = np.random.default_rng(seed + 200).permutation(M)
+  a = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                            mask=jnp.asarray(mask), implementation=implementation)
+  p = dot_product_attention(jnp.asarray(q), jnp.asarray(k[:, perm]), jnp.asarray(v[:, perm]),
+                            mask=jnp.asarray(mask[..., perm]),
+                            implementation=implementation)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(p), atol=1e-5)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+def test_masked_keys_do_not_influence_output(implementation):
+  q, k, v = _qkv(11)
+  mask = np.random.default_rng(12).random((B, 1, N, M)) < 0.6
+  mask[..., 0] = True
+  mask[..., -1] = False  # at least one key hidden from every query
+  hidden = ~mask.any(axis=(1, 2))  # [b, m]: keys no query may see
+  k2, v2 = k.copy(), v.copy()
+  k2[hidden] = 100.0
+  v2[hidden] = -100.0
+  a = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                            mask=jnp.asarray(mask), implementation=implementation)
+  b = dot_product_attention(jnp.asarray(q), jnp.asarray(k2), jnp.asarray(v2),
+                            mask=jnp.asarray(mask), implementation=implementation)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+# ---- dropout -----------------------------------------------------------------
+
+RATE = 0.4
+
+
+def test_deterministic_ignores_dropout():
+  q, k, v = _qkv(13)
+  rng = jax.random.PRNGKey(0)
+  for implementation in IMPLEMENTATIONS:
+    got = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                dropout_rate=RATE, dropout_rng=rng, deterministic=True,
+                                implementation=implementation)
+    np.testing.assert_allclose(np.asarray(got), _loop_attention(q, k, v), atol=1e-5)
+  w = dot_product_attention_weights(jnp.asarray(q), jnp.asarray(k), dropout_rate=RATE,
+                                    dropout_rng=rng, deterministic=True)
+  np.testing.assert_allclose(np.asarray(w), _loop_weights(q, k), atol=1e-5)
+
+
+@pytest.mark.parametrize('implementation', [None, 'reference'])
+@pytest.mark.parametrize('seed', [0, 1])
+def test_dropout_matches_loop_with_same_keep_mask(implementation, seed):
+  q, k, v = _qkv(14 + seed)
+  mask = np.random.default_rng(seed).random((B, 1, N, M)) < 0.7
+  rng = jax.random.PRNGKey(seed)
+  # The documented algorithm: keep ~ Bernoulli(1 - rate) over [b, h, n, m].
+  keep = np.asarray(jax.random.bernoulli(rng, 1.0 - RATE, (B, H, N, M)))
+  assert 0 < keep.sum() < keep.size
+  w = dot_product_attention_weights(jnp.asarray(q), jnp.asarray(k), mask=jnp.asarray(mask),
+                                    dropout_rate=RATE, dropout_rng=rng, deterministic=False)
+  np.testing.assert_allclose(np.asarray(w), _loop_weights(q, k, mask, keep=keep, rate=RATE),
+                             atol=1e-5)
+  got = dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                              mask=jnp.asarray(mask), dropout_rate=RATE, dropout_rng=rng,
+                              deterministic=False, implementation=implementation)
+  np.testing.assert_allclose(np.asarray(got),
+                             _loop_attention(q, k, v, mask, keep=keep, rate=RATE), atol=1e-5)
+  no_drop = _loop_attention(q, k, v, mask)
+  assert not np.allclose(np.asarray(got), no_drop, atol=1e-3)
+
+
+def test_dropout_without_rng_raises():
+  q, k, v = _qkv(16)
+  with pytest.raises(ValueError, match='dropout_rng'):
+    dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                          dropout_rate=RATE, deterministic=False)
+
+
+def test_dropout_with_fused_implementation_raises_naming_it():
+  q, k, v = _qkv(17)
+  with pytest.raises(ValueError, match="'xla'"):
+    dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                          dropout_rate=RATE, dropout_rng=jax.random.PRNGKey(0),
+                          deterministic=False, implementation='xla')
+
+
+@pytest.mark.parametrize('deterministic', [True, False])
+def test_bad_implementation_name_raises_naming_it(deterministic):
+  q, k, v = _qkv(18)
+  with pytest.raises(ValueError, match='flashy'):
+    dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                          dropout_rate=RATE, dropout_rng=jax.random.PRNGKey(0),
+                          deterministic=deterministic, implementation='flashy')
+
+
+# ---- registry ----------------------------------------------------------------
+
+
+def test_registry_unknown_name_lists_valid_names():
+  with pytest.raises(ValueError) as e:
+    registry.get('nope')
+  message = str(e.value)
+  assert "'nope'" in message
+  assert registry.names()
+  for name in registry.names():
+    assert name in message
+
+
+def test_registry_dot_product_is_the_dot_product_function():
+  q, k, v = _qkv(19)
+  variant = registry.get('dot_product')
+  kwargs = registry.resolve_kwargs('dot_product', None)
+  got = variant.fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask=None, bias=None,
+                   dropout_rate=0.0, dropout_rng=None, deterministic=True,
+                   dtype=jnp.float32, **kwargs)
+  np.testing.assert_allclose(np.asarray(got), _loop_attention(q, k, v), atol=1e-5)
+
+
+def test_resolve_kwargs_rejects_option_of_another_variant():
+  with pytest.raises(ValueError, match='max_distance') as e:
+    registry.resolve_kwargs('dot_product', {'max_distance': 3})
+  assert 'implementation' in str(e.value)  # names the options it does take
+
+
+def test_resolve_kwargs_ignores_none_values():
+  defaults = dict(registry.get('dot_product').kwargs)
+  assert registry.resolve_kwargs('dot_product', {'max_distance': None}) == defaults
+  assert registry.resolve_kwargs('dot_product', {'implementation': None}) == defaults
+  assert registry.resolve_kwargs('dot_product', None) == defaults
+  assert registry.resolve_kwargs(
+      'dot_product', {'implementation': 'reference', 'max_distance': None}) == {
+          **defaults, 'implementation': 'reference'}
+
+
+def test_resolve_kwargs_validates_values():
+  with pytest.raises(ValueError, match='warp'):
+    registry.resolve_kwargs('dot_product', {'implementation': 'warp'})
+
+
+def test_resolve_kwargs_unknown_variant():
+  with pytest.raises(ValueError, match='nope'):
+    registry.resolve_kwargs('nope', {})

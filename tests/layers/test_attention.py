@@ -1,0 +1,207 @@
+"""MultiHeadAttention against flax.linen.MultiHeadDotProductAttention, and its cache.
+
+Parameter correspondence (ours <- flax): 'qkv' kernel [f, 3, h, d] is the stack
+of flax's 'query', 'key', 'value' kernels [f, h, d] on axis 1 (biases [3, h, d]
+on axis 0); cross attention's 'kv' stacks 'key' and 'value'; 'out' is 'out'.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.layers import MultiHeadAttention
+
+B, N, M, F, H = 2, 5, 4, 6, 2
+
+
+def _flax_params(seed, *, features=F, qkv_features=8, out_features=5, num_heads=H):
+  """Random flax MHA params; biases non-zero so that their mapping is tested."""
+  layer = nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=qkv_features,
+                                          out_features=out_features)
+  shapes = jax.eval_shape(layer.init, jax.random.PRNGKey(0), jnp.zeros((1, 1, features)))
+  leaves, tree = jax.tree_util.tree_flatten(shapes)
+  rng = np.random.default_rng(seed)
+  leaves = [jnp.asarray(rng.normal(size=l.shape).astype(np.float32) * 0.5) for l in leaves]
+  return layer, jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def _ours_self(flax_vars):
+  p = flax_vars['params']
+  return {'params': {
+      'qkv': {'kernel': jnp.stack([p[n]['kernel'] for n in ('query', 'key', 'value')], 1),
+              'bias': jnp.stack([p[n]['bias'] for n in ('query', 'key', 'value')], 0)},
+      'out': p['out']}}
+
+
+def _ours_cross(flax_vars):
+  p = flax_vars['params']
+  return {'params': {
+      'query': p['query'],
+      'kv': {'kernel': jnp.stack([p[n]['kernel'] for n in ('key', 'value')], 1),
+             'bias': jnp.stack([p[n]['bias'] for n in ('key', 'value')], 0)},
+      'out': p['out']}}
+
+
+def _inputs(seed, n=N, features=F):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=(B, n, features)).astype(np.float32))
+
+
+def _padding(lengths, n):
+  return jnp.asarray(np.array([[i < l for i in range(n)] for l in lengths]))
+
+
+def _causal(n):
+  return jnp.tril(jnp.ones((n, n), bool))[None, None]
+
+
+def _self_masks():
+  valid = _padding([3, 5], N)
+  return {
+      'none': None,
+      'padding': nn.make_attention_mask(valid, valid),
+      'causal': _causal(N),
+      'causal+padding': nn.combine_masks(nn.make_attention_mask(valid, valid), _causal(N)),
+  }
+
+
+@pytest.mark.parametrize('mask_name', ['none', 'padding', 'causal', 'causal+padding'])
+@pytest.mark.parametrize('seed', [0, 1])
+def test_self_attention_matches_flax(mask_name, seed):
+  flax_layer, flax_vars = _flax_params(seed)
+  ours = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5)
+  x = _inputs(seed + 10)
+  mask = _self_masks()[mask_name]
+  want = flax_layer.apply(flax_vars, x, mask=mask)
+  got = ours.apply(_ours_self(flax_vars), x, mask=mask)
+  assert got.shape == (B, N, 5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_self_attention_default_features_match_flax():
+  flax_layer = nn.MultiHeadDotProductAttention(num_heads=H)
+  x = _inputs(3)
+  flax_vars = flax_layer.init(jax.random.PRNGKey(1), x)
+  want = flax_layer.apply(flax_vars, x, mask=_causal(N))
+  got = MultiHeadAttention(num_heads=H).apply(_ours_self(flax_vars), x, mask=_causal(N))
+  assert got.shape == x.shape
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('masked', [False, True])
+@pytest.mark.parametrize('seed', [0, 1])
+def test_cross_attention_matches_flax(masked, seed):
+  flax_layer, flax_vars = _flax_params(seed)
+  ours = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5)
+  xq, xkv = _inputs(seed + 20, n=N), _inputs(seed + 30, n=M)
+  mask = None
+  if masked:
+    mask = nn.make_attention_mask(_padding([5, 2], N), _padding([2, 4], M))
+  want = flax_layer.apply(flax_vars, xq, xkv, mask=mask)
+  got = ours.apply(_ours_cross(flax_vars), xq, xkv, mask=mask)
+  assert got.shape == (B, N, 5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_matches_flax_with_per_head_dropout():
+  # flax with broadcast_dropout=False draws keep ~ Bernoulli(1-rate) over
+  # [b, h, n, m] and rescales by 1/(1-rate): the same algorithm as ours, with
+  # the rng both modules get from make_rng('dropout') at the top level.
+  _, flax_vars = _flax_params(4)
+  flax_layer = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=8, out_features=5,
+                                               dropout_rate=0.5, broadcast_dropout=False,
+                                               deterministic=False)
+  ours = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, dropout_rate=0.5)
+  x = _inputs(5)
+  rngs = {'dropout': jax.random.PRNGKey(7)}
+  want = flax_layer.apply(flax_vars, x, mask=_causal(N), rngs=rngs)
+  got = ours.apply(_ours_self(flax_vars), x, mask=_causal(N), deterministic=False, rngs=rngs)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_needs_rng_and_changes_output():
+  _, flax_vars = _flax_params(6)
+  variables = _ours_self(flax_vars)
+  layer = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, dropout_rate=0.5)
+  no_dropout = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5)
+  x = _inputs(7)
+  with pytest.raises(Exception, match='dropout'):
+    layer.apply(variables, x, deterministic=False)
+  clean = no_dropout.apply(variables, x)
+  np.testing.assert_allclose(np.asarray(layer.apply(variables, x, deterministic=True)),
+                             np.asarray(clean), atol=1e-6)
+  a = layer.apply(variables, x, deterministic=False, rngs={'dropout': jax.random.PRNGKey(0)})
+  a2 = layer.apply(variables, x, deterministic=False, rngs={'dropout': jax.random.PRNGKey(0)})
+  b = layer.apply(variables, x, deterministic=False, rngs={'dropout': jax.random.PRNGKey(1)})
+  assert not np.allclose(np.asarray(a), np.asarray(clean), atol=1e-3)
+  assert not np.allclose(np.asarray(a), np.asarray(b), atol=1e-3)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(a2))
+
+
+def test_qkv_features_not_divisible_by_heads_raises():
+  layer = MultiHeadAttention(num_heads=3, qkv_features=8)
+  with pytest.raises(ValueError, match='divisible'):
+    layer.init(jax.random.PRNGKey(0), _inputs(0))
+
+
+def test_mask_is_keyword_only():
+  layer = MultiHeadAttention(num_heads=H)
+  x = _inputs(0)
+  variables = layer.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(TypeError):
+    layer.apply(variables, x, None, _causal(N))
+
+
+def test_cross_attention_with_decode_raises():
+  layer = MultiHeadAttention(num_heads=H, decode=True)
+  with pytest.raises(ValueError, match='decode'):
+    layer.init(jax.random.PRNGKey(0), _inputs(0), _inputs(1, n=M))
+
+
+# ---- decoding cache ------------------------------------------------------------
+
+L = 6
+
+
+def _decode_setup(seed):
+  x = _inputs(seed, n=L)
+  full_layer = MultiHeadAttention(num_heads=H, qkv_features=8)
+  params = full_layer.init(jax.random.PRNGKey(seed), x)['params']
+  want = full_layer.apply({'params': params}, x, mask=_causal(L))
+  decoder = MultiHeadAttention(num_heads=H, qkv_features=8, decode=True)
+  cache = decoder.init(jax.random.PRNGKey(seed + 1), x)['cache']
+  return x, params, want, decoder, cache
+
+
+def test_init_creates_cache():
+  x, _, _, _, cache = _decode_setup(0)
+  assert cache['cached_key'].shape == (B, L, H, 4)
+  assert cache['cached_value'].shape == (B, L, H, 4)
+  assert int(cache['cache_index']) == 0
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_decode_one_token_at_a_time_matches_causal_forward(seed):
+  x, params, want, decoder, cache = _decode_setup(seed)
+  for t in range(L):
+    got, mutated = decoder.apply({'params': params, 'cache': cache}, x[:, t:t + 1],
+                                 mutable=['cache'])
+    cache = mutated['cache']
+    np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want[:, t]),
+                               atol=1e-5, rtol=1e-5, err_msg=f'position {t}')
+  assert int(cache['cache_index']) == L
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_decode_prefill_then_steps_matches_causal_forward(seed):
+  x, params, want, decoder, cache = _decode_setup(seed)
+  got, mutated = decoder.apply({'params': params, 'cache': cache}, x[:, :3],
+                               mutable=['cache'])
+  cache = mutated['cache']
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, :3]), atol=1e-5, rtol=1e-5)
+  for t in range(3, L):
+    got, mutated = decoder.apply({'params': params, 'cache': cache}, x[:, t:t + 1],
+                                 mutable=['cache'])
+    cache = mutated['cache']
+    np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want[:, t]),
+                               atol=1e-5, rtol=1e-5, err_msg=f'position {t}')
