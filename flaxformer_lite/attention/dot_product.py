@@ -60,9 +60,12 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
   """
   dtype = dtype or query.dtype
   query = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
-  logits = jnp.einsum('bnhd,bmhd->bhnm', query, key.astype(dtype))
+  # Logits in float32 (at least) as in jax.nn.dot_product_attention: bfloat16
+  # logits lose the small differences that the softmax exponentiates.
+  logits = jnp.einsum('bnhd,bmhd->bhnm', query, key.astype(dtype),
+                      preferred_element_type=jnp.promote_types(dtype, jnp.float32))
   if bias is not None:
-    logits = logits + bias.astype(logits.dtype)
+    logits = logits + bias.astype(dtype)
   return softmax_weights(logits, mask, dropout_rate=dropout_rate,
                          dropout_rng=dropout_rng, deterministic=deterministic,
                          dtype=dtype)

@@ -64,40 +64,29 @@ class Evaluator:
   """Teacher-forced metrics and greedy-decoding accuracy over whole splits."""
 
   def __init__(self, config, model, batch_sharding):
-    self.config, self.model = config, model
-    self.decode_model = models.build(config.model, decode=True)
-    self.batch_sharding = batch_sharding
-    self.eval_step = jax.jit(functools.partial(
-        steps.eval_step, apply_fn=model.apply,
+    self.config, self.batch_sharding = config, batch_sharding
+    self.step = jax.jit(functools.partial(
+        steps.eval_and_predict_step, model=model,
+        decode_model=models.build(config.model, decode=True),
         label_smoothing=config.train.label_smoothing))
-    self._predict = {}
-
-  def predict(self, params, inputs, max_len):
-    if max_len not in self._predict:
-      self._predict[max_len] = jax.jit(functools.partial(
-          steps.predict_step, model=self.model, decode_model=self.decode_model,
-          max_len=max_len))
-    return self._predict[max_len](params, inputs)
 
   def __call__(self, params, arrays, *, log_examples=0) -> dict:
-    sums, matches, count, examples = None, 0, 0, []
+    sums, examples = None, []
     for batch in data.eval_batches(arrays, self.config.eval.batch_size):
       batch = jax.device_put(batch, self.batch_sharding)
-      s = self.eval_step(params, batch)
-      sums = s if sums is None else jax.tree.map(jnp.add, sums, s)
-      predicted = self.predict(params, batch['inputs'], batch['targets'].shape[1])
-      match, real = steps.sequence_matches(predicted, batch['targets'])
-      matches += int(match.sum())
-      count += int(real.sum())
-      for i in range(min(log_examples - len(examples), int(real.sum()))):
-        examples.append((np.asarray(batch['inputs'][i]), np.asarray(batch['targets'][i]),
-                         np.asarray(predicted[i])))
+      s, predicted = self.step(params, batch)
+      sums = s if sums is None else _add(sums, s)
+      for i in range(min(log_examples - len(examples), int(s['sequences']))):
+        examples.append((batch['inputs'][i], batch['targets'][i], predicted[i]))
     out = _summarise(sums)
-    out['sequence_accuracy'] = matches / max(count, 1)
+    out['sequence_accuracy'] = float(sums['decoded_correct']) / max(float(sums['sequences']), 1.0)
     for inputs, targets, predicted in examples:
       log.info('  input %s\n  target %s\n  decoded %s', _tokens(inputs),
-                   _tokens(targets), _tokens(predicted))
+               _tokens(targets), _tokens(predicted))
     return out
+
+
+_add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
 
 
 def _tokens(ids) -> str:
@@ -157,7 +146,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   for step in range(start, t.num_steps):
     batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter))
     state, sums = train_step(state, batch, dropout_rng)
-    window = sums if window is None else jax.tree.map(jnp.add, window, sums)
+    window = sums if window is None else _add(window, sums)
     window_steps += 1
     done = step + 1
     if done % t.log_every == 0 or done == t.num_steps:

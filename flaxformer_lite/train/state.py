@@ -24,9 +24,8 @@ def create_optimizer(train_config, d_model: int):
 
 def create(model, config, example_batch, rng) -> train_state.TrainState:
   """Initialises parameters from `example_batch` shapes and the optimizer."""
-  inputs = jnp.asarray(example_batch['inputs'])
-  decoder_inputs = shift_right(jnp.asarray(example_batch['targets']))
-  params = jax.jit(model.init)(rng, inputs, decoder_inputs)['params']
+  init = jax.jit(lambda rng, inputs, targets: model.init(rng, inputs, shift_right(targets)))
+  params = init(rng, example_batch['inputs'], example_batch['targets'])['params']
   tx = create_optimizer(config.train, config.model.d_model)
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 

@@ -36,15 +36,16 @@ def eval_step(params, batch, *, apply_fn, label_smoothing: float):
   return losses.token_metrics(logits, targets, weights, label_smoothing)
 
 
-def predict_step(params, inputs, *, model, decode_model, max_len: int):
-  """Greedy decoding: inputs [b, m] -> tokens [b, max_len]."""
-  return decoding.greedy_translate(model, decode_model, params, inputs, max_len)
+def eval_and_predict_step(params, batch, *, model, decode_model, label_smoothing: float):
+  """Teacher-forced sums plus greedy decoding of the batch.
 
-
-def sequence_matches(predicted, targets):
-  """Per-example exact match of the whole sequence (EOS and padding after it).
-
-  predicted, targets [b, n] -> ([b] bool match, [b] bool real example).
+  Returns (sums with 'decoded_correct' = exactly decoded sequences,
+  predicted tokens [b, n] with n the target length).
   """
+  sums = eval_step(params, batch, apply_fn=model.apply, label_smoothing=label_smoothing)
+  targets = batch['targets']
+  predicted = decoding.greedy_translate(model, decode_model, params, batch['inputs'],
+                                        targets.shape[1])
   real = jnp.any(targets != PAD_ID, axis=-1)
-  return jnp.all(predicted == targets, axis=-1) & real, real
+  sums['decoded_correct'] = jnp.sum(jnp.all(predicted == targets, axis=-1) & real)
+  return sums, predicted

@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny experiment config and a per-session TFDS data dir."""
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from flaxformer_lite import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='session', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Tests that train the same tiny model several times compile it once."""
+  jax.config.update('jax_compilation_cache_dir', str(tmp_path_factory.mktemp('jax_cache')))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
+@pytest.fixture(scope='session')
+def tfds_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp('tfds'))
+
+
+@pytest.fixture
+def tiny_config(tfds_dir):
+  """A config that trains in seconds: reverse, lengths 1..6, 2+2 layers of d=32."""
+  c = config_lib.base_config()
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim = 32, 4, 64
+  c.model.num_encoder_layers = c.model.num_decoder_layers = 1
+  c.model.max_len = 64
+  c.train.num_steps, c.train.batch_size, c.train.warmup_steps = 20, 16, 10
+  c.train.learning_rate = 2.0
+  c.train.log_every = c.train.eval_every = c.train.checkpoint_every = 10
+  c.data.max_len, c.data.num_symbols = 6, 6
+  c.data.num_train, c.data.num_eval = 512, 40
+  c.data.data_dir = tfds_dir
+  c.eval.batch_size, c.eval.num_examples_to_log = 20, 0
+  return c
+
+
+@pytest.fixture
+def run_main():
+  """run_main(*ARGS) runs `python -m flaxformer_lite.main ARGS` in the repo."""
+  def run(*args, timeout=300):
+    return subprocess.run([sys.executable, '-m', 'flaxformer_lite.main', *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+  return run

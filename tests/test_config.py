@@ -1,0 +1,104 @@
+"""Config validation (exit 2 paths) and config.json round trips."""
+import pytest
+
+from flaxformer_lite import config as config_lib
+from flaxformer_lite.attention import registry
+
+BAD = [
+    ('model.type', 'rnn', 'encoder_decoder'),
+    ('model.attention', 'nope', 'dot_product'),
+    ('model.num_heads', 3, 'does not divide'),
+    ('model.positions', 'rotary_abs', 'sinusoidal'),
+    ('model.dtype', 'float16', 'bfloat16'),
+    ('model.dropout_rate', 1.0, '[0, 1)'),
+    ('train.schedule', 'cosine', 'warmup_cosine'),
+    ('train.parallel', 'magic', 'jit'),
+    ('train.num_steps', 0, 'num_steps'),
+    ('data.task', 'unsort', 'reverse'),
+    ('data.min_len', 20, 'min_len <= max_len'),
+]
+
+
+@pytest.mark.parametrize('key,value,expected', BAD)
+def test_validate_names_bad_value_and_valid_ones(key, value, expected):
+  c = config_lib.base_config()
+  section, name = key.split('.')
+  c[section][name] = value
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert key in str(e.value) and expected in str(e.value)
+
+
+def test_base_config_is_valid():
+  config_lib.validate(config_lib.base_config())
+
+
+def test_learned_positions_need_room_for_long_split():
+  c = config_lib.base_config()
+  c.model.positions, c.model.max_len, c.data.max_len = 'learned', 32, 16
+  with pytest.raises(config_lib.ConfigError, match='model.max_len=32'):
+    config_lib.validate(c)
+
+
+def test_every_variant_option_is_declared_and_unset():
+  c = config_lib.base_config()
+  assert set(c.model.attention_kwargs.keys()) == set(registry.all_kwargs())
+  assert all(v is None for v in c.model.attention_kwargs.values())
+
+
+def test_option_of_another_variant_is_rejected():
+  c = config_lib.base_config()
+  with c.unlocked():
+    c.model.attention_kwargs.max_distance = 4  # not a dot_product option
+  with pytest.raises(config_lib.ConfigError, match="max_distance.*implementation="):
+    config_lib.validate(c)
+
+
+def test_json_round_trip_keeps_tuples_and_values():
+  c = config_lib.base_config()
+  with c.unlocked():
+    c.extra = (1, 2, (3, 4))
+  back = config_lib.from_json(config_lib.to_json(c))
+  assert back.extra == (1, 2, (3, 4))
+  assert config_lib.differences(c, back) == []
+  assert back.model.d_model == c.model.d_model
+
+
+def test_differences_ignore_resumable_keys():
+  a, b = config_lib.base_config(), config_lib.base_config()
+  b.train.num_steps += 100
+  assert config_lib.differences(a, b) == []
+  b.model.d_model = 64
+  assert config_lib.differences(a, b) == ['model.d_model: 128 -> 64']
+
+
+@pytest.mark.parametrize('args,expected', [
+    (['--config.model.d_modl=3'], "Did you mean 'model.d_model'"),
+    (['--config.model.d_model=abc'], 'd_model=abc'),
+    (['--config.model.attention=nope'], "valid: dot_product"),
+    (['--config.model.num_heads=5'], 'does not divide'),
+    (['--config=experiments/missing.py'], 'experiments/missing.py'),
+])
+def test_cli_bad_config_exits_2_with_message(args, expected, tmp_path, run_main):
+  proc = run_main(*args, f'--workdir={tmp_path}/w')
+  assert proc.returncode == 2, proc.stderr
+  assert expected in proc.stderr
+  assert 'Traceback' not in proc.stderr
+  assert not (tmp_path / 'w').exists()  # nothing written before validation
+
+
+def test_cli_variant_option_settable_from_command_line(tmp_path, run_main):
+  # A variant option that exists in the registry is accepted from the CLI, and
+  # a wrong value for it is a config error naming the valid ones.
+  proc = run_main('--config.model.attention_kwargs.implementation=bogus',
+                  f'--workdir={tmp_path}/w')
+  assert proc.returncode == 2
+  assert "implementation='bogus'" in proc.stderr and "'reference'" in proc.stderr
+
+
+def test_cli_list_attention(run_main):
+  proc = run_main('--list_attention')
+  assert proc.returncode == 0
+  lines = proc.stdout.strip().splitlines()
+  assert [line.split('\t')[0] for line in lines] == registry.names()
+  assert "implementation='auto'" in lines[0]

@@ -1,0 +1,69 @@
+"""End to end through train_and_evaluate: learning, outputs, resume."""
+import json
+import os
+
+import numpy as np
+
+from flaxformer_lite import config as config_lib
+from flaxformer_lite.train import loop, metrics
+
+
+def _train_points(workdir):
+  return {r['step']: r for r in metrics.read(workdir) if r['split'] == 'train'}
+
+
+def test_short_run_learns_and_writes_outputs(tiny_config, tmp_path):
+  c = tiny_config
+  c.train.num_steps, c.train.log_every = 60, 10
+  workdir = str(tmp_path / 'run')
+  results = loop.train_and_evaluate(c, workdir)
+  points = _train_points(workdir)
+  assert sorted(points) == list(range(10, 61, 10))
+  assert points[60]['loss'] < 0.9 * points[10]['loss']  # deterministic on CPU
+  assert all(np.isfinite(p['loss']) and p['steps_per_sec'] > 0 for p in points.values())
+  # a workdir holds config.json, checkpoints, events, metrics.jsonl
+  files = os.listdir(workdir)
+  assert 'config.json' in files and 'checkpoints' in files and 'metrics.jsonl' in files
+  assert any(f.startswith('events.out.tfevents') for f in files)
+  saved = config_lib.from_json(open(os.path.join(workdir, 'config.json')).read())
+  assert saved.model.vocab_size == 3 + c.data.num_symbols
+  assert config_lib.differences(saved, c) == []
+  assert 'long_sequence_accuracy' in results['test']
+  splits = {r['split'] for r in metrics.read(workdir)}
+  assert splits == {'train', 'eval', 'test'}
+
+
+def test_resume_continues_at_the_right_step_with_the_same_numbers(tiny_config, tmp_path):
+  c = tiny_config
+  whole = str(tmp_path / 'whole')
+  loop.train_and_evaluate(c, whole)  # 20 steps, checkpoints at 10 and 20
+
+  parts = str(tmp_path / 'parts')
+  first = config_lib.from_json(config_lib.to_json(c))
+  first.train.num_steps = 10
+  loop.train_and_evaluate(first, parts)
+  assert sorted(_train_points(parts)) == [10]
+  loop.train_and_evaluate(c, parts)  # same command, longer: resumes from step 10
+  a, b = _train_points(whole), _train_points(parts)
+  assert sorted(b) == [10, 20]
+  for step in (10, 20):
+    np.testing.assert_allclose(b[step]['loss'], a[step]['loss'], rtol=1e-6)
+    np.testing.assert_allclose(b[step]['grad_norm'], a[step]['grad_norm'], rtol=1e-6)
+  assert sorted(int(s) for s in os.listdir(os.path.join(parts, 'checkpoints'))
+                if s.isdigit()) == [10, 20]
+
+
+def test_resume_with_a_different_model_is_refused(tiny_config, tmp_path):
+  workdir = str(tmp_path / 'w')
+  tiny_config.train.num_steps = 10
+  loop.train_and_evaluate(tiny_config, workdir)
+  other = config_lib.from_json(config_lib.to_json(tiny_config))
+  other.model.d_model = 64
+  try:
+    loop.train_and_evaluate(other, workdir)
+  except config_lib.ConfigError as e:
+    assert 'model.d_model: 32 -> 64' in str(e)
+  else:
+    raise AssertionError('expected ConfigError')
+  with open(os.path.join(workdir, 'config.json')) as f:
+    assert json.load(f)['model']['d_model'] == 32  # the saved run is untouched

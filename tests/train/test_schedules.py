@@ -1,0 +1,34 @@
+"""The paper's learning-rate schedule against its formula, and the optax ones."""
+import math
+
+import ml_collections
+import pytest
+
+from flaxformer_lite.train import schedules
+
+
+def test_rsqrt_is_the_papers_formula():
+  d, warmup = 512, 4000
+  fn = schedules.rsqrt(d, warmup)
+  for step in (0, 1, 100, 3999, 4000, 10000):
+    s = step + 1
+    expected = d ** -0.5 * min(s ** -0.5, s * warmup ** -1.5)
+    assert float(fn(step)) == pytest.approx(expected, rel=1e-6)
+  # peak at the end of warmup: d^-0.5 * warmup^-0.5
+  assert float(fn(warmup - 1)) == pytest.approx((d * warmup) ** -0.5, rel=1e-6)
+
+
+def _train(schedule, lr=1e-3, warmup=10, total=100):
+  return ml_collections.ConfigDict(dict(schedule=schedule, learning_rate=lr,
+                                        warmup_steps=warmup, num_steps=total))
+
+
+def test_alternatives_warm_up_to_the_peak_and_decay():
+  for name in ('warmup_cosine', 'warmup_linear'):
+    fn = schedules.create(_train(name), d_model=64)
+    assert float(fn(0)) == 0.0
+    assert float(fn(10)) == pytest.approx(1e-3, rel=1e-5)
+    assert float(fn(100)) < 1e-5
+  cos = schedules.create(_train('warmup_cosine'), 64)
+  assert float(cos(55)) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 45 / 90)), rel=1e-4)
+  assert float(schedules.create(_train('constant'), 64)(77)) == pytest.approx(1e-3)
