@@ -5,6 +5,7 @@
 #   ./launch.sh EXPERIMENT.py [--workdir=DIR] [--config.a.b=value ...]
 #   ./launch.sh --list_attention                 the attention variants and their kwargs
 # The first call creates .venv from pyproject.toml; an edited pyproject.toml re-installs it.
+# FFL_EXTRAS=cuda (or tpu) adds the accelerator build of jax.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -24,14 +25,17 @@ find_python() {
 
 setup_venv() {
   local want have=""
-  want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+  want=$( (cat pyproject.toml; echo "extras=${FFL_EXTRAS:-}") | sha256sum | cut -d' ' -f1)
   [ -f "$VENV/.pyproject.sha256" ] && have=$(cat "$VENV/.pyproject.sha256")
   if [ "$want" != "$have" ] || [ ! -x "$VENV/bin/python" ]; then
     local py; py=$(find_python)
     echo "launch.sh: installing into $VENV with $py (first run takes a few minutes)" >&2
     [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-    "$VENV/bin/python" -m pip install -q -e ".[test${FFL_EXTRAS:+,$FFL_EXTRAS}]" >&2
+    "$VENV/bin/python" -m pip install -q -e ".[test${FFL_EXTRAS:+,$FFL_EXTRAS}]" 2>&1 \
+      | grep -v "is ignored: it is neither" >&2 || true
+    "$VENV/bin/python" -c "import flaxformer_lite, jax, flax, optax, orbax.checkpoint" \
+      || { echo "launch.sh: installation into $VENV failed (see above)" >&2; exit 1; }
     echo "$want" > "$VENV/.pyproject.sha256"
   fi
 }
@@ -41,7 +45,6 @@ PY="$VENV/bin/python"
 
 if [ "${1:-}" = "test" ]; then
   shift
-  # Eight virtual CPU devices let the multi-device tests run on any machine.
   exec "$PY" -m pytest "$@"
 fi
 

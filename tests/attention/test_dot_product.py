@@ -95,7 +95,7 @@ def test_no_mask(implementation, seed):
 
 
 @pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
-@pytest.mark.parametrize('n,m', [(1, 5), (4, 2), (6, 3)])
+@pytest.mark.parametrize('n,m', [(1, 5), (6, 3)])
 def test_cross_attention_lengths(implementation, n, m):
   q, k, v = _qkv(2, n=n, m=m)
   _check(q, k, v, implementation=implementation)

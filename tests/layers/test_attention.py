@@ -4,6 +4,7 @@ Parameter correspondence (ours <- flax): 'qkv' kernel [f, 3, h, d] is the stack
 of flax's 'query', 'key', 'value' kernels [f, h, d] on axis 1 (biases [3, h, d]
 on axis 0); cross attention's 'kv' stacks 'key' and 'value'; 'out' is 'out'.
 """
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -125,7 +126,7 @@ def test_dropout_needs_rng_and_changes_output():
   layer = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, dropout_rate=0.5)
   no_dropout = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5)
   x = _inputs(7)
-  with pytest.raises(Exception, match='dropout'):
+  with pytest.raises(flax.errors.InvalidRngError, match='dropout'):
     layer.apply(variables, x, deterministic=False)
   clean = no_dropout.apply(variables, x)
   np.testing.assert_allclose(np.asarray(layer.apply(variables, x, deterministic=True)),
@@ -160,15 +161,15 @@ def test_cross_attention_with_decode_raises():
 
 # ---- decoding cache ------------------------------------------------------------
 
-L = 6
+L = N  # the same shapes as the tests above, so their compiled ops are reused
 
 
 def _decode_setup(seed):
   x = _inputs(seed, n=L)
-  full_layer = MultiHeadAttention(num_heads=H, qkv_features=8)
+  full_layer = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5)
   params = full_layer.init(jax.random.PRNGKey(seed), x)['params']
   want = full_layer.apply({'params': params}, x, mask=_causal(L))
-  decoder = MultiHeadAttention(num_heads=H, qkv_features=8, decode=True)
+  decoder = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, decode=True)
   cache = decoder.init(jax.random.PRNGKey(seed + 1), x)['cache']
   return x, params, want, decoder, cache
 
@@ -205,3 +206,14 @@ def test_decode_prefill_then_steps_matches_causal_forward(seed):
     cache = mutated['cache']
     np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want[:, t]),
                                atol=1e-5, rtol=1e-5, err_msg=f'position {t}')
+
+
+def test_decode_chunks_after_prefill_match_causal_forward():
+  # After the prefill, a call may also pass several tokens at once.
+  x, params, want, decoder, cache = _decode_setup(2)
+  for start, size in [(0, 2), (2, 2), (4, 1)]:
+    got, mutated = decoder.apply({'params': params, 'cache': cache}, x[:, start:start + size],
+                                 mutable=['cache'])
+    cache = mutated['cache']
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, start:start + size]),
+                               atol=1e-5, rtol=1e-5, err_msg=f'positions {start}+{size}')
