@@ -121,5 +121,5 @@ register(AttentionVariant(
     fn=_dot_product,
     kwargs={'implementation': 'auto'},
     validate=_validate_dot_product,
-    doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); jax.nn.dot_product_attention '
-        'when dropout is off'))
+    doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
+        'for jax.nn.dot_product_attention'))

@@ -1,8 +1,8 @@
 """MultiHeadAttention against flax.linen.MultiHeadDotProductAttention, and its cache.
 
-Parameter correspondence (ours <- flax): 'qkv' kernel [f, 3, h, d] is the stack
-of flax's 'query', 'key', 'value' kernels [f, h, d] on axis 1 (biases [3, h, d]
-on axis 0); cross attention's 'kv' stacks 'key' and 'value'; 'out' is 'out'.
+Our parameters have flax's names and shapes ('query', 'key', 'value' kernels
+[f, h, d], 'out' [h, d, f]), so flax's variables are loaded as they are; the
+tests check that the tree structures agree before comparing outputs.
 """
 import flax
 import flax.linen as nn
@@ -27,21 +27,22 @@ def _flax_params(seed, *, features=F, qkv_features=8, out_features=5, num_heads=
   return layer, jax.tree_util.tree_unflatten(tree, leaves)
 
 
+def _ours(flax_vars, ours_layer, *args):
+  """flax's variables, after checking that our layer has the same tree."""
+  ours_shapes = jax.eval_shape(ours_layer.init, jax.random.PRNGKey(0), *args)
+  assert (jax.tree.map(lambda x: x.shape, ours_shapes['params'])
+          == jax.tree.map(lambda x: x.shape, flax.core.unfreeze(flax_vars['params'])))
+  return {'params': flax_vars['params']}
+
+
 def _ours_self(flax_vars):
-  p = flax_vars['params']
-  return {'params': {
-      'qkv': {'kernel': jnp.stack([p[n]['kernel'] for n in ('query', 'key', 'value')], 1),
-              'bias': jnp.stack([p[n]['bias'] for n in ('query', 'key', 'value')], 0)},
-      'out': p['out']}}
+  return _ours(flax_vars, MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5),
+               jnp.zeros((1, 1, F)))
 
 
 def _ours_cross(flax_vars):
-  p = flax_vars['params']
-  return {'params': {
-      'query': p['query'],
-      'kv': {'kernel': jnp.stack([p[n]['kernel'] for n in ('key', 'value')], 1),
-             'bias': jnp.stack([p[n]['bias'] for n in ('key', 'value')], 0)},
-      'out': p['out']}}
+  return _ours(flax_vars, MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5),
+               jnp.zeros((1, 1, F)), jnp.zeros((1, 1, F)))
 
 
 def _inputs(seed, n=N, features=F):
@@ -84,7 +85,8 @@ def test_self_attention_default_features_match_flax():
   x = _inputs(3)
   flax_vars = flax_layer.init(jax.random.PRNGKey(1), x)
   want = flax_layer.apply(flax_vars, x, mask=_causal(N))
-  got = MultiHeadAttention(num_heads=H).apply(_ours_self(flax_vars), x, mask=_causal(N))
+  ours = MultiHeadAttention(num_heads=H)
+  got = ours.apply(_ours(flax_vars, ours, x), x, mask=_causal(N))
   assert got.shape == x.shape
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
