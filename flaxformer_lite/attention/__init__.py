@@ -1,12 +1,25 @@
-"""Attention math: pure functions of arrays, no parameters, no state."""
+"""Attention math: pure functions of arrays, no parameters, no state.
+
+Importing this package registers every variant (see registry.py).
+"""
 from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import relative
 from flaxformer_lite.attention.dot_product import dot_product_attention
 from flaxformer_lite.attention.dot_product import dot_product_attention_weights
 from flaxformer_lite.attention.registry import AttentionVariant
+from flaxformer_lite.attention.relative import relative_positions
+from flaxformer_lite.attention.relative import shaw_attention
+from flaxformer_lite.attention.relative import shaw_relative_logits
+from flaxformer_lite.attention.relative import shaw_relative_values
 
 __all__ = [
     'AttentionVariant',
     'dot_product_attention',
     'dot_product_attention_weights',
     'registry',
+    'relative',
+    'relative_positions',
+    'shaw_attention',
+    'shaw_relative_logits',
+    'shaw_relative_values',
 ]

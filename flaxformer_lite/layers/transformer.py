@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flaxformer_lite.attention import registry
 from flaxformer_lite.layers.attention import MultiHeadAttention
 from flaxformer_lite.layers.embeddings import AddPositions, Embed
 
@@ -67,10 +68,15 @@ class _Residual(nn.Module):
     return x + y if cfg.pre_ln else norm(x + y)
 
 
-def _attention(cfg: TransformerConfig, name: str, decode: bool = False):
+def _attention(cfg: TransformerConfig, name: str, decode: bool = False, cross: bool = False):
+  """Self-attention uses the configured variant. Cross-attention does too,
+  unless the variant is about positions: decoder and encoder positions are
+  not on one axis, so relative schemes there fall back to dot_product."""
+  attention, kwargs = cfg.attention, cfg.attention_kwargs
+  if cross and registry.get(attention).uses_positions:
+    attention, kwargs = 'dot_product', None
   return MultiHeadAttention(
-      num_heads=cfg.num_heads, attention=cfg.attention,
-      attention_kwargs=cfg.attention_kwargs,
+      num_heads=cfg.num_heads, attention=attention, attention_kwargs=kwargs,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, decode=decode,
       name=name)
 
@@ -106,7 +112,7 @@ class DecoderLayer(nn.Module):
         x, lambda y: self_attn(y, mask=self_mask, deterministic=deterministic),
         deterministic=deterministic)
     if encoded is not None:
-      cross_attn = _attention(cfg, 'cross_attention')
+      cross_attn = _attention(cfg, 'cross_attention', cross=True)
       x = _Residual(cfg, name='cross_attention_block')(
           x, lambda y: cross_attn(y, encoded, mask=cross_mask,
                                   deterministic=deterministic),

@@ -1,0 +1,196 @@
+"""Shaw et al. 2018 relative attention against loop formulas, across forms."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite import config as config_lib
+from flaxformer_lite import models
+from flaxformer_lite.attention import registry, relative
+from flaxformer_lite.layers import MultiHeadAttention
+
+FORMS = ('naive', 'matmul', 'skew')
+
+
+def _rel_index(i, j, k, q_offset):
+  return min(max(j - (i + q_offset), -k), k) + k
+
+
+def _reference(q, kk, v, tk, tv, k, q_offset=0, mask=None, bias=None):
+  """Eq. 3-5 with python loops: e_ij = (q_i.k_j + q_i.a^K_ij)/sqrt(d) + bias,
+  softmax over unmasked j (uniform over all j if none), z_i = sum_j a_ij (v_j + a^V_ij)."""
+  b, n, h, d = q.shape
+  m = kk.shape[1]
+  out = np.zeros((b, n, h, d))
+  for bb in range(b):
+    for hh in range(h):
+      for i in range(n):
+        logits, allowed = [], []
+        for j in range(m):
+          r = _rel_index(i, j, k, q_offset)
+          e = q[bb, i, hh] @ kk[bb, j, hh]
+          if tk is not None:
+            e += q[bb, i, hh] @ tk[r]
+          e /= math.sqrt(d)
+          if bias is not None:
+            e += bias[bb, hh, i, j]
+          logits.append(e)
+          allowed.append(True if mask is None else bool(mask[bb, 0, i, j]))
+        if any(allowed):
+          top = max(e for e, a in zip(logits, allowed) if a)
+          w = [math.exp(e - top) if a else 0.0 for e, a in zip(logits, allowed)]
+          w = [x / sum(w) for x in w]
+        else:  # a fully masked row: uniform weights, finite output
+          w = [1.0 / m] * m
+        for j in range(m):
+          r = _rel_index(i, j, k, q_offset)
+          out[bb, i, hh] += w[j] * (v[bb, j, hh] + (tv[r] if tv is not None else 0.0))
+  return out
+
+
+def _arrays(seed, b=2, n=5, m=5, h=2, d=4, k=2):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: rng.normal(size=s).astype(np.float32)
+  return f(b, n, h, d), f(b, m, h, d), f(b, m, h, d), f(2 * k + 1, d), f(2 * k + 1, d)
+
+
+def test_relative_positions_papers_example_and_loop():
+  idx = np.asarray(relative.relative_positions(10, 10, 3))
+  assert (np.diag(idx) == 3).all()
+  for i in range(10):
+    for j in range(10):
+      assert idx[i, j] == _rel_index(i, j, 3, 0)
+      if j >= i + 3:
+        assert idx[i, j] == 6
+      if j <= i - 3:
+        assert idx[i, j] == 0
+  shifted = np.asarray(relative.relative_positions(2, 7, 2, q_offset=4))
+  assert shifted.tolist() == [[_rel_index(i, j, 2, 4) for j in range(7)] for i in range(2)]
+
+
+def test_trick_functions_match_loops():
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
+  rel = rng.normal(size=(3, 5, 4)).astype(np.float32)
+  w = rng.random(size=(2, 2, 3, 5)).astype(np.float32)
+  logits = np.asarray(relative.shaw_relative_logits(q, rel))
+  values = np.asarray(relative.shaw_relative_values(w, rel))
+  for b in range(2):
+    for h in range(2):
+      for i in range(3):
+        for j in range(5):
+          assert logits[b, h, i, j] == pytest.approx(float(q[b, i, h] @ rel[i, j]), abs=1e-5)
+        expect = sum(w[b, h, i, j] * rel[i, j] for j in range(5))
+        np.testing.assert_allclose(values[b, i, h], expect, atol=1e-5)
+
+
+@pytest.mark.parametrize('form', FORMS)
+@pytest.mark.parametrize('n,m,k,q_offset', [(5, 5, 2, 0), (3, 7, 2, 4), (6, 4, 1, 0),
+                                            (1, 8, 3, 5), (5, 5, 0, 0), (4, 6, 9, 1)])
+def test_shaw_attention_matches_loop(form, n, m, k, q_offset):
+  q, kk, v, tk, tv = _arrays(n * 10 + m, n=n, m=m, k=k)
+  got = relative.shaw_attention(q, kk, v, tk, tv, q_offset=q_offset, form=form)
+  want = _reference(q, kk, v, tk, tv, k, q_offset)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+@pytest.mark.parametrize('form', FORMS)
+def test_masks_bias_and_ablations_match_loop(form):
+  q, kk, v, tk, tv = _arrays(7, n=5, m=6)
+  rng = np.random.default_rng(1)
+  mask = rng.random((2, 1, 5, 6)) > 0.3
+  mask[0, 0, 2] = False  # one fully masked row
+  bias = rng.normal(size=(2, 2, 5, 6)).astype(np.float32)
+  for keys, values in ((True, True), (True, False), (False, True)):
+    a, b = (tk if keys else None), (tv if values else None)
+    got = relative.shaw_attention(q, kk, v, a, b, mask=jnp.asarray(mask), bias=bias, form=form)
+    want = _reference(q, kk, v, a, b, 2, mask=mask, bias=bias)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_forms_have_the_same_gradients():
+  q, kk, v, tk, tv = (jnp.asarray(x) for x in _arrays(3, n=6, m=6, k=2))
+  causal = jnp.tril(jnp.ones((6, 6), bool))[None, None]
+
+  def loss(form):
+    def f(*args):
+      return jnp.sum(jnp.sin(relative.shaw_attention(*args, mask=causal, form=form)))
+    return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, kk, v, tk, tv)
+  ref = loss('naive')
+  for form in ('matmul', 'skew'):
+    for g, r in zip(loss(form), ref):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5)
+
+
+def test_auto_form_switches_by_size():
+  assert relative.choose_form('auto', 8, 8, 64) == 'matmul'
+  assert relative.choose_form('auto', 1024, 1024, 64) == 'skew'
+  with pytest.raises(ValueError, match="form='fast'"):
+    relative.choose_form('fast', 1, 1, 1)
+
+
+@pytest.mark.parametrize('form', FORMS)
+def test_cached_layer_equals_full_causal_pass(form):
+  kwargs = {'max_distance': 2, 'form': form}
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 7, 8)).astype(np.float32))
+  full = MultiHeadAttention(num_heads=2, attention='shaw', attention_kwargs=kwargs)
+  params = full.init(jax.random.key(0), x)['params']
+  want = full.apply({'params': params}, x, mask=jnp.tril(jnp.ones((7, 7), bool))[None, None])
+  step = MultiHeadAttention(num_heads=2, attention='shaw', attention_kwargs=kwargs, decode=True)
+  cache = step.init(jax.random.key(0), x)['cache']
+  outs = []
+  for lo, hi in ((0, 3), (3, 4), (4, 5), (5, 7)):  # a prefill, then steps and a chunk
+    y, variables = step.apply({'params': params, 'cache': cache}, x[:, lo:hi], mutable=['cache'])
+    cache = variables['cache']
+    outs.append(y)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(want), atol=1e-5)
+
+
+def test_model_cached_decoding_equals_forward_with_shaw():
+  cfg = dict(type='encoder_decoder', vocab_size=11, d_model=16, num_heads=2,
+             num_encoder_layers=1, num_decoder_layers=2, mlp_dim=32, dropout_rate=0.0,
+             attention_dropout_rate=0.0, attention='shaw',
+             attention_kwargs={'max_distance': 3, 'form': 'skew'}, positions='none',
+             max_len=16, pre_ln=True, activation='relu', dtype='float32')
+  model, decode_model = models.build(cfg), models.build(cfg, decode=True)
+  inputs = jnp.array([[4, 5, 6, 7, 2], [8, 2, 0, 0, 0]])
+  targets = jnp.array([[1, 6, 5, 4, 9, 3], [1, 8, 3, 3, 2, 5]])
+  params = model.init(jax.random.key(0), inputs, targets)['params']
+  assert 'rel_key_table' in params['decoder']['layer_0']['self_attention']
+  assert 'rel_key_table' not in params['decoder']['layer_0']['cross_attention']
+  want = model.apply({'params': params}, inputs, targets)
+  encoded = model.apply({'params': params}, inputs, method='encode')
+  cache = decode_model.init(jax.random.key(0), inputs, targets)['cache']
+  got = []
+  for t in range(targets.shape[1]):
+    logits, variables = decode_model.apply({'params': params, 'cache': cache}, encoded, inputs,
+                                           targets[:, t:t + 1], method='decode', mutable=['cache'])
+    cache = variables['cache']
+    got.append(logits)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(got, 1)), np.asarray(want), atol=1e-4)
+
+
+def test_registry_entry_and_config_validation():
+  v = registry.get('shaw')
+  assert v.kwargs == {'max_distance': 16, 'relative_keys': True, 'relative_values': True,
+                      'form': 'auto'}
+  c = config_lib.base_config()
+  c.model.attention = 'shaw'
+  c.model.attention_kwargs.max_distance = 8
+  config_lib.validate(c)
+  c.model.attention_kwargs.max_distance = -1
+  with pytest.raises(config_lib.ConfigError, match='max_distance=-1'):
+    config_lib.validate(c)
+  c.model.attention_kwargs.max_distance = 2
+  c.model.attention_kwargs.form = 'fast'
+  with pytest.raises(config_lib.ConfigError, match="form='fast'"):
+    config_lib.validate(c)
+
+
+def test_values_only_layer_has_no_key_table():
+  layer = MultiHeadAttention(num_heads=2, attention='shaw',
+                             attention_kwargs={'relative_keys': False, 'max_distance': 1})
+  params = layer.init(jax.random.key(0), jnp.ones((1, 3, 4)))['params']
+  assert params['rel_value_table'].shape == (3, 2) and 'rel_key_table' not in params
