@@ -11,8 +11,9 @@ Three forms compute the same numbers (`form=` in attention_kwargs):
   'skew'   never builds [n, m, d]: queries meet the 2k+1 table once
            ([b, h, n, 2k+1]) and the results are moved onto the diagonals by
            the pad-and-reshape skew of Music Transformer (Huang et al. 2018);
-           the values side sums each query's weights per clipped distance with
-           a cumulative sum. Memory O(b h n m) instead of O(n m d).
+           the values side un-skews the weights and sums them per clipped
+           distance. Memory O(b h n m) instead of O(n m d); slices, pads and
+           reshapes only, no gather or scatter (except when decoding).
 'auto' picks 'matmul' while the [n, m, d] tables are small and 'skew' after.
 """
 from __future__ import annotations
@@ -68,16 +69,40 @@ def _skew(x, m):
   return x.reshape(*lead, n, w)[..., :m]
 
 
+def _unskew(x):
+  """The inverse of _skew: x [..., n, m] -> [..., n, W], W = n + m - 1, with
+  out[i, j - i + n - 1] = x[i, j] and zeros elsewhere."""
+  *lead, n, m = x.shape
+  pad = [(0, 0)] * len(lead)
+  x = jnp.pad(x, pad + [(0, 0), (n, 0)])  # [..., n, m + n], n zeros first
+  x = jnp.pad(x.reshape(*lead, n * (m + n)), pad + [(0, n)])  # row i read i + 1 later:
+  return x.reshape(*lead, n, m + n + 1)[..., 1:m + n]  # out[i, s] = x[i, s + i + 1 - n]
+
+
+def _bucket_runs(n: int, m: int, k: int, q_offset: int):
+  """Columns s of the offset layout (offset o = s - (n-1) - q_offset) by
+  bucket clip(o, -k, k) + k: (left, r_lo, r_hi, right) = the first `left`
+  columns are bucket 0, the next r_hi - r_lo are buckets r_lo..r_hi-1, the
+  last `right` are bucket 2k. Static ints; k >= 1."""
+  w = n + m - 1
+  left = min(max(n - 1 + q_offset - k + 1, 0), w)
+  right = min(max(w - (n - 1 + q_offset + k), 0), w - left)
+  r_lo = left - (n - 1) - q_offset + k
+  return left, r_lo, r_lo + w - left - right, right
+
+
 def skew_relative_logits(query, table, k_len: int, q_offset=0):
   """q_i . table[clip(j - i - q_offset) + k] without building [n, m, d].
 
   query [b, n, h, d], table [2k+1, d] -> [b, h, n, m]; unscaled.
+  Queries meet the table once ([b, h, n, 2k+1]); each row is laid out by
+  offset (column s = j - i + n - 1, the clipped ends repeated) and skewed
+  onto the diagonals.
   """
   n = query.shape[1]
   k = (table.shape[0] - 1) // 2
   qa = jnp.einsum('bnhd,rd->bhnr', query, table,
                   preferred_element_type=jnp.float32)  # [b, h, n, 2k+1]
-  # Column s of each row is offset s - (n - 1) = j - i; clip it into the table.
   offsets = jnp.arange(-(n - 1), k_len, dtype=jnp.int32) - q_offset  # [n + m - 1]
   x = jnp.take(qa, jnp.clip(offsets, -k, k) + k, axis=-1)  # [b, h, n, n + m - 1]
   return _skew(x, k_len)
@@ -86,19 +111,38 @@ def skew_relative_logits(query, table, k_len: int, q_offset=0):
 def skew_relative_values(weights, table, q_offset=0):
   """sum_j alpha_ij table[clip(j - i - q_offset) + k] without building [n, m, d].
 
-  The keys of query i that share clipped distance r form one interval of j,
-  so the weight on table row r is a difference of a cumulative sum over j.
+  The weights are laid out by offset (the inverse skew), so each query's
+  weight per clipped distance is a slice or a sum of a slice.
   weights [b, h, n, m], table [2k+1, d] -> [b, n, h, d].
   """
+  b, h, n, m = weights.shape
+  k = (table.shape[0] - 1) // 2
+  weights = weights.astype(jnp.float32)
+  if not isinstance(q_offset, int):
+    return _gather_relative_values(weights, table, q_offset)
+  if k == 0:
+    per_bucket = jnp.sum(weights, -1, keepdims=True)  # [b, h, n, 1]
+  else:
+    left, r_lo, r_hi, right = _bucket_runs(n, m, k, q_offset)
+    x = _unskew(weights)  # [b, h, n, W]
+    w = x.shape[-1]
+    band = jnp.pad(x[..., left:w - right], [(0, 0)] * 3 + [(r_lo - 1, 2 * k - r_hi)])
+    per_bucket = jnp.concatenate([jnp.sum(x[..., :left], -1, keepdims=True), band,
+                                  jnp.sum(x[..., w - right:], -1, keepdims=True)], -1)
+  return jnp.einsum('bhnr,rd->bnhd', per_bucket.astype(table.dtype), table)  # [b, n, h, d]
+
+
+def _gather_relative_values(weights, table, q_offset):
+  """skew_relative_values for a traced q_offset: the keys of query i that
+  share a bucket form one interval of j, so their weight is a difference of
+  a cumulative sum. weights [b, h, n, m] float32 -> [b, n, h, d]."""
   n, m = weights.shape[-2:]
   k = (table.shape[0] - 1) // 2
-  cum = jnp.cumsum(weights.astype(jnp.float32), axis=-1)  # [b, h, n, m]
-  cum = jnp.pad(cum, [(0, 0), (0, 0), (0, 0), (1, 0)])  # cum[.., j+1] = sum_{j' <= j}
+  cum = jnp.pad(jnp.cumsum(weights, axis=-1), [(0, 0)] * 3 + [(1, 0)])  # [b, h, n, m+1]
   i = q_offset + jnp.arange(n, dtype=jnp.int32)[:, None]  # [n, 1] absolute query position
   r = jnp.arange(2 * k + 1, dtype=jnp.int32)[None, :]  # [1, 2k+1]
-  lo = jnp.where(r == 0, 0, i + r - k)  # first key at distance bucket r
-  hi = jnp.where(r == 2 * k, m - 1, i + r - k)  # last key at distance bucket r
-  lo, hi = jnp.clip(lo, 0, m), jnp.clip(hi, -1, m - 1)  # [n, 2k+1]
+  lo = jnp.clip(jnp.where(r == 0, 0, i + r - k), 0, m)  # first key in bucket r
+  hi = jnp.clip(jnp.where(r == 2 * k, m - 1, i + r - k), -1, m - 1)  # last key in bucket r
   take = lambda idx: jnp.take_along_axis(cum, jnp.broadcast_to(idx, cum.shape[:2] + idx.shape), -1)
   per_bucket = jnp.maximum(take(hi + 1) - take(lo), 0.0)  # [b, h, n, 2k+1]
   return jnp.einsum('bhnr,rd->bnhd', per_bucket.astype(table.dtype), table)

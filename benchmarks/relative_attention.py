@@ -1,0 +1,68 @@
+"""Relative-position attention inside MultiHeadAttention, side by side.
+
+For each length n: forward+backward time (grad of sum(y**2) w.r.t. params and
+input) and XLA temp memory of MultiHeadAttention(d_model, heads) with
+dot_product, shaw in each form (naive gather + einsum, the paper's
+reshape-and-matmul, skew without [n, m, d] tables) and t5_bias (if
+registered); causal self-attention, float32. Ratios are to dot_product.
+
+  .venv/bin/python benchmarks/relative_attention.py                  # CPU: ~3 min
+  .venv/bin/python benchmarks/relative_attention.py --lengths 128 256 512 1024 2048
+"""
+import argparse
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import registry
+from flaxformer_lite.layers import MultiHeadAttention
+from timing import interleaved_times, median, memory
+
+
+def variants(k):
+  out = {'dot_product': ('dot_product', {})}
+  for form in ('naive', 'matmul', 'skew'):
+    out[f'shaw/{form}'] = ('shaw', {'max_distance': k, 'form': form})
+  if 't5_bias' in registry.names():
+    out['t5_bias'] = ('t5_bias', {})
+  return out
+
+
+def grad_fn(layer, mask):
+  def loss(params, x):  # x [b, n, f] -> scalar
+    return jnp.sum(layer.apply(params, x, mask=mask) ** 2)
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--lengths', type=int, nargs='+', default=[128, 256, 512, 1024])
+  p.add_argument('--batch', type=int, default=4)
+  p.add_argument('--heads', type=int, default=8)
+  p.add_argument('--head_dim', type=int, default=64)
+  p.add_argument('--max_distance', type=int, default=16)
+  p.add_argument('--repeats', type=int, default=10)
+  a = p.parse_args()
+  d_model = a.heads * a.head_dim
+  print(f'b={a.batch} h={a.heads} d={a.head_dim} (d_model={d_model}) k={a.max_distance} '
+        f'causal float32 fwd+bwd, repeats={a.repeats}, backend={jax.default_backend()}, '
+        f'jax={jax.__version__}')
+  print(f'{"n":>5} {"variant":<12}{"ms":>10}{"x dot":>8}{"temp MiB":>11}{"x dot":>8}')
+  for n in a.lengths:
+    x = jax.random.normal(jax.random.key(0), (a.batch, n, d_model))  # [b, n, f]
+    mask = nn.make_causal_mask(jnp.ones((1, n)), dtype=jnp.bool_)  # [1, 1, n, n]
+    fns, mem = {}, {}
+    for name, (attention, kwargs) in variants(a.max_distance).items():
+      layer = MultiHeadAttention(num_heads=a.heads, attention=attention, attention_kwargs=kwargs)
+      params = layer.init(jax.random.key(1), x[:1, :8])
+      fns[name] = (grad_fn(layer, mask), (params, x))
+      mem[name] = memory(*fns[name])['temp']
+    times = {k: median(v) for k, v in interleaved_times(fns, a.repeats).items()}
+    for name in fns:
+      print(f'{n:>5} {name:<12}{times[name]:>10.1f}{times[name] / times["dot_product"]:>8.2f}'
+            f'{mem[name]:>11.1f}{mem[name] / mem["dot_product"]:>8.2f}')
+
+
+if __name__ == '__main__':
+  main()
