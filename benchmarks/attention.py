@@ -10,13 +10,13 @@ flax: <= 1.00 means ours is no slower / uses no more memory.
 """
 import argparse
 import statistics
-import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.layers import MultiHeadAttention
+from timing import interleaved_times, memory
 
 
 def build(which, a):
@@ -35,13 +35,6 @@ def make_fns(model):
     return jnp.sum(forward(params, x, mask).astype(jnp.float32) ** 2)
 
   return {'fwd': jax.jit(forward), 'fwd+bwd': jax.jit(jax.grad(loss, argnums=(0, 1)))}
-
-
-def memory(fn, args):
-  """MiB that XLA reserves for fn(*args): {'temp', 'argument', 'output'}."""
-  m = fn.lower(*args).compile().memory_analysis()
-  sizes = {k: getattr(m, f'{k}_size_in_bytes', None) for k in ('temp', 'argument', 'output')}
-  return {k: v / 2**20 for k, v in sizes.items() if v is not None}
 
 
 def main():
@@ -65,25 +58,14 @@ def main():
     mask = nn.make_attention_mask(ones, ones, dtype=jnp.bool_)  # [1, 1, n, n], all True
 
   names, passes = ('ours', 'flax'), ('fwd', 'fwd+bwd')
-  fns, args, mem = {}, {}, {}
+  fns, mem = {}, {}
   for name in names:
     model = build(name, a)
-    args[name] = (model.init(jax.random.key(1), x, mask=mask), x, mask)  # float32 params
-    fns[name] = make_fns(model)
-    for pas, f in fns[name].items():
-      mem[name, pas] = memory(f, args[name])
-      for _ in range(2):  # compile, warm up
-        jax.block_until_ready(f(*args[name]))
-
-  # Interleave the layers call by call (alternating who goes first) so that
-  # other load on the machine hits both alike; report median and min.
-  times = {(name, pas): [] for name in names for pas in passes}
-  for r in range(a.repeats):
-    for name in (names if r % 2 == 0 else names[::-1]):
-      for pas, f in fns[name].items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args[name]))
-        times[name, pas].append(1e3 * (time.perf_counter() - t0))
+    args = (model.init(jax.random.key(1), x, mask=mask), x, mask)  # float32 params
+    for pas, f in make_fns(model).items():
+      fns[name, pas] = (f, args)
+      mem[name, pas] = memory(f, args)
+  times = interleaved_times(fns, a.repeats)
 
   rows = []
   for pas in passes:
