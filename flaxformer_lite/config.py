@@ -125,6 +125,9 @@ def validate(config) -> None:
   _check(m.d_model % m.num_heads == 0,
          f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; '
          f'valid num_heads: {[h for h in range(1, m.d_model + 1) if m.d_model % h == 0]}')
+  _check(m.attention != 'rotary' or (m.d_model // m.num_heads) % 2 == 0,
+         f'attention=rotary rotates pairs of features: the head size '
+         f'model.d_model/model.num_heads={m.d_model // m.num_heads} must be even')
   _choice('model.positions', m.positions, embeddings.POSITIONS)
   _check(m.positions != 'sinusoidal' or m.d_model % 2 == 0,
          f'sinusoidal positions need an even model.d_model, got {m.d_model}')

@@ -75,7 +75,7 @@ def test_differences_ignore_resumable_keys():
 @pytest.mark.parametrize('args,expected', [
     (['--config.model.d_modl=3'], "Did you mean 'model.d_model'"),
     (['--config.model.d_model=abc'], 'd_model=abc'),
-    (['--config.model.attention=nope'], "valid: dot_product"),
+    (['--config.model.attention=nope'], 'valid: alibi, dot_product, rotary, shaw, t5_bias'),
     (['--config.model.num_heads=5'], 'does not divide'),
     (['--config=experiments/missing.py'], 'experiments/missing.py'),
 ])
@@ -101,4 +101,6 @@ def test_cli_list_attention(run_main):
   assert proc.returncode == 0
   lines = proc.stdout.strip().splitlines()
   assert [line.split('\t')[0] for line in lines] == registry.names()
-  assert "implementation='auto'" in lines[0]
+  by_name = {line.split('\t')[0]: line for line in lines}
+  assert "implementation='auto'" in by_name['dot_product']
+  assert 'max_distance=16' in by_name['shaw'] and 'encoder_decoder' in by_name['shaw']

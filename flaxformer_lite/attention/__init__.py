@@ -2,8 +2,11 @@
 
 Importing this package registers every variant (see registry.py).
 """
+from flaxformer_lite.attention import alibi
 from flaxformer_lite.attention import registry
 from flaxformer_lite.attention import relative
+from flaxformer_lite.attention import rotary
+from flaxformer_lite.attention import t5_bias
 from flaxformer_lite.attention.dot_product import dot_product_attention
 from flaxformer_lite.attention.dot_product import dot_product_attention_weights
 from flaxformer_lite.attention.registry import AttentionVariant
@@ -11,15 +14,20 @@ from flaxformer_lite.attention.relative import relative_positions
 from flaxformer_lite.attention.relative import shaw_attention
 from flaxformer_lite.attention.relative import shaw_relative_logits
 from flaxformer_lite.attention.relative import shaw_relative_values
+from flaxformer_lite.attention.t5_bias import t5_relative_position_bucket
 
 __all__ = [
     'AttentionVariant',
+    'alibi',
     'dot_product_attention',
     'dot_product_attention_weights',
     'registry',
     'relative',
     'relative_positions',
+    'rotary',
     'shaw_attention',
     'shaw_relative_logits',
     'shaw_relative_values',
+    't5_bias',
+    't5_relative_position_bucket',
 ]

@@ -1,0 +1,76 @@
+"""ALiBi: attention with linear biases (Press et al. 2022, "Train Short, Test Long").
+
+No position embeddings; each head h adds -slope_h * distance to its logits,
+with fixed slopes forming a geometric sequence. The paper's bias is causal
+(-slope * (i - j) for j <= i); we use -slope * |j - i| so that the same
+function serves bidirectional attention and equals the paper where j <= i.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.dot_product import dot_product_attention
+
+
+def alibi_slopes(num_heads):
+  """The paper's per-head slopes -> [num_heads] float32.
+
+  For h a power of two: 2^(-8/h), 2^(-16/h), ..., 2^(-8) (start = ratio =
+  2^(-8/h)). Otherwise, with p the largest power of two below h: the p
+  slopes for p heads, then the first h - p of every other slope for 2p heads
+  (2^(-8*1/2p), 2^(-8*3/2p), ...), as in the paper's reference code.
+  """
+  if not isinstance(num_heads, int) or num_heads < 1:
+    raise ValueError(f'alibi needs num_heads >= 1, got {num_heads!r}')
+  p = 2 ** int(math.floor(math.log2(num_heads)))
+  base = 2.0 ** (-8.0 * np.arange(1, p + 1) / p)  # [p]
+  extra = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - p), 2) / (2 * p))  # [h - p]
+  return jnp.asarray(np.concatenate([base, extra]), jnp.float32)
+
+
+def alibi_bias(num_heads, q_len, k_len, *, q_offset=0):
+  """-slope_h * |j - (q_offset + i)| -> [1, h, q_len, k_len] float32.
+
+  Query i sits at absolute position q_offset + i (q_offset may be traced),
+  key j at position j.
+  """
+  q_pos = q_offset + jnp.arange(q_len)  # [n]
+  k_pos = jnp.arange(k_len)  # [m]
+  distance = jnp.abs(k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)  # [n, m]
+  slopes = alibi_slopes(num_heads)  # [h]
+  return -slopes[None, :, None, None] * distance[None, None]  # [1, h, n, m]
+
+
+def alibi_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
+                    dropout_rate=0.0, dropout_rng=None, deterministic=True,
+                    dtype=None):
+  """Dot-product attention with the ALiBi bias added to the scaled logits.
+
+  Args:
+    query: [b, n, h, d], query i at absolute position q_offset + i.
+    key, value: [b, m, h, d], key j at position j.
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    bias: broadcastable to [b, h, n, m]; added to the ALiBi bias.
+  Returns:
+    [b, n, h, d] in `dtype` (default: query's dtype).
+  """
+  position_bias = alibi_bias(query.shape[2], query.shape[1], key.shape[1],
+                             q_offset=q_offset)  # [1, h, n, m]
+  if bias is not None:
+    position_bias = position_bias + bias
+  return dot_product_attention(
+      query, key, value, mask=mask, bias=position_bias,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      deterministic=deterministic, dtype=dtype)
+
+
+registry.register(registry.AttentionVariant(
+    name='alibi',
+    fn=alibi_attention,
+    uses_positions=True,
+    doc='fixed per-head linear distance penalty -slope*|j-i| (ALiBi, Press et al. '
+        '2022); use with positions=none'))

@@ -1,0 +1,74 @@
+"""Rotary position embedding, RoPE (Su et al. 2021, "RoFormer", eq. 34).
+
+Queries and keys are rotated by an angle proportional to their position, pair
+of features by pair of features, so that q_rot(i) . k_rot(j) depends on the
+positions only through j - i.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.dot_product import dot_product_attention
+
+
+def apply_rotary(x, positions, *, max_wavelength=10000.0):
+  """Rotates each feature pair (x[2i], x[2i+1]) by positions * theta_i.
+
+  theta_i = max_wavelength^(-2i/d), i = 0 .. d/2-1: the paper's interleaved
+  layout (not the "rotate halves" layout of GPT-NeoX and others).
+
+  Args:
+    x: [b, n, h, d], d even.
+    positions: [n] int (may be traced), the absolute position of each row.
+  Returns:
+    [b, n, h, d] in x's dtype; angles and rotation in float32.
+  """
+  b, n, h, d = x.shape
+  if d % 2:
+    raise ValueError(f'rotary attention needs an even head_dim, got d={d}')
+  theta = max_wavelength ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [d/2]
+  angle = jnp.asarray(positions, jnp.float32)[:, None] * theta[None, :]  # [n, d/2]
+  cos = jnp.cos(angle)[None, :, None, :]  # [1, n, 1, d/2]
+  sin = jnp.sin(angle)[None, :, None, :]
+  pairs = x.astype(jnp.float32).reshape(b, n, h, d // 2, 2)  # [b, n, h, d/2, 2]
+  x0, x1 = pairs[..., 0], pairs[..., 1]  # [b, n, h, d/2] each
+  rotated = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+  return rotated.reshape(b, n, h, d).astype(x.dtype)  # [b, n, h, d]
+
+
+def rotary_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
+                     max_wavelength=10000.0, dropout_rate=0.0, dropout_rng=None,
+                     deterministic=True, dtype=None):
+  """Dot-product attention over rotated queries and keys; values unrotated.
+
+  Args:
+    query: [b, n, h, d], query i at absolute position q_offset + i.
+    key, value: [b, m, h, d], key j at position j.
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    bias: broadcastable to [b, h, n, m]; added to the scaled logits.
+  Returns:
+    [b, n, h, d] in `dtype` (default: query's dtype).
+  """
+  query = apply_rotary(query, q_offset + jnp.arange(query.shape[1]),
+                       max_wavelength=max_wavelength)
+  key = apply_rotary(key, jnp.arange(key.shape[1]), max_wavelength=max_wavelength)
+  return dot_product_attention(
+      query, key, value, mask=mask, bias=bias, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
+
+
+def _validate(kwargs):
+  w = kwargs['max_wavelength']
+  if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+    raise ValueError(f'attention_kwargs.max_wavelength={w!r}; must be a number > 0')
+
+
+registry.register(registry.AttentionVariant(
+    name='rotary',
+    fn=rotary_attention,
+    kwargs={'max_wavelength': 10000.0},
+    validate=_validate,
+    uses_positions=True,
+    doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
+        'Su et al. 2021); head_dim must be even'))

@@ -1,0 +1,142 @@
+"""T5 relative position bias (Raffel et al. 2020, section 2.1).
+
+Each head learns one scalar per relative-position bucket; the scalar for the
+bucket of (key_pos - query_pos) is added to that head's attention logits.
+Buckets are exact for small distances and log-spaced up to `max_distance`;
+farther offsets share the last bucket. The bucketing is mesh-tensorflow's
+`_relative_position_bucket`, the function T5 checkpoints were trained with.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.dot_product import dot_product_attention
+
+
+def t5_relative_position_bucket(relative_position, *, bidirectional=True,
+                                num_buckets=32, max_distance=128):
+  """Maps relative positions to bucket ids, as mesh-tensorflow / T5.
+
+  Args:
+    relative_position: int array, any shape; key_pos - query_pos.
+    bidirectional: if True, half the buckets are for keys before the query
+      (and the query itself), half for keys after it; if False, every key
+      after the query falls in bucket 0 (meant for causal attention).
+    num_buckets: total number of buckets.
+    max_distance: distances at or beyond this share the farthest bucket.
+  Returns:
+    int32 array, same shape, values in [0, num_buckets).
+  """
+  n = -jnp.asarray(relative_position, jnp.int32)  # query_pos - key_pos
+  ret = jnp.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    ret = ret + (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  # n >= 0 now. The first half of the buckets are the distances 0..max_exact-1.
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  # Log-spaced buckets, in float32 as in T5. The maximum only keeps log()
+  # finite where the is_small branch is taken anyway.
+  ratio = jnp.maximum(n, max_exact).astype(jnp.float32) / max_exact
+  val_if_large = max_exact + (
+      jnp.log(ratio) / math.log(max_distance / max_exact)
+      * (num_buckets - max_exact)).astype(jnp.int32)
+  val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
+  return ret + jnp.where(is_small, n, val_if_large)
+
+
+def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, bidirectional=True,
+            num_buckets=32, max_distance=128):
+  """The bias of every head for every (query, key) pair.
+
+  Query i sits at absolute position q_offset + i (q_offset may be traced),
+  key j at position j.
+
+  Args:
+    rel_embedding: [num_buckets, h], one learned scalar per bucket and head.
+  Returns:
+    [1, h, q_len, k_len] in rel_embedding's dtype.
+  """
+  q_pos = q_offset + jnp.arange(q_len)  # [n]
+  k_pos = jnp.arange(k_len)  # [m]
+  buckets = t5_relative_position_bucket(
+      k_pos[None, :] - q_pos[:, None], bidirectional=bidirectional,
+      num_buckets=num_buckets, max_distance=max_distance)  # [n, m]
+  values = rel_embedding[buckets]  # [n, m, h]
+  return jnp.transpose(values, (2, 0, 1))[None]  # [1, h, n, m]
+
+
+def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
+                      q_offset=0, bidirectional=True, num_buckets=32,
+                      max_distance=128, dropout_rate=0.0, dropout_rng=None,
+                      deterministic=True, dtype=None):
+  """Dot-product attention with the T5 relative position bias added.
+
+  logits = q.k / sqrt(d) + t5_bias + bias. T5 itself drops the 1/sqrt(d)
+  (it folds it into the query initialization); we keep it so that every
+  variant here shares `dot_product_attention` and its initialization.
+
+  Args:
+    query: [b, n, h, d], query i at absolute position q_offset + i.
+    key, value: [b, m, h, d], key j at position j.
+    rel_embedding: [num_buckets, h].
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    bias: broadcastable to [b, h, n, m]; added to the T5 bias.
+  Returns:
+    [b, n, h, d] in `dtype` (default: query's dtype).
+  """
+  position_bias = t5_bias(
+      rel_embedding.astype(jnp.float32), query.shape[1], key.shape[1],
+      q_offset=q_offset, bidirectional=bidirectional, num_buckets=num_buckets,
+      max_distance=max_distance)  # [1, h, n, m]
+  if bias is not None:
+    position_bias = position_bias + bias
+  return dot_product_attention(
+      query, key, value, mask=mask, bias=position_bias,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+      deterministic=deterministic, dtype=dtype)
+
+
+def _validate(kwargs):
+  """num_buckets >= 2 (bidirectional: even and >= 4, so each direction has an
+  exact bucket); max_distance > the number of exact buckets per direction
+  (num_buckets//4 bidirectional, num_buckets//2 otherwise), else the
+  log-spaced range is empty."""
+  num_buckets, max_distance = kwargs['num_buckets'], kwargs['max_distance']
+  bidirectional = kwargs['bidirectional']
+  if not isinstance(bidirectional, bool):
+    raise ValueError(f'attention_kwargs.bidirectional={bidirectional!r}; valid: True, False')
+  for name, v in (('num_buckets', num_buckets), ('max_distance', max_distance)):
+    if not isinstance(v, int) or isinstance(v, bool):
+      raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int')
+  if bidirectional and (num_buckets < 4 or num_buckets % 2):
+    raise ValueError(f'attention_kwargs.num_buckets={num_buckets}; with '
+                     'bidirectional=True it must be even and >= 4')
+  if num_buckets < 2:
+    raise ValueError(f'attention_kwargs.num_buckets={num_buckets}; must be >= 2')
+  max_exact = num_buckets // 4 if bidirectional else num_buckets // 2
+  if max_distance <= max_exact:
+    raise ValueError(
+        f'attention_kwargs.max_distance={max_distance}; must be > {max_exact} '
+        f'(the exact buckets per direction for num_buckets={num_buckets}, '
+        f'bidirectional={bidirectional})')
+
+
+registry.register(registry.AttentionVariant(
+    name='t5_bias',
+    fn=t5_bias_attention,
+    kwargs={'num_buckets': 32, 'max_distance': 128, 'bidirectional': True},
+    params=lambda num_heads, head_dim, kwargs: {
+        'rel_embedding': ((kwargs['num_buckets'], num_heads),
+                          nn.initializers.normal(0.02))},
+    validate=_validate,
+    uses_positions=True,
+    doc='learned per-head bias of bucketed key-query offset (T5, Raffel et al. '
+        '2020); bidirectional=False for causal-only models'))

@@ -1,0 +1,222 @@
+"""T5 relative position bias against scalar python references.
+
+`_ref_bucket` is mesh-tensorflow's `_relative_position_bucket` rewritten over
+one python int with `math.log`; `_loop_attention` walks batch, head, query and
+key in python floats with the bias looked up per (head, query, key).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import t5_bias as t5
+from flaxformer_lite.layers import MultiHeadAttention
+
+
+def _ref_bucket(rel, bidirectional, num_buckets, max_distance):
+  """mesh_tensorflow.transformer.transformer_layers._relative_position_bucket."""
+  ret = 0
+  n = -rel
+  if bidirectional:
+    num_buckets //= 2
+    if n < 0:
+      ret += num_buckets
+    n = abs(n)
+  else:
+    n = max(n, 0)
+  max_exact = num_buckets // 2
+  if n < max_exact:
+    return ret + n
+  large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
+                          * (num_buckets - max_exact))
+  return ret + min(large, num_buckets - 1)
+
+
+def _loop_attention(q, k, v, bias_fn, mask=None):
+  """softmax_j(q_i.k_j / sqrt(d) + bias_fn(h, i, j)) over visible j, then sum_j w v_j."""
+  b, n, h, d = q.shape
+  m = k.shape[1]
+  mask = np.ones((b, h, n, m), bool) if mask is None else np.broadcast_to(mask, (b, h, n, m))
+  out = np.zeros((b, n, h, d))
+  for bi in range(b):
+    for hi in range(h):
+      for i in range(n):
+        visible = [j for j in range(m) if mask[bi, hi, i, j]]
+        logits = [float(np.dot(q[bi, i, hi].astype(np.float64), k[bi, j, hi]))
+                  / math.sqrt(d) + bias_fn(hi, i, j) for j in visible]
+        top = max(logits)
+        exps = [math.exp(x - top) for x in logits]
+        for j, e in zip(visible, exps):
+          out[bi, i, hi] += e / sum(exps) * v[bi, j, hi]
+  return out
+
+
+def _qkv(seed, b=2, n=4, m=4, h=2, d=4):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(b, n, h, d)).astype(np.float32),
+          rng.normal(size=(b, m, h, d)).astype(np.float32),
+          rng.normal(size=(b, m, h, d)).astype(np.float32))
+
+
+# Jitted once per static configuration: far fewer compiles than op-by-op.
+_bucket = jax.jit(t5.t5_relative_position_bucket,
+                  static_argnames=('bidirectional', 'num_buckets', 'max_distance'))
+_bias = jax.jit(t5.t5_bias, static_argnums=(1, 2),
+                static_argnames=('bidirectional', 'num_buckets', 'max_distance'))
+_attention = jax.jit(t5.t5_bias_attention,
+                     static_argnames=('bidirectional', 'num_buckets', 'max_distance'))
+
+# ---- buckets -------------------------------------------------------------------
+
+RELS = np.arange(-300, 301)
+
+
+@pytest.mark.parametrize('bidirectional', [True, False])
+@pytest.mark.parametrize('num_buckets,max_distance',
+                         [(32, 128), (16, 64), (8, 20), (64, 256), (10, 50), (4, 3)])
+def test_buckets_match_mesh_tensorflow(bidirectional, num_buckets, max_distance):
+  got = np.asarray(_bucket(
+      jnp.asarray(RELS), bidirectional=bidirectional, num_buckets=num_buckets,
+      max_distance=max_distance))
+  want = [_ref_bucket(int(r), bidirectional, num_buckets, max_distance) for r in RELS]
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, want)
+  assert got.min() >= 0 and got.max() < num_buckets
+
+
+@pytest.mark.parametrize('rel,bucket', [
+    (0, 0), (1, 17), (-1, 1), (7, 23), (-7, 7), (-8, 8), (-15, 9), (-16, 10),
+    (-127, 15), (-128, 15), (-5000, 15), (2, 18), (16, 26), (128, 31), (5000, 31)])
+def test_hand_checked_buckets_bidirectional_32_128(rel, bucket):
+  # 16 buckets per direction, 8 exact; -16 -> 8 + floor(log(16/8)/log(128/8) * 8) = 10.
+  assert _ref_bucket(rel, True, 32, 128) == bucket
+  assert int(_bucket(jnp.array(rel))) == bucket
+
+
+@pytest.mark.parametrize('rel,bucket', [
+    (5, 0), (1, 0), (0, 0), (-1, 1), (-15, 15), (-16, 16), (-31, 21), (-32, 21),
+    (-128, 31), (-1000, 31)])
+def test_hand_checked_buckets_unidirectional_32_128(rel, bucket):
+  # Future keys share bucket 0; 16 exact; -32 -> 16 + floor(log(2)/log(8) * 16) = 21.
+  assert _ref_bucket(rel, False, 32, 128) == bucket
+  assert int(_bucket(jnp.array(rel), bidirectional=False)) == bucket
+
+
+def test_bucket_keeps_shape():
+  rel = jnp.arange(24).reshape(2, 3, 4) - 12
+  assert _bucket(rel).shape == (2, 3, 4)
+
+
+# ---- bias and attention --------------------------------------------------------
+
+
+@pytest.mark.parametrize('q_len,k_len,q_offset', [(3, 5, 0), (2, 6, 3), (5, 5, 0)])
+def test_bias_looks_up_bucket_of_key_minus_query(q_len, k_len, q_offset):
+  table = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+  got = np.asarray(_bias(jnp.asarray(table), q_len, k_len, q_offset=q_offset,
+                         num_buckets=8, max_distance=6))
+  assert got.shape == (1, 3, q_len, k_len)
+  for h in range(3):
+    for i in range(q_len):
+      for j in range(k_len):
+        assert got[0, h, i, j] == table[_ref_bucket(j - (q_offset + i), True, 8, 6), h]
+
+
+@pytest.mark.parametrize('bidirectional', [True, False])
+@pytest.mark.parametrize('n,m,q_offset', [(4, 4, 0), (2, 5, 3), (3, 2, 0)])
+def test_attention_matches_loop(bidirectional, n, m, q_offset):
+  nb, md = 8, 5
+  q, k, v = _qkv(1, n=n, m=m)
+  table = np.random.default_rng(2).normal(size=(nb, 2)).astype(np.float32)
+  extra = np.random.default_rng(3).normal(size=(1, 2, n, m)).astype(np.float32)
+  mask = np.random.default_rng(4).random((2, 1, n, m)) < 0.7
+  mask[..., 0] = True
+  got = _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
+                   mask=jnp.asarray(mask), bias=jnp.asarray(extra), q_offset=q_offset,
+                   bidirectional=bidirectional, num_buckets=nb, max_distance=md)
+  bias_fn = lambda h, i, j: (table[_ref_bucket(j - q_offset - i, bidirectional, nb, md), h]
+                             + extra[0, h, i, j])
+  np.testing.assert_allclose(np.asarray(got), _loop_attention(q, k, v, bias_fn, mask),
+                             atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_rows_equal_full_causal_pass():
+  # The cached decoder's call: keys 0..n-1, queries t.. at q_offset=t (traced).
+  n = 5
+  q, k, v = (jnp.asarray(x) for x in _qkv(5, n=n, m=n))
+  table = jnp.asarray(np.random.default_rng(6).normal(size=(8, 2)).astype(np.float32))
+  causal = jnp.tril(jnp.ones((n, n), bool))[None, None]
+  fn = jax.jit(lambda q, off, mask: t5.t5_bias_attention(
+      q, k, v, table, mask=mask, q_offset=off, num_buckets=8, max_distance=6,
+      bidirectional=False))
+  full = fn(q, 0, causal)
+  for t, size in [(0, 1), (1, 1), (2, 3), (4, 1)]:
+    got = fn(q[:, t:t + size], t, causal[:, :, t:t + size])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, t:t + size]),
+                               atol=1e-6, err_msg=f'rows {t}..{t + size - 1}')
+
+
+# ---- registry and layer ---------------------------------------------------------
+
+
+def test_registered_with_defaults_and_params():
+  assert 't5_bias' in registry.names()
+  variant = registry.get('t5_bias')
+  assert variant.fn is t5.t5_bias_attention
+  assert dict(variant.kwargs) == {'num_buckets': 32, 'max_distance': 128, 'bidirectional': True}
+  assert variant.uses_positions
+  kwargs = registry.resolve_kwargs('t5_bias', {'num_buckets': 16, 'max_distance': None})
+  assert kwargs == {'num_buckets': 16, 'max_distance': 128, 'bidirectional': True}
+  shape, init = variant.params(3, 4, kwargs)['rel_embedding']
+  assert shape == (16, 3)
+  assert init(jax.random.PRNGKey(0), shape).shape == (16, 3)
+
+
+@pytest.mark.parametrize('given,option', [
+    ({'num_buckets': 6, 'bidirectional': True, 'max_distance': 1}, 'max_distance'),
+    ({'num_buckets': 7}, 'num_buckets'),
+    ({'num_buckets': 2}, 'num_buckets'),
+    ({'num_buckets': 1, 'bidirectional': False}, 'num_buckets'),
+    ({'num_buckets': 32, 'max_distance': 8}, 'max_distance'),
+    ({'num_buckets': 32, 'max_distance': 16, 'bidirectional': False}, 'max_distance'),
+    ({'num_buckets': 32.0}, 'num_buckets'),
+    ({'bidirectional': 'yes'}, 'bidirectional'),
+    ({'window': 3}, 'window'),
+])
+def test_bad_kwargs_raise_naming_option(given, option):
+  with pytest.raises(ValueError, match=option):
+    registry.resolve_kwargs('t5_bias', given)
+
+
+def test_smallest_valid_kwargs_are_accepted():
+  registry.resolve_kwargs('t5_bias', {'num_buckets': 4, 'max_distance': 2})
+  registry.resolve_kwargs('t5_bias', {'num_buckets': 2, 'max_distance': 2,
+                                      'bidirectional': False})
+
+
+def test_layer_forward_and_cached_decode():
+  b, n, f = 2, 5, 6
+  x = jnp.asarray(np.random.default_rng(7).normal(size=(b, n, f)).astype(np.float32))
+  causal = jnp.tril(jnp.ones((n, n), bool))[None, None]
+  decoder = MultiHeadAttention(num_heads=2, qkv_features=8, attention='t5_bias',
+                               attention_kwargs={'num_buckets': 8, 'max_distance': 4},
+                               decode=True)
+  variables = jax.jit(decoder.init)(jax.random.PRNGKey(0), x)
+  params, cache = variables['params'], variables['cache']
+  assert params['rel_embedding'].shape == (8, 2)
+  # A larger table than the init's, so that a wrong position shows in the output.
+  params = {**params, 'rel_embedding': jax.random.normal(jax.random.PRNGKey(1), (8, 2))}
+  want = jax.jit(decoder.clone(decode=False).apply)({'params': params}, x, mask=causal)
+  assert want.shape == (b, n, f)
+
+  step = jax.jit(functools.partial(decoder.apply, mutable=['cache']))
+  got, mutated = step({'params': params, 'cache': cache}, x[:, :3])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, :3]), atol=1e-5)
+  for t in range(3, n):
+    got, mutated = step({'params': params, 'cache': mutated['cache']}, x[:, t:t + 1])
+    np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want[:, t]), atol=1e-5,
+                               err_msg=f'position {t}')
