@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import models
+from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import AddPositions
 
 BASE = dict(type='encoder_decoder', vocab_size=13, d_model=16, num_heads=2,
@@ -225,3 +226,33 @@ def test_shift_right_hand_computed():
                                 [[1, 5, 6, 7], [1, 8, 2, 0]])
   np.testing.assert_array_equal(np.asarray(models.shift_right(targets, bos_id=9)),
                                 [[9, 5, 6, 7], [9, 8, 2, 0]])
+
+
+@pytest.mark.parametrize('attention', registry.names())
+def test_every_variant_decodes_with_the_cache_like_the_full_pass(attention):
+  """The property that relative schemes break most often: the cached query at
+  step t must get position t (q_offset), not its index within the step."""
+  cfg = dict(type='encoder_decoder', vocab_size=11, d_model=16, num_heads=2,
+             num_encoder_layers=1, num_decoder_layers=2, mlp_dim=32, dropout_rate=0.0,
+             attention_dropout_rate=0.0, attention=attention, attention_kwargs={},
+             positions='none', max_len=16, pre_ln=True, activation='relu', dtype='float32')
+  model, decode_model = models.build(cfg), models.build(cfg, decode=True)
+  inputs = jnp.array([[4, 5, 6, 7, 2], [8, 2, 0, 0, 0]])
+  targets = jnp.array([[1, 6, 5, 4, 9, 3, 7], [1, 8, 3, 3, 2, 5, 5]])
+  params = model.init(jax.random.key(0), inputs, targets)['params']
+  # Random (not initial) values for every parameter, so that a position error shows.
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_unflatten(
+      tree, [jnp.asarray(rng.normal(size=x.shape).astype(np.float32) * 0.5) for x in leaves])
+  want = model.apply({'params': params}, inputs, targets)
+  encoded = model.apply({'params': params}, inputs, method='encode')
+  cache = decode_model.init(jax.random.key(0), inputs, targets)['cache']
+  got = []
+  for lo, hi in ((0, 3), (3, 4), (4, 5), (5, 7)):  # prefill, steps, a chunk
+    logits, variables = decode_model.apply({'params': params, 'cache': cache}, encoded, inputs,
+                                           targets[:, lo:hi], method='decode', mutable=['cache'])
+    cache = variables['cache']
+    got.append(logits)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(got, 1)), np.asarray(want),
+                             atol=2e-4, rtol=2e-4)
