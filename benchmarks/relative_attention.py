@@ -3,7 +3,7 @@
 For each length n: forward+backward time (grad of sum(y**2) w.r.t. params and
 input) and XLA temp memory of MultiHeadAttention(d_model, heads) with
 dot_product, shaw in each form (naive gather + einsum, the paper's
-reshape-and-matmul, skew without [n, m, d] tables) and t5_bias (if
+reshape-and-matmul, banded without [n, m, d] tables) and t5_bias (if
 registered); causal self-attention, float32. Ratios are to dot_product.
 
   .venv/bin/python benchmarks/relative_attention.py                  # CPU: ~3 min
@@ -22,7 +22,7 @@ from timing import interleaved_times, median, memory
 
 def variants(k):
   out = {'dot_product': ('dot_product', {})}
-  for form in ('naive', 'matmul', 'skew'):
+  for form in ('naive', 'matmul', 'banded'):
     out[f'shaw/{form}'] = ('shaw', {'max_distance': k, 'form': form})
   if 't5_bias' in registry.names():
     out['t5_bias'] = ('t5_bias', {})

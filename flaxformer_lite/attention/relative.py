@@ -8,15 +8,18 @@ vectors a^K_ij, a^V_ij = table[clip(j - (i + q_offset), -k, k) + k], tables
 Three forms compute the same numbers (`form=` in attention_kwargs):
   'naive'  gathers the [n, m, d] tables and uses plain einsums;
   'matmul' gathers them and uses the paper's reshape-and-matmul trick (sec. 3.3);
-  'skew'   never builds [n, m, d]: queries meet the 2k+1 table once
-           ([b, h, n, 2k+1]) and the results are moved onto the diagonals by
-           the pad-and-reshape skew of Music Transformer (Huang et al. 2018);
-           the values side un-skews the weights and sums them per clipped
-           distance. Memory O(b h n m) instead of O(n m d); slices, pads and
-           reshapes only, no gather or scatter (except when decoding).
-'auto' picks 'matmul' while the [n, m, d] tables are small and 'skew' after.
+  'banded' never builds [n, m, d]: queries meet the 2k+1 table once
+           ([b, h, n, 2k+1]) and each result is spread over the keys at its
+           clipped distance (a band of 2k-1 diagonals plus two constant
+           sides, as in Music Transformer's relative attention); the values
+           side sums each query's weights per clipped distance. The two
+           operations are each other's transpose, which gives the gradients
+           without scatters. Memory O(b h n m) instead of O(n m d).
+'auto' picks 'matmul' while the [n, m, d] tables are small and 'banded' after.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +27,8 @@ import jax.numpy as jnp
 from flaxformer_lite.attention import registry
 from flaxformer_lite.attention.dot_product import softmax_weights
 
-FORMS = ('auto', 'naive', 'matmul', 'skew')
-# 'auto' switches to 'skew' when a materialised [n, m, d] table would exceed this.
+FORMS = ('auto', 'naive', 'matmul', 'banded')
+# 'auto' switches to 'banded' when a materialised [n, m, d] table would exceed this.
 _AUTO_TABLE_ELEMENTS = 2 ** 21
 
 
@@ -60,92 +63,84 @@ def shaw_relative_values(weights, rel_value):
   return out.reshape(n, b, h, d).transpose(1, 0, 2, 3)  # [b, n, h, d]
 
 
-def _skew(x, m):
-  """x [..., n, W] with W = n + m - 1, column s = offset j - i + (n - 1)
-  -> [..., n, m] with out[i, j] = x[i, j - i + n - 1]."""
-  *lead, n, w = x.shape
-  x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (0, 1)])  # [..., n, W+1]
-  x = x.reshape(*lead, n * (w + 1))[..., n - 1:n - 1 + n * w]  # row i starts i*(W+1)-i later
-  return x.reshape(*lead, n, w)[..., :m]
+def _offsets(n: int, m: int, q_offset):
+  """int32 [n, m]: j - (i + q_offset), the unclipped distance."""
+  return (jnp.arange(m, dtype=jnp.int32)[None, :]
+          - (q_offset + jnp.arange(n, dtype=jnp.int32)[:, None]))
 
 
-def _unskew(x):
-  """The inverse of _skew: x [..., n, m] -> [..., n, W], W = n + m - 1, with
-  out[i, j - i + n - 1] = x[i, j] and zeros elsewhere."""
-  *lead, n, m = x.shape
-  pad = [(0, 0)] * len(lead)
-  x = jnp.pad(x, pad + [(0, 0), (n, 0)])  # [..., n, m + n], n zeros first
-  x = jnp.pad(x.reshape(*lead, n * (m + n)), pad + [(0, n)])  # row i read i + 1 later:
-  return x.reshape(*lead, n, m + n + 1)[..., 1:m + n]  # out[i, s] = x[i, s + i + 1 - n]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def bucket_spread(k, x, offsets):
+  """x [b, h, n, 2k+1] -> [b, h, n, m]: out[i, j] = x[i, clip(offsets[i, j], -k, k) + k].
+
+  Linear in x; its transpose is bucket_sum (the custom VJP), so no scatter
+  is ever built.
+  """
+  idx = jnp.clip(offsets, -k, k) + k  # [n, m]
+  return jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape), axis=-1)
 
 
-def _bucket_runs(n: int, m: int, k: int, q_offset: int):
-  """Columns s of the offset layout (offset o = s - (n-1) - q_offset) by
-  bucket clip(o, -k, k) + k: (left, r_lo, r_hi, right) = the first `left`
-  columns are bucket 0, the next r_hi - r_lo are buckets r_lo..r_hi-1, the
-  last `right` are bucket 2k. Static ints; k >= 1."""
-  w = n + m - 1
-  left = min(max(n - 1 + q_offset - k + 1, 0), w)
-  right = min(max(w - (n - 1 + q_offset + k), 0), w - left)
-  r_lo = left - (n - 1) - q_offset + k
-  return left, r_lo, r_lo + w - left - right, right
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def bucket_sum(k, y, offsets):
+  """y [b, h, n, m] -> [b, h, n, 2k+1]: out[i, r] = sum of y[i, j] over the j
+  whose clipped distance clip(offsets[i, j], -k, k) + k is r.
+
+  Buckets 0 and 2k (all far keys) are masked row sums; each middle bucket
+  holds one key, j = i + q_offset + r - k, read by a small gather.
+  """
+  if k == 0:
+    return jnp.sum(y, -1, keepdims=True)
+  n, m = offsets.shape
+  left = jnp.sum(jnp.where(offsets <= -k, y, 0), -1, keepdims=True)  # [b, h, n, 1]
+  right = jnp.sum(jnp.where(offsets >= k, y, 0), -1, keepdims=True)
+  # offsets[i, 0] = -(i + q_offset): key j = r - k - offsets[i, 0] is at distance r - k.
+  j = jnp.arange(1 - k, k, dtype=jnp.int32)[None, :] - offsets[:, :1]  # [n, 2k-1]
+  valid = (j >= 0) & (j < m)
+  j = jnp.broadcast_to(jnp.clip(j, 0, m - 1), y.shape[:2] + j.shape)
+  band = jnp.where(valid, jnp.take_along_axis(y, j, axis=-1), 0)  # [b, h, n, 2k-1]
+  return jnp.concatenate([left, band, right], -1)
 
 
-def skew_relative_logits(query, table, k_len: int, q_offset=0):
+def _spread_fwd(k, x, offsets):
+  return bucket_spread(k, x, offsets), offsets
+
+
+def _spread_bwd(k, offsets, g):
+  return bucket_sum(k, g, offsets), None
+
+
+def _sum_fwd(k, y, offsets):
+  return bucket_sum(k, y, offsets), offsets
+
+
+def _sum_bwd(k, offsets, g):
+  return bucket_spread(k, g, offsets), None
+
+
+bucket_spread.defvjp(_spread_fwd, _spread_bwd)
+bucket_sum.defvjp(_sum_fwd, _sum_bwd)
+
+
+def banded_relative_logits(query, table, k_len: int, q_offset=0):
   """q_i . table[clip(j - i - q_offset) + k] without building [n, m, d].
 
   query [b, n, h, d], table [2k+1, d] -> [b, h, n, m]; unscaled.
-  Queries meet the table once ([b, h, n, 2k+1]); each row is laid out by
-  offset (column s = j - i + n - 1, the clipped ends repeated) and skewed
-  onto the diagonals.
   """
-  n = query.shape[1]
   k = (table.shape[0] - 1) // 2
   qa = jnp.einsum('bnhd,rd->bhnr', query, table,
                   preferred_element_type=jnp.float32)  # [b, h, n, 2k+1]
-  offsets = jnp.arange(-(n - 1), k_len, dtype=jnp.int32) - q_offset  # [n + m - 1]
-  x = jnp.take(qa, jnp.clip(offsets, -k, k) + k, axis=-1)  # [b, h, n, n + m - 1]
-  return _skew(x, k_len)
+  return bucket_spread(k, qa, _offsets(query.shape[1], k_len, q_offset))
 
 
-def skew_relative_values(weights, table, q_offset=0):
+def banded_relative_values(weights, table, q_offset=0):
   """sum_j alpha_ij table[clip(j - i - q_offset) + k] without building [n, m, d].
 
-  The weights are laid out by offset (the inverse skew), so each query's
-  weight per clipped distance is a slice or a sum of a slice.
   weights [b, h, n, m], table [2k+1, d] -> [b, n, h, d].
   """
-  b, h, n, m = weights.shape
-  k = (table.shape[0] - 1) // 2
-  weights = weights.astype(jnp.float32)
-  if not isinstance(q_offset, int):
-    return _gather_relative_values(weights, table, q_offset)
-  if k == 0:
-    per_bucket = jnp.sum(weights, -1, keepdims=True)  # [b, h, n, 1]
-  else:
-    left, r_lo, r_hi, right = _bucket_runs(n, m, k, q_offset)
-    x = _unskew(weights)  # [b, h, n, W]
-    w = x.shape[-1]
-    band = jnp.pad(x[..., left:w - right], [(0, 0)] * 3 + [(r_lo - 1, 2 * k - r_hi)])
-    per_bucket = jnp.concatenate([jnp.sum(x[..., :left], -1, keepdims=True), band,
-                                  jnp.sum(x[..., w - right:], -1, keepdims=True)], -1)
-  return jnp.einsum('bhnr,rd->bnhd', per_bucket.astype(table.dtype), table)  # [b, n, h, d]
-
-
-def _gather_relative_values(weights, table, q_offset):
-  """skew_relative_values for a traced q_offset: the keys of query i that
-  share a bucket form one interval of j, so their weight is a difference of
-  a cumulative sum. weights [b, h, n, m] float32 -> [b, n, h, d]."""
   n, m = weights.shape[-2:]
   k = (table.shape[0] - 1) // 2
-  cum = jnp.pad(jnp.cumsum(weights, axis=-1), [(0, 0)] * 3 + [(1, 0)])  # [b, h, n, m+1]
-  i = q_offset + jnp.arange(n, dtype=jnp.int32)[:, None]  # [n, 1] absolute query position
-  r = jnp.arange(2 * k + 1, dtype=jnp.int32)[None, :]  # [1, 2k+1]
-  lo = jnp.clip(jnp.where(r == 0, 0, i + r - k), 0, m)  # first key in bucket r
-  hi = jnp.clip(jnp.where(r == 2 * k, m - 1, i + r - k), -1, m - 1)  # last key in bucket r
-  take = lambda idx: jnp.take_along_axis(cum, jnp.broadcast_to(idx, cum.shape[:2] + idx.shape), -1)
-  per_bucket = jnp.maximum(take(hi + 1) - take(lo), 0.0)  # [b, h, n, 2k+1]
-  return jnp.einsum('bhnr,rd->bnhd', per_bucket.astype(table.dtype), table)
+  per_bucket = bucket_sum(k, weights.astype(jnp.float32), _offsets(n, m, q_offset))
+  return jnp.einsum('bhnr,rd->bnhd', per_bucket.astype(table.dtype), table)  # [b, n, h, d]
 
 
 def choose_form(form: str, n: int, m: int, d: int) -> str:
@@ -153,7 +148,7 @@ def choose_form(form: str, n: int, m: int, d: int) -> str:
     raise ValueError(f'shaw form={form!r}; valid: {", ".join(FORMS)}')
   if form != 'auto':
     return form
-  return 'matmul' if n * m * d <= _AUTO_TABLE_ELEMENTS else 'skew'
+  return 'matmul' if n * m * d <= _AUTO_TABLE_ELEMENTS else 'banded'
 
 
 def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, *,
@@ -167,7 +162,7 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
     rel_key_table, rel_value_table: [2k+1, d] or None (the paper's keys-only
       or values-only ablations).
     mask: boolean, broadcastable to [b, h, n, m]; bias: added to the scaled logits.
-    form: 'auto' | 'naive' | 'matmul' | 'skew' (module docstring).
+    form: 'auto' | 'naive' | 'matmul' | 'banded' (module docstring).
   Returns:
     [b, n, h, d].
   """
@@ -178,14 +173,14 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
   tables = [t for t in (rel_key_table, rel_value_table) if t is not None]
   k = (tables[0].shape[0] - 1) // 2 if tables else 0
   form = choose_form(form, n, m, d)
-  if form != 'skew' and tables:
+  if form != 'banded' and tables:
     idx = relative_positions(n, m, k, q_offset)  # [n, m]
 
   logits = jnp.einsum('bnhd,bmhd->bhnm', query, key, preferred_element_type=jnp.float32)
   if rel_key_table is not None:
     table = rel_key_table.astype(dtype)
-    if form == 'skew':
-      logits += skew_relative_logits(query, table, m, q_offset)
+    if form == 'banded':
+      logits += banded_relative_logits(query, table, m, q_offset)
     elif form == 'matmul':
       logits += shaw_relative_logits(query, table[idx]).astype(jnp.float32)
     else:
@@ -200,8 +195,8 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
   out = jnp.einsum('bhnm,bmhd->bnhd', weights, value)
   if rel_value_table is not None:
     table = rel_value_table.astype(dtype)
-    if form == 'skew':
-      out += skew_relative_values(weights, table, q_offset).astype(dtype)
+    if form == 'banded':
+      out += banded_relative_values(weights, table, q_offset).astype(dtype)
     elif form == 'matmul':
       out += shaw_relative_values(weights, table[idx])
     else:
@@ -243,4 +238,4 @@ registry.register(registry.AttentionVariant(
     validate=_validate_shaw,
     uses_positions=True,
     doc='Shaw et al. 2018 relative positions (tables [2k+1, d] for keys and values); '
-        "form: naive | matmul (the paper's trick) | skew (no [n, m, d] table)"))
+        "form: naive | matmul (the paper's trick) | banded (no [n, m, d] table)"))
