@@ -1,7 +1,7 @@
 """ALiBi against the paper's numbers and scalar python references.
 
 `_paper_slopes` is the recursive `get_slopes` of the paper's reference code
-(ofirpress/attention_with_linear_biases); `_loop_attention` walks batch,
+(ofirpress/attention_with_linear_biases); `loop_attention` (tests/attention/conftest.py) walks batch,
 head, query and key in python floats with the bias given per (head, query, key).
 """
 import functools
@@ -25,25 +25,6 @@ def _paper_slopes(n):
     return power_of_2(n)
   closest = 2 ** math.floor(math.log2(n))
   return power_of_2(closest) + _paper_slopes(2 * closest)[0::2][:n - closest]
-
-
-def _loop_attention(q, k, v, bias_fn, mask=None):
-  """softmax_j(q_i.k_j / sqrt(d) + bias_fn(h, i, j)) over visible j, then sum_j w v_j."""
-  b, n, h, d = q.shape
-  m = k.shape[1]
-  mask = np.ones((b, h, n, m), bool) if mask is None else np.broadcast_to(mask, (b, h, n, m))
-  out = np.zeros((b, n, h, d))
-  for bi in range(b):
-    for hi in range(h):
-      for i in range(n):
-        visible = [j for j in range(m) if mask[bi, hi, i, j]]
-        logits = [float(np.dot(q[bi, i, hi].astype(np.float64), k[bi, j, hi]))
-                  / math.sqrt(d) + bias_fn(hi, i, j) for j in visible]
-        top = max(logits)
-        exps = [math.exp(x - top) for x in logits]
-        for j, e in zip(visible, exps):
-          out[bi, i, hi] += e / sum(exps) * v[bi, j, hi]
-  return out
 
 
 def _qkv(seed, b=2, n=4, m=4, h=3, d=4):
@@ -100,7 +81,7 @@ def test_bias_is_minus_slope_times_distance(q_len, k_len, q_offset):
 
 
 @pytest.mark.parametrize('n,m,q_offset', [(4, 4, 0), (2, 5, 3), (3, 2, 0)])
-def test_attention_matches_loop(n, m, q_offset):
+def test_attention_matches_loop(n, m, q_offset, loop_attention):
   q, k, v = _qkv(1, n=n, m=m)
   extra = np.random.default_rng(3).normal(size=(1, 3, n, m)).astype(np.float32)
   mask = np.random.default_rng(4).random((2, 1, n, m)) < 0.7
@@ -109,7 +90,7 @@ def test_attention_matches_loop(n, m, q_offset):
                    bias=jnp.asarray(extra), q_offset=q_offset)
   slopes = _paper_slopes(3)
   bias_fn = lambda h, i, j: -slopes[h] * abs(j - q_offset - i) + extra[0, h, i, j]
-  np.testing.assert_allclose(np.asarray(got), _loop_attention(q, k, v, bias_fn, mask),
+  np.testing.assert_allclose(np.asarray(got), loop_attention(q, k, v, bias_fn, mask),
                              atol=1e-5, rtol=1e-5)
 
 

@@ -1,7 +1,7 @@
 """RoPE against a scalar rotation loop, and its relative-position property.
 
 `_loop_rotate` turns each feature pair (x[2i], x[2i+1]) by pos * w^(-2i/d)
-with `math.cos`/`math.sin`; `_loop_attention` walks batch, head, query and
+with `math.cos`/`math.sin`; `loop_attention` (tests/attention/conftest.py) walks batch, head, query and
 key in python floats.
 """
 import functools
@@ -28,25 +28,6 @@ def _loop_rotate(x, positions, max_wavelength=10000.0):
           x0, x1 = float(x[bi, r, hi, 2 * i]), float(x[bi, r, hi, 2 * i + 1])
           out[bi, r, hi, 2 * i] = x0 * math.cos(angle) - x1 * math.sin(angle)
           out[bi, r, hi, 2 * i + 1] = x0 * math.sin(angle) + x1 * math.cos(angle)
-  return out
-
-
-def _loop_attention(q, k, v, bias_fn, mask=None):
-  """softmax_j(q_i.k_j / sqrt(d) + bias_fn(h, i, j)) over visible j, then sum_j w v_j."""
-  b, n, h, d = q.shape
-  m = k.shape[1]
-  mask = np.ones((b, h, n, m), bool) if mask is None else np.broadcast_to(mask, (b, h, n, m))
-  out = np.zeros((b, n, h, d))
-  for bi in range(b):
-    for hi in range(h):
-      for i in range(n):
-        visible = [j for j in range(m) if mask[bi, hi, i, j]]
-        logits = [float(np.dot(q[bi, i, hi].astype(np.float64), k[bi, j, hi]))
-                  / math.sqrt(d) + bias_fn(hi, i, j) for j in visible]
-        top = max(logits)
-        exps = [math.exp(x - top) for x in logits]
-        for j, e in zip(visible, exps):
-          out[bi, i, hi] += e / sum(exps) * v[bi, j, hi]
   return out
 
 
@@ -104,7 +85,7 @@ def test_odd_head_dim_raises_naming_it():
 
 @pytest.mark.parametrize('n,m,q_offset,max_wavelength', [
     (4, 4, 0, 10000.0), (2, 5, 3, 10000.0), (3, 2, 0, 100.0), (2, 3, 6, 100.0)])
-def test_attention_matches_loop(n, m, q_offset, max_wavelength):
+def test_attention_matches_loop(n, m, q_offset, max_wavelength, loop_attention):
   q, k, v = _qkv(3, n=n, m=m)
   extra = np.random.default_rng(4).normal(size=(1, 2, n, m)).astype(np.float32)
   mask = np.random.default_rng(5).random((2, 1, n, m)) < 0.7
@@ -113,7 +94,7 @@ def test_attention_matches_loop(n, m, q_offset, max_wavelength):
                    bias=jnp.asarray(extra), q_offset=q_offset, max_wavelength=max_wavelength)
   q_rot = _loop_rotate(q, [q_offset + i for i in range(n)], max_wavelength)
   k_rot = _loop_rotate(k, list(range(m)), max_wavelength)
-  want = _loop_attention(q_rot, k_rot, v, lambda h, i, j: extra[0, h, i, j], mask)
+  want = loop_attention(q_rot, k_rot, v, lambda h, i, j: extra[0, h, i, j], mask)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 

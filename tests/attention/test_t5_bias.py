@@ -1,7 +1,7 @@
 """T5 relative position bias against scalar python references.
 
 `_ref_bucket` is mesh-tensorflow's `_relative_position_bucket` rewritten over
-one python int with `math.log`; `_loop_attention` walks batch, head, query and
+one python int with `math.log`; `loop_attention` (tests/attention/conftest.py) walks batch, head, query and
 key in python floats with the bias looked up per (head, query, key).
 """
 import functools
@@ -34,25 +34,6 @@ def _ref_bucket(rel, bidirectional, num_buckets, max_distance):
   large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
                           * (num_buckets - max_exact))
   return ret + min(large, num_buckets - 1)
-
-
-def _loop_attention(q, k, v, bias_fn, mask=None):
-  """softmax_j(q_i.k_j / sqrt(d) + bias_fn(h, i, j)) over visible j, then sum_j w v_j."""
-  b, n, h, d = q.shape
-  m = k.shape[1]
-  mask = np.ones((b, h, n, m), bool) if mask is None else np.broadcast_to(mask, (b, h, n, m))
-  out = np.zeros((b, n, h, d))
-  for bi in range(b):
-    for hi in range(h):
-      for i in range(n):
-        visible = [j for j in range(m) if mask[bi, hi, i, j]]
-        logits = [float(np.dot(q[bi, i, hi].astype(np.float64), k[bi, j, hi]))
-                  / math.sqrt(d) + bias_fn(hi, i, j) for j in visible]
-        top = max(logits)
-        exps = [math.exp(x - top) for x in logits]
-        for j, e in zip(visible, exps):
-          out[bi, i, hi] += e / sum(exps) * v[bi, j, hi]
-  return out
 
 
 def _qkv(seed, b=2, n=4, m=4, h=2, d=4):
@@ -128,7 +109,7 @@ def test_bias_looks_up_bucket_of_key_minus_query(q_len, k_len, q_offset):
 
 @pytest.mark.parametrize('bidirectional', [True, False])
 @pytest.mark.parametrize('n,m,q_offset', [(4, 4, 0), (2, 5, 3), (3, 2, 0)])
-def test_attention_matches_loop(bidirectional, n, m, q_offset):
+def test_attention_matches_loop(bidirectional, n, m, q_offset, loop_attention):
   nb, md = 8, 5
   q, k, v = _qkv(1, n=n, m=m)
   table = np.random.default_rng(2).normal(size=(nb, 2)).astype(np.float32)
@@ -140,7 +121,7 @@ def test_attention_matches_loop(bidirectional, n, m, q_offset):
                    bidirectional=bidirectional, num_buckets=nb, max_distance=md)
   bias_fn = lambda h, i, j: (table[_ref_bucket(j - q_offset - i, bidirectional, nb, md), h]
                              + extra[0, h, i, j])
-  np.testing.assert_allclose(np.asarray(got), _loop_attention(q, k, v, bias_fn, mask),
+  np.testing.assert_allclose(np.asarray(got), loop_attention(q, k, v, bias_fn, mask),
                              atol=1e-5, rtol=1e-5)
 
 
