@@ -25,7 +25,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 def _summarise(sums) -> dict:
-  """Metric sums -> means: loss, nll, perplexity, accuracy, sequence_accuracy."""
+  """Metric sums -> means: loss, nll, perplexity, accuracy (and mean grad_norm sums)."""
   tokens = max(float(sums['tokens']), 1.0)
   out = {'loss': float(sums['loss']) / tokens, 'nll': float(sums['nll']) / tokens,
          'accuracy': float(sums['correct']) / tokens}
