@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import MultiHeadAttention
 
 B, N, M, F, H = 2, 5, 4, 6, 2
@@ -219,3 +220,17 @@ def test_decode_chunks_after_prefill_match_causal_forward():
     cache = mutated['cache']
     np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, start:start + size]),
                                atol=1e-5, rtol=1e-5, err_msg=f'positions {start}+{size}')
+
+
+@pytest.mark.parametrize('attention', registry.names())
+def test_every_variant_computes_in_bfloat16_close_to_float32(attention):
+  """bf16 compute (float32 params) stays within bf16 rounding of float32."""
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 6, 8)).astype(np.float32))
+  mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
+  f32 = MultiHeadAttention(num_heads=2, attention=attention)
+  bf16 = MultiHeadAttention(num_heads=2, attention=attention, dtype=jnp.bfloat16)
+  params = f32.init(jax.random.PRNGKey(0), x)
+  want = f32.apply(params, x, mask=mask)
+  got = bf16.apply(params, x, mask=mask)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=0.05, rtol=0.05)
