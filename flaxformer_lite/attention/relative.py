@@ -77,7 +77,8 @@ def bucket_spread(k, x, offsets):
   is ever built.
   """
   idx = jnp.clip(offsets, -k, k) + k  # [n, m]
-  return jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape), axis=-1)
+  return jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape), axis=-1,
+                             mode='promise_in_bounds')  # idx is in [0, 2k] by construction
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -97,7 +98,7 @@ def bucket_sum(k, y, offsets):
   j = jnp.arange(1 - k, k, dtype=jnp.int32)[None, :] - offsets[:, :1]  # [n, 2k-1]
   valid = (j >= 0) & (j < m)
   j = jnp.broadcast_to(jnp.clip(j, 0, m - 1), y.shape[:2] + j.shape)
-  band = jnp.where(valid, jnp.take_along_axis(y, j, axis=-1), 0)  # [b, h, n, 2k-1]
+  band = jnp.where(valid, jnp.take_along_axis(y, j, axis=-1, mode='promise_in_bounds'), 0)
   return jnp.concatenate([left, band, right], -1)
 
 
