@@ -76,9 +76,11 @@ def bucket_spread(k, x, offsets):
   Linear in x; its transpose is bucket_sum (the custom VJP), so no scatter
   is ever built.
   """
-  idx = jnp.clip(offsets, -k, k) + k  # [n, m]
-  return jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape), axis=-1,
-                             mode='promise_in_bounds')  # idx is in [0, 2k] by construction
+  idx = jnp.clip(offsets, -k, k) + k  # [n, m], in [0, 2k] by construction
+  rows = jnp.arange(idx.shape[0])[:, None]  # [n, 1]
+  # Indexing (not take_along_axis) keeps the gather's indices [n, m]: shared
+  # by every batch and head instead of built per element.
+  return x.at[:, :, rows, idx].get(mode='promise_in_bounds')
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -86,19 +88,21 @@ def bucket_sum(k, y, offsets):
   """y [b, h, n, m] -> [b, h, n, 2k+1]: out[i, r] = sum of y[i, j] over the j
   whose clipped distance clip(offsets[i, j], -k, k) + k is r.
 
-  Buckets 0 and 2k (all far keys) are masked row sums; each middle bucket
-  holds one key, j = i + q_offset + r - k, read by a small gather.
+  Each middle bucket holds one key, j = i + q_offset + r - k, read by a
+  small gather; bucket 0 (all keys at or left of distance -k) is one masked
+  row sum, and bucket 2k is what remains of the row total. (One masked sum
+  instead of two: each costs a pass over [b, h, n, m].)
   """
   if k == 0:
     return jnp.sum(y, -1, keepdims=True)
   n, m = offsets.shape
   left = jnp.sum(jnp.where(offsets <= -k, y, 0), -1, keepdims=True)  # [b, h, n, 1]
-  right = jnp.sum(jnp.where(offsets >= k, y, 0), -1, keepdims=True)
   # offsets[i, 0] = -(i + q_offset): key j = r - k - offsets[i, 0] is at distance r - k.
   j = jnp.arange(1 - k, k, dtype=jnp.int32)[None, :] - offsets[:, :1]  # [n, 2k-1]
   valid = (j >= 0) & (j < m)
-  j = jnp.broadcast_to(jnp.clip(j, 0, m - 1), y.shape[:2] + j.shape)
-  band = jnp.where(valid, jnp.take_along_axis(y, j, axis=-1, mode='promise_in_bounds'), 0)
+  rows = jnp.arange(n)[:, None]  # [n, 1]
+  band = jnp.where(valid, y.at[:, :, rows, jnp.clip(j, 0, m - 1)].get(mode='promise_in_bounds'), 0)
+  right = jnp.sum(y, -1, keepdims=True) - left - jnp.sum(band, -1, keepdims=True)
   return jnp.concatenate([left, band, right], -1)
 
 
@@ -177,17 +181,18 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
   if form != 'banded' and tables:
     idx = relative_positions(n, m, k, q_offset)  # [n, m]
 
-  logits = jnp.einsum('bnhd,bmhd->bhnm', query, key, preferred_element_type=jnp.float32)
+  # (q.k + q.a) / sqrt(d) with the scale applied once to q ([b, n, h, d], not [b, h, n, m]).
+  scaled = query / jnp.sqrt(d).astype(dtype)
+  logits = jnp.einsum('bnhd,bmhd->bhnm', scaled, key, preferred_element_type=jnp.float32)
   if rel_key_table is not None:
     table = rel_key_table.astype(dtype)
     if form == 'banded':
-      logits += banded_relative_logits(query, table, m, q_offset)
+      logits += banded_relative_logits(scaled, table, m, q_offset)
     elif form == 'matmul':
-      logits += shaw_relative_logits(query, table[idx]).astype(jnp.float32)
+      logits += shaw_relative_logits(scaled, table[idx]).astype(jnp.float32)
     else:
-      logits += jnp.einsum('bnhd,nmd->bhnm', query, table[idx],
+      logits += jnp.einsum('bnhd,nmd->bhnm', scaled, table[idx],
                            preferred_element_type=jnp.float32)
-  logits = logits / jnp.sqrt(d).astype(jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
