@@ -47,7 +47,7 @@ def alibi_bias(num_heads, q_len, k_len, *, q_offset=0):
 
 def alibi_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
                     dropout_rate=0.0, dropout_rng=None, deterministic=True,
-                    dtype=None):
+                    dtype=None, return_weights=False):
   """Dot-product attention with the ALiBi bias added to the scaled logits.
 
   Args:
@@ -65,11 +65,13 @@ def alibi_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
   return dot_product_attention(
       query, key, value, mask=mask, bias=position_bias,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      deterministic=deterministic, dtype=dtype)
+      deterministic=deterministic, dtype=dtype,
+      return_weights=return_weights)
 
 
 registry.register(registry.AttentionVariant(
     name='alibi',
+    models=registry.TRANSFORMER_MODELS,
     fn=alibi_attention,
     uses_positions=True,
     doc='fixed per-head linear distance penalty -slope*|j-i| (ALiBi, Press et al. '

@@ -74,7 +74,7 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
 def dot_product_attention(query, key, value, *, mask=None, bias=None,
                           dropout_rate=0.0, dropout_rng=None,
                           deterministic=True, dtype=None,
-                          implementation=None):
+                          implementation=None, return_weights=False):
   """Scaled dot-product attention.
 
   Args:
@@ -90,15 +90,19 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
       after the matmul) costs 10% more time for forward+backward and a third
       more temp memory on CPU than the same math written out here
       (benchmarks/attention.py). Ask for 'cudnn' to get the fused GPU kernel.
+    return_weights: also return the weights [b, h, n, m] (always computed on
+      the reference path, whatever `implementation` says).
   Returns:
-    [b, n, h, d] in `dtype` (default: query's dtype).
+    [b, n, h, d] in `dtype` (default: query's dtype); with return_weights,
+    (that, weights [b, h, n, m]).
   """
   dtype = dtype or query.dtype
-  if implementation in (None, 'reference'):
+  if implementation in (None, 'reference') or return_weights:
     weights = dot_product_attention_weights(
         query, key, mask=mask, bias=bias, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
-    return jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
+    out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
+    return (out, weights) if return_weights else out
   if implementation not in ('xla', 'cudnn'):
     raise ValueError(f"implementation={implementation!r}; valid: None, "
                      "'reference', 'xla', 'cudnn'")

@@ -2,13 +2,18 @@
 
 A variant is a pure function plus an entry here. `MultiHeadAttention` calls
   fn(query [b,n,h,d], key [b,m,h,d], value [b,m,h,d], *, mask, bias,
-     dropout_rate, dropout_rng, deterministic, dtype, **params, **kwargs)
-  -> [b, n, h, d]
+     dropout_rate, dropout_rng, deterministic, dtype, return_weights,
+     **params, **kwargs)
+  -> [b, n, h, d], or (that, weights [b, h, n, m]) when return_weights
 where `params` are arrays the layer creates from `AttentionVariant.params`
-(learned tables, per-head scalars) and `kwargs` are the variant's options
-from `config.model.attention_kwargs`. Variants with `uses_positions` also
-receive `q_offset` (the absolute position of the first query; non-zero when
-decoding with a cache).
+(learned tables, per-head matrices) and `kwargs` are the variant's options
+from `config.model.attention_kwargs`. Some variants receive more:
+  uses_positions: `q_offset`, the absolute position of the first query
+    (non-zero when decoding with a cache, or for an RNN decoder's step t).
+  stochastic: `rng`, a PRNG key when deterministic=False, else None.
+  uses_alignment: `prev_alignment` [b, h, n, m], the sum of the weights of
+    all earlier decoder steps (zeros at the first); only a step-by-step
+    decoder (the RNN) can supply it, so such variants list rnn_seq2seq only.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from typing import Any, Callable, Mapping
 
 from flaxformer_lite.attention.dot_product import dot_product_attention
 
-ALL_MODELS = ('encoder_decoder', 'decoder_only')
+TRANSFORMER_MODELS = ('encoder_decoder', 'decoder_only')
+ALL_MODELS = TRANSFORMER_MODELS + ('rnn_seq2seq',)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,8 @@ class AttentionVariant:
   models: model types that can use the variant.
   validate: kwargs -> None, raising ValueError with a reason.
   uses_positions: fn takes `q_offset`.
+  stochastic: fn takes `rng`.
+  uses_alignment: fn takes `prev_alignment`.
   doc: one line for `--list_attention`.
   """
   name: str
@@ -42,6 +50,8 @@ class AttentionVariant:
   models: tuple[str, ...] = ALL_MODELS
   validate: Callable[[Mapping[str, Any]], None] | None = None
   uses_positions: bool = False
+  stochastic: bool = False
+  uses_alignment: bool = False
   doc: str = ''
 
 

@@ -158,7 +158,8 @@ def choose_form(form: str, n: int, m: int, d: int) -> str:
 
 def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, *,
                    mask=None, bias=None, q_offset=0, form='auto',
-                   dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None):
+                   dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
+                   return_weights=False):
   """Self-attention with relative position representations (eq. 3-5).
 
   Args:
@@ -169,7 +170,7 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
     mask: boolean, broadcastable to [b, h, n, m]; bias: added to the scaled logits.
     form: 'auto' | 'naive' | 'matmul' | 'banded' (module docstring).
   Returns:
-    [b, n, h, d].
+    [b, n, h, d]; with return_weights, (that, weights [b, h, n, m]).
   """
   dtype = dtype or query.dtype
   query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -207,7 +208,7 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
       out += shaw_relative_values(weights, table[idx])
     else:
       out += jnp.einsum('bhnm,nmd->bnhd', weights, table[idx])
-  return out
+  return (out, weights) if return_weights else out
 
 
 def _shaw_params(num_heads, head_dim, kwargs):
@@ -237,6 +238,7 @@ def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **
 
 registry.register(registry.AttentionVariant(
     name='shaw',
+    models=registry.TRANSFORMER_MODELS,
     fn=_shaw,
     kwargs={'max_distance': 16, 'relative_keys': True, 'relative_values': True,
             'form': 'auto'},

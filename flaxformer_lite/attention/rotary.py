@@ -39,7 +39,7 @@ def apply_rotary(x, positions, *, max_wavelength=10000.0):
 
 def rotary_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
                      max_wavelength=10000.0, dropout_rate=0.0, dropout_rng=None,
-                     deterministic=True, dtype=None):
+                     deterministic=True, dtype=None, return_weights=False):
   """Dot-product attention over rotated queries and keys; values unrotated.
 
   Args:
@@ -55,7 +55,8 @@ def rotary_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
   key = apply_rotary(key, jnp.arange(key.shape[1]), max_wavelength=max_wavelength)
   return dot_product_attention(
       query, key, value, mask=mask, bias=bias, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
+      dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype,
+      return_weights=return_weights)
 
 
 def _validate(kwargs):
@@ -66,6 +67,7 @@ def _validate(kwargs):
 
 registry.register(registry.AttentionVariant(
     name='rotary',
+    models=registry.TRANSFORMER_MODELS,
     fn=rotary_attention,
     kwargs={'max_wavelength': 10000.0},
     validate=_validate,

@@ -76,7 +76,7 @@ def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, bidirectional=True,
 def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
                       q_offset=0, bidirectional=True, num_buckets=32,
                       max_distance=128, dropout_rate=0.0, dropout_rng=None,
-                      deterministic=True, dtype=None):
+                      deterministic=True, dtype=None, return_weights=False):
   """Dot-product attention with the T5 relative position bias added.
 
   logits = q.k / sqrt(d) + t5_bias + bias. T5 itself drops the 1/sqrt(d)
@@ -101,7 +101,8 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
   return dot_product_attention(
       query, key, value, mask=mask, bias=position_bias,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      deterministic=deterministic, dtype=dtype)
+      deterministic=deterministic, dtype=dtype,
+      return_weights=return_weights)
 
 
 def _validate(kwargs):
@@ -131,6 +132,7 @@ def _validate(kwargs):
 
 registry.register(registry.AttentionVariant(
     name='t5_bias',
+    models=registry.TRANSFORMER_MODELS,
     fn=t5_bias_attention,
     kwargs={'num_buckets': 32, 'max_distance': 128, 'bidirectional': True},
     params=lambda num_heads, head_dim, kwargs: {

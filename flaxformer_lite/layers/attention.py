@@ -33,6 +33,13 @@ class MultiHeadAttention(nn.Module):
     attention: registry name of the attention function.
     attention_kwargs: the variant's options (unset ones may be None).
     dropout_rate: attention-weights dropout.
+    sow_weights: store the attention weights [b, h, n, m] in the
+      'intermediates' collection as 'attention_weights' (apply with
+      mutable=['intermediates'] to read them; for plots).
+
+  `prev_alignment` [b, h, n, m] is passed to variants that use it
+  (location-sensitive attention; see attention/registry.py). Stochastic
+  variants (hard attention) draw from the 'dropout' rng stream.
   """
   num_heads: int
   qkv_features: int | None = None
@@ -46,10 +53,11 @@ class MultiHeadAttention(nn.Module):
   bias_init: Any = nn.initializers.zeros
   use_bias: bool = True
   decode: bool = False
+  sow_weights: bool = False
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv=None, *, mask=None, bias=None,
-               deterministic=True):
+               deterministic=True, prev_alignment=None):
     features = inputs_q.shape[-1]
     qkv_features = self.qkv_features or features
     if qkv_features % self.num_heads:
@@ -84,12 +92,23 @@ class MultiHeadAttention(nn.Module):
               for name, (shape, init) in tables.items()}
     if variant.uses_positions:
       kwargs['q_offset'] = q_offset
+    if variant.stochastic:
+      kwargs['rng'] = None if deterministic else self.make_rng('dropout')
+    if variant.uses_alignment:
+      if prev_alignment is None:
+        prev_alignment = jnp.zeros(query.shape[:1] + (h, query.shape[1], key.shape[1]),
+                                   jnp.float32)
+      kwargs['prev_alignment'] = prev_alignment
     dropout_active = not deterministic and self.dropout_rate > 0.0
     x = variant.fn(
         query, key, value, mask=mask, bias=bias,
         dropout_rate=self.dropout_rate,
         dropout_rng=self.make_rng('dropout') if dropout_active else None,
-        deterministic=deterministic, dtype=self.dtype, **params, **kwargs)
+        deterministic=deterministic, dtype=self.dtype,
+        return_weights=self.sow_weights, **params, **kwargs)
+    if self.sow_weights:
+      x, weights = x
+      self.sow('intermediates', 'attention_weights', weights)
     return nn.DenseGeneral(
         features=self.out_features or features, axis=(-2, -1),
         dtype=self.dtype, param_dtype=self.param_dtype,
