@@ -28,8 +28,10 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.attention.dot_product import softmax_weights
 
 FORMS = ('auto', 'naive', 'matmul', 'banded')
-# 'auto' switches to 'banded' when a materialised [n, m, d] table would exceed this.
-_AUTO_TABLE_ELEMENTS = 2 ** 21
+# 'auto' switches to 'banded' when a materialised [n, m, d] table would exceed
+# this: on CPU the two forms tie at n = m = 64, d = 64 inside MultiHeadAttention
+# and banded wins from there on (benchmarks/relative_attention.py).
+_AUTO_TABLE_ELEMENTS = 2 ** 18
 
 
 def relative_positions(q_len: int, k_len: int, max_distance: int, q_offset=0):

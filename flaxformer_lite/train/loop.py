@@ -194,4 +194,5 @@ def train_and_evaluate(config, workdir: str) -> dict:
   for split, m in results.items():
     log.info('  %-5s %s', split, '  '.join(f'{k} {v:.4f}' for k, v in sorted(m.items())))
   results['train_seconds'] = train_time
+  results['num_params'] = num_params
   return results
