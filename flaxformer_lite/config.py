@@ -16,7 +16,7 @@ from ml_collections import config_dict
 
 from flaxformer_lite import data, models
 from flaxformer_lite.attention import registry
-from flaxformer_lite.layers import embeddings, transformer
+from flaxformer_lite.layers import embeddings, rnn, transformer
 from flaxformer_lite.train import schedules
 
 PARALLEL_MODES = ('jit',)
@@ -57,6 +57,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.pre_ln = True  # False: post-LN as in the 2017 paper
   m.activation = 'relu'  # relu | gelu
   m.dtype = 'float32'  # float32 | bfloat16 (compute; params stay float32)
+  # model.type=rnn_seq2seq (layers/rnn.py): the cell, and Luong's input feeding
+  # (the previous attentional state joins the next decoder input).
+  m.rnn_cell = 'lstm'  # lstm | gru
+  m.rnn_input_feeding = True
 
   c.train = t = ml_collections.ConfigDict()
   t.num_steps = 2000
@@ -135,6 +139,13 @@ def validate(config) -> None:
   _choice('model.dtype', m.dtype, tuple(models.DTYPES))
   for key in ('dropout_rate', 'attention_dropout_rate'):
     _check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')
+  _choice('model.rnn_cell', m.rnn_cell, tuple(rnn.CELLS))
+  if m.type == 'rnn_seq2seq':
+    _check(m.d_model % 2 == 0,
+           f'model.type=rnn_seq2seq splits model.d_model={m.d_model} over the two '
+           f'directions of its bidirectional encoder; use an even d_model')
+    for key in ('num_encoder_layers', 'num_decoder_layers'):
+      _check(m[key] >= 1, f'model.{key}={m[key]} must be >= 1 for model.type=rnn_seq2seq')
 
   _check(t.num_steps > 0, f'train.num_steps={t.num_steps} must be > 0')
   _check(t.batch_size > 0, f'train.batch_size={t.batch_size} must be > 0')

@@ -1,9 +1,11 @@
-"""Greedy decoding over a cached decoder.
+"""Greedy and beam search over a cached decoder.
 
 Decoding is written against one interface, as in T5X:
   tokens_to_logits(tokens [b, L], cache) -> (logits [b, L, V], new_cache)
-so the same loop serves the encoder-decoder and the decoder-only LM (and any
-attention variant: the cache lives in the layers).
+so the same loops serve the encoder-decoder, the decoder-only LM and the RNN
+seq2seq model (and any attention variant: the cache lives in the layers).
+Beam search needs nothing more of the cache than that every leaf is either
+[b, ...] (per sequence) or a scalar shared by all sequences (a step index).
 """
 from __future__ import annotations
 
@@ -59,6 +61,117 @@ def greedy(tokens_to_logits, cache, prompt, max_steps: int, *, eos_id=EOS_ID):
   return jax.lax.while_loop(cond, body, state)[3]
 
 
+def length_penalty(length, alpha: float):
+  """GNMT's ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14)."""
+  return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_search(tokens_to_logits, cache, prompt, max_steps: int, *, beam_size: int,
+                alpha: float = 0.6, eos_id=EOS_ID):
+  """Beam search with GNMT's length penalty.
+
+  Each step extends every live hypothesis by every token and keeps the
+  `beam_size` most probable extensions; those that end in EOS leave the beam
+  for the finished pool (its best `beam_size`, each keeping its score
+  log p / length_penalty(length, alpha), length counting EOS), the others
+  stay live. The search stops when no live hypothesis can still beat the best
+  finished one (log p only falls as a hypothesis grows), or after `max_steps`
+  tokens, when the hypotheses still live are scored as they are.
+  beam_size=1 is greedy decoding.
+
+  Args:
+    tokens_to_logits: see the module docstring; always called with
+      b * beam_size rows, hypothesis j of example i in row i * beam_size + j.
+    cache: the empty cache for b rows. Leaves [b, ...] are tiled to
+      [b * beam_size, ...] and reordered after each step to follow their
+      hypotheses; scalar leaves (positions shared by all rows) are kept.
+    prompt: [b, P] tokens fed first in one call (P >= 1); not scored.
+    max_steps: the most tokens to generate.
+  Returns:
+    (sequences [b, beam_size, max_steps] with PAD after EOS, scores
+    [b, beam_size]), best first; -inf scores mark empty slots.
+  """
+  if beam_size < 1 or max_steps < 1:
+    raise ValueError(f'beam_size={beam_size} and max_steps={max_steps} must be >= 1')
+  b, k = prompt.shape[0], beam_size
+
+  def tile(x):
+    if x.ndim and x.shape[0] != b:
+      raise ValueError(f'beam search needs cache leaves of shape [batch={b}, ...] or '
+                       f'scalars; got a leaf of shape {x.shape}')
+    return jnp.repeat(x, k, axis=0) if x.ndim else x
+
+  def reorder(cache, origin):  # origin [b, k]: the hypothesis each row continues
+    rows = (jnp.arange(b)[:, None] * k + origin).reshape(-1)
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0) if x.ndim else x, cache)
+
+  penalty_bound = lambda i: jnp.maximum(length_penalty(i + 1, alpha),
+                                        length_penalty(max_steps, alpha))
+
+  def extend(i, logits, state):
+    """Generates token i (0-based) from logits [b * k, V] of the last fed tokens."""
+    seqs, live, fin_seqs, fin_scores = state
+    vocab = logits.shape[-1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, vocab)
+    candidates = (live[:, :, None] + logp).reshape(b, k * vocab)
+    live, index = jax.lax.top_k(candidates, k)  # [b, k]
+    origin, token = index // vocab, (index % vocab).astype(seqs.dtype)
+    seqs = jnp.take_along_axis(seqs, origin[:, :, None], axis=1).at[:, :, i].set(token)
+    ended = token == eos_id
+    scores = jnp.where(ended, live / length_penalty(i + 1, alpha), -jnp.inf)
+    fin_scores, best = jax.lax.top_k(jnp.concatenate([fin_scores, scores], 1), k)
+    fin_seqs = jnp.take_along_axis(jnp.concatenate([fin_seqs, seqs], 1), best[:, :, None],
+                                   axis=1)
+    return origin, token, (seqs, jnp.where(ended, -jnp.inf, live), fin_seqs, fin_scores)
+
+  cache = jax.tree.map(tile, cache)
+  logits, cache = tokens_to_logits(jnp.repeat(prompt, k, axis=0), cache)
+  empty = jnp.full((b, k, max_steps), PAD_ID, prompt.dtype)
+  # The k copies of the prompt are one hypothesis: only the first is extended.
+  live = jnp.full((b, k), -jnp.inf).at[:, 0].set(0.0)
+  origin, token, state = extend(0, logits[:, -1], (empty, live, empty,
+                                                   jnp.full((b, k), -jnp.inf)))
+  cache = reorder(cache, origin)
+
+  def cond(loop):
+    i, _, _, (_, live, _, fin_scores) = loop
+    # With log p <= 0, a live hypothesis scores at most log p / the largest
+    # penalty of any length it can still reach.
+    can_improve = jnp.max(live, axis=1) / penalty_bound(i) > fin_scores[:, 0]
+    return jnp.logical_and(i < max_steps, jnp.any(can_improve))
+
+  def body(loop):
+    i, cache, token, state = loop
+    logits, cache = tokens_to_logits(token.reshape(b * k, 1), cache)
+    origin, token, state = extend(i, logits[:, -1], state)
+    return i + 1, reorder(cache, origin), token, state
+
+  i, _, _, (seqs, live, fin_seqs, fin_scores) = jax.lax.while_loop(
+      cond, body, (jnp.array(1), cache, token, state))
+  live_scores = jnp.where(i == max_steps, live / length_penalty(max_steps, alpha), -jnp.inf)
+  scores, best = jax.lax.top_k(jnp.concatenate([fin_scores, live_scores], 1), k)
+  seqs = jnp.take_along_axis(jnp.concatenate([fin_seqs, seqs], 1), best[:, :, None], axis=1)
+  return seqs, scores
+
+
+def _translation_fn(decode_model, params, encoded, inputs):
+  """tokens_to_logits of an encoder-decoder for `encoded` = encode(inputs)."""
+  def tokens_to_logits(tokens, cache):
+    logits, variables = decode_model.apply(
+        {'params': params, 'cache': cache}, encoded, inputs, tokens,
+        method='decode', mutable=['cache'])
+    return logits, variables['cache']
+  return tokens_to_logits
+
+
+def _lm_fn(decode_model, params):
+  def tokens_to_logits(tokens, cache):
+    logits, variables = decode_model.apply(
+        {'params': params, 'cache': cache}, tokens, mutable=['cache'])
+    return logits, variables['cache']
+  return tokens_to_logits
+
+
 def greedy_translate(model, decode_model, params, inputs, max_len: int):
   """Encoder-decoder greedy decoding.
 
@@ -67,25 +180,37 @@ def greedy_translate(model, decode_model, params, inputs, max_len: int):
   """
   encoded = model.apply({'params': params}, inputs, method='encode')
   cache = init_cache(decode_model, inputs, jnp.zeros((inputs.shape[0], max_len), inputs.dtype))
-
-  def tokens_to_logits(tokens, cache):
-    logits, variables = decode_model.apply(
-        {'params': params, 'cache': cache}, encoded, inputs, tokens,
-        method='decode', mutable=['cache'])
-    return logits, variables['cache']
-
   bos = jnp.full((inputs.shape[0], 1), BOS_ID, inputs.dtype)
-  return greedy(tokens_to_logits, cache, bos, max_len)
+  return greedy(_translation_fn(decode_model, params, encoded, inputs), cache, bos, max_len)
+
+
+def beam_translate(model, decode_model, params, inputs, max_len: int, *, beam_size: int,
+                   alpha: float = 0.6):
+  """Encoder-decoder beam search (see `beam_search`); encodes once.
+
+  inputs [b, m] -> the best hypothesis [b, max_len] (EOS included, PAD after it).
+  """
+  encoded = model.apply({'params': params}, inputs, method='encode')
+  cache = init_cache(decode_model, inputs, jnp.zeros((inputs.shape[0], max_len), inputs.dtype))
+  tiled = jax.tree.map(lambda x: jnp.repeat(x, beam_size, axis=0), (encoded, inputs))
+  bos = jnp.full((inputs.shape[0], 1), BOS_ID, inputs.dtype)
+  seqs, _ = beam_search(_translation_fn(decode_model, params, *tiled), cache, bos, max_len,
+                        beam_size=beam_size, alpha=alpha)
+  return seqs[:, 0]
 
 
 def greedy_generate(decode_model, params, prompt, max_steps: int):
   """Decoder-only LM: prompt [b, P] -> [b, max_steps] continuation."""
   total = prompt.shape[1] + max_steps
   cache = init_cache(decode_model, jnp.zeros((prompt.shape[0], total), prompt.dtype))
+  return greedy(_lm_fn(decode_model, params), cache, prompt, max_steps)
 
-  def tokens_to_logits(tokens, cache):
-    logits, variables = decode_model.apply(
-        {'params': params, 'cache': cache}, tokens, mutable=['cache'])
-    return logits, variables['cache']
 
-  return greedy(tokens_to_logits, cache, prompt, max_steps)
+def beam_generate(decode_model, params, prompt, max_steps: int, *, beam_size: int,
+                  alpha: float = 0.6):
+  """Decoder-only LM beam search: prompt [b, P] -> the best [b, max_steps] continuation."""
+  total = prompt.shape[1] + max_steps
+  cache = init_cache(decode_model, jnp.zeros((prompt.shape[0], total), prompt.dtype))
+  seqs, _ = beam_search(_lm_fn(decode_model, params), cache, prompt, max_steps,
+                        beam_size=beam_size, alpha=alpha)
+  return seqs[:, 0]

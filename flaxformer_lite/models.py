@@ -10,10 +10,11 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
-from flaxformer_lite.layers import Decoder, Embed, Encoder, TransformerConfig
+from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
+                                    RNNEncoder, TransformerConfig)
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-MODEL_TYPES = ('encoder_decoder', 'decoder_only')
+MODEL_TYPES = ('encoder_decoder', 'decoder_only', 'rnn_seq2seq')
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
@@ -86,29 +87,84 @@ class DecoderOnly(nn.Module):
     return self.decoder(ids, self_mask=self_mask, deterministic=deterministic)
 
 
-def transformer_config(model_config: Mapping[str, Any], *, decode=False) -> TransformerConfig:
+class RNNSeq2Seq(nn.Module):
+  """Bidirectional RNN encoder, attentional RNN decoder with input feeding
+  (layers/rnn.py), one embedding for both sides. The interface is
+  EncoderDecoder's: `__call__(inputs [b, m], decoder_inputs [b, n])` ->
+  logits [b, n, vocab]; `encode`; `decode` (with `cfg.decode`, the decoder's
+  carry lives in the 'cache' collection).
+  """
+  cfg: RNNConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed')
+    self.encoder = RNNEncoder(cfg, self.embed, name='encoder')
+    self.decoder = RNNDecoder(cfg, self.embed, name='decoder')
+
+  def encode(self, inputs, *, deterministic=True):
+    """inputs [b, m] -> [b, m, d_model] (zeros at PAD)."""
+    return self.encoder(inputs, valid=inputs > PAD_ID, deterministic=deterministic)
+
+  def decode(self, encoded, inputs, decoder_inputs, *, deterministic=True):
+    """encoded [b, m, d], inputs [b, m], decoder_inputs [b, n] -> logits [b, n, V]."""
+    return self.decoder(decoder_inputs, encoded, valid=inputs > PAD_ID,
+                        deterministic=deterministic)
+
+  def __call__(self, inputs, decoder_inputs, *, deterministic=True):
+    encoded = self.encode(inputs, deterministic=deterministic)
+    return self.decode(encoded, inputs, decoder_inputs, deterministic=deterministic)
+
+
+def _attention_kwargs(model_config) -> tuple:
+  kwargs = model_config['attention_kwargs']
+  kwargs = dict(kwargs.items()) if kwargs is not None else {}
+  return tuple(sorted((k, v) for k, v in kwargs.items() if v is not None))
+
+
+def transformer_config(model_config: Mapping[str, Any], *, decode=False,
+                       sow_weights=False) -> TransformerConfig:
   """config.model (ConfigDict or dict) -> TransformerConfig."""
   c = model_config
-  kwargs = c['attention_kwargs']
-  kwargs = dict(kwargs.items()) if kwargs is not None else {}
   return TransformerConfig(
       vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
       num_encoder_layers=c['num_encoder_layers'],
       num_decoder_layers=c['num_decoder_layers'], mlp_dim=c['mlp_dim'],
       dropout_rate=c['dropout_rate'],
       attention_dropout_rate=c['attention_dropout_rate'],
-      attention=c['attention'],
-      attention_kwargs=tuple(sorted((k, v) for k, v in kwargs.items() if v is not None)),
+      attention=c['attention'], attention_kwargs=_attention_kwargs(c),
       positions=c['positions'], max_len=c['max_len'], pre_ln=c['pre_ln'],
-      activation=c['activation'], dtype=DTYPES[c['dtype']], decode=decode)
+      activation=c['activation'], dtype=DTYPES[c['dtype']], decode=decode,
+      sow_weights=sow_weights)
 
 
-def build(model_config: Mapping[str, Any], *, decode: bool = False) -> nn.Module:
-  """config.model -> EncoderDecoder | DecoderOnly (set by `model_config.type`).
+def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
+  """config.model (ConfigDict or dict) -> RNNConfig. Transformer-only keys
+  (mlp_dim, positions, max_len, pre_ln, activation) are not used."""
+  c = model_config
+  return RNNConfig(
+      vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
+      num_encoder_layers=c['num_encoder_layers'],
+      num_decoder_layers=c['num_decoder_layers'], cell=c['rnn_cell'],
+      input_feeding=c['rnn_input_feeding'], dropout_rate=c['dropout_rate'],
+      attention_dropout_rate=c['attention_dropout_rate'], attention=c['attention'],
+      attention_kwargs=_attention_kwargs(c), dtype=DTYPES[c['dtype']], decode=decode)
+
+
+def build(model_config: Mapping[str, Any], *, decode: bool = False,
+          sow_weights: bool = False) -> nn.Module:
+  """config.model -> EncoderDecoder | DecoderOnly | RNNSeq2Seq (set by
+  `model_config.type`).
 
   `decode=True` builds the same parameters with decoding caches.
+  `sow_weights=True`: every Transformer attention layer stores its weights
+  [b, h, n, m] as 'attention_weights' in 'intermediates' (plot_attention.py;
+  the RNN decoder always does).
   """
-  if model_config['type'] not in MODEL_TYPES:
-    raise ValueError(f"model.type={model_config['type']!r}; valid: {', '.join(MODEL_TYPES)}")
-  cfg = transformer_config(model_config, decode=decode)
-  return (EncoderDecoder if model_config['type'] == 'encoder_decoder' else DecoderOnly)(cfg)
+  model_type = model_config['type']
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"model.type={model_type!r}; valid: {', '.join(MODEL_TYPES)}")
+  if model_type == 'rnn_seq2seq':
+    return RNNSeq2Seq(rnn_config(model_config, decode=decode))
+  cfg = transformer_config(model_config, decode=decode, sow_weights=sow_weights)
+  return (EncoderDecoder if model_type == 'encoder_decoder' else DecoderOnly)(cfg)

@@ -75,7 +75,9 @@ def test_differences_ignore_resumable_keys():
 @pytest.mark.parametrize('args,expected', [
     (['--config.model.d_modl=3'], "Did you mean 'model.d_model'"),
     (['--config.model.d_model=abc'], 'd_model=abc'),
-    (['--config.model.attention=nope'], 'valid: alibi, dot_product, rotary, shaw, t5_bias'),
+    (['--config.model.attention=nope'],
+     'valid: alibi, bahdanau, dot_product, hard, local, location_sensitive, luong_concat, '
+     'luong_dot, luong_general, luong_local_m, luong_local_p, rotary, shaw, t5_bias'),
     (['--config.model.num_heads=5'], 'does not divide'),
     (['--config=experiments/missing.py'], 'experiments/missing.py'),
 ])

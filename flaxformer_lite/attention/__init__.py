@@ -2,7 +2,12 @@
 
 Importing this package registers every variant (see registry.py).
 """
+from flaxformer_lite.attention import additive
 from flaxformer_lite.attention import alibi
+from flaxformer_lite.attention import hard
+from flaxformer_lite.attention import local
+from flaxformer_lite.attention import location
+from flaxformer_lite.attention import luong
 from flaxformer_lite.attention import registry
 from flaxformer_lite.attention import relative
 from flaxformer_lite.attention import rotary

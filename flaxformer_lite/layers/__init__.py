@@ -1,10 +1,12 @@
 """Flax linen modules: the parameters around the attention math."""
 from flaxformer_lite.layers.attention import MultiHeadAttention
+from flaxformer_lite.layers.bottleneck import BottleneckFusion
 from flaxformer_lite.layers.embeddings import AddPositions, Embed, sinusoidal_positions
+from flaxformer_lite.layers.rnn import RNNConfig, RNNDecoder, RNNEncoder
 from flaxformer_lite.layers.transformer import (Decoder, DecoderLayer, Encoder,
                                                 EncoderLayer, MlpBlock,
                                                 TransformerConfig)
 
-__all__ = ['AddPositions', 'Decoder', 'DecoderLayer', 'Embed', 'Encoder',
-           'EncoderLayer', 'MlpBlock', 'MultiHeadAttention', 'TransformerConfig',
-           'sinusoidal_positions']
+__all__ = ['AddPositions', 'BottleneckFusion', 'Decoder', 'DecoderLayer', 'Embed', 'Encoder',
+           'EncoderLayer', 'MlpBlock', 'MultiHeadAttention', 'RNNConfig',
+           'RNNDecoder', 'RNNEncoder', 'TransformerConfig', 'sinusoidal_positions']

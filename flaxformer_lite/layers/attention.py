@@ -40,6 +40,11 @@ class MultiHeadAttention(nn.Module):
   `prev_alignment` [b, h, n, m] is passed to variants that use it
   (location-sensitive attention; see attention/registry.py). Stochastic
   variants (hard attention) draw from the 'dropout' rng stream.
+  `q_offset` (scalar, may be traced) is the absolute position of the first
+  query for variants that use positions, when not decoding with the cache
+  (which supplies it): an RNN decoder's step t attending over the encoder.
+  `return_weights=True` returns (output, weights [b, h, n, m]), for callers
+  that use the weights (the RNN decoder's cumulative alignment).
   """
   num_heads: int
   qkv_features: int | None = None
@@ -57,7 +62,8 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv=None, *, mask=None, bias=None,
-               deterministic=True, prev_alignment=None):
+               deterministic=True, prev_alignment=None, q_offset=None,
+               return_weights=False):
     features = inputs_q.shape[-1]
     qkv_features = self.qkv_features or features
     if qkv_features % self.num_heads:
@@ -81,9 +87,12 @@ class MultiHeadAttention(nn.Module):
     key = dense(features=(h, d), name='key')(inputs_kv)  # [b, m, h, d]
     value = dense(features=(h, d), name='value')(inputs_kv)  # [b, m, h, d]
 
-    q_offset = 0
     if self.decode:
+      if q_offset is not None:
+        raise ValueError('q_offset is supplied by the cache when decode=True')
       key, value, mask, q_offset = self._update_cache(key, value, mask)
+    elif q_offset is None:
+      q_offset = 0
 
     variant = registry.get(self.attention)
     kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
@@ -105,15 +114,17 @@ class MultiHeadAttention(nn.Module):
         dropout_rate=self.dropout_rate,
         dropout_rng=self.make_rng('dropout') if dropout_active else None,
         deterministic=deterministic, dtype=self.dtype,
-        return_weights=self.sow_weights, **params, **kwargs)
-    if self.sow_weights:
+        return_weights=self.sow_weights or return_weights, **params, **kwargs)
+    if self.sow_weights or return_weights:
       x, weights = x
+    if self.sow_weights:
       self.sow('intermediates', 'attention_weights', weights)
-    return nn.DenseGeneral(
+    out = nn.DenseGeneral(
         features=self.out_features or features, axis=(-2, -1),
         dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init,
         use_bias=self.use_bias, name='out')(x)
+    return (out, weights) if return_weights else out
 
   def _update_cache(self, key, value, mask):
     """Writes key/value [b, L, h, d] at cache_index; returns the full cache.

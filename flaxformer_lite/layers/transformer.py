@@ -37,6 +37,7 @@ class TransformerConfig:
   activation: str = 'relu'
   dtype: Any = jnp.float32
   decode: bool = False
+  sow_weights: bool = False  # attention weights -> 'intermediates' (plots)
 
 
 class MlpBlock(nn.Module):
@@ -78,7 +79,7 @@ def _attention(cfg: TransformerConfig, name: str, decode: bool = False, cross: b
   return MultiHeadAttention(
       num_heads=cfg.num_heads, attention=attention, attention_kwargs=kwargs,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, decode=decode,
-      name=name)
+      sow_weights=cfg.sow_weights, name=name)
 
 
 class EncoderLayer(nn.Module):

@@ -1,0 +1,116 @@
+"""Location-sensitive attention (Chorowski et al. 2015, eq. 8-9; Tacotron 2).
+
+  e_ij = v_h . tanh(q_i + k_j + U_h f_ij + b_h),   f_i = F * alpha_i
+where alpha_i [m] is `prev_alignment`: the sum of the weights of all earlier
+decoder steps (Tacotron 2's cumulative weights; Chorowski convolves the
+previous step's weights only). F is a bank of `location_channels` 1-D filters
+of width `location_kernel` slid over the key axis, shared by the heads; U_h
+maps the channels to the head's d features.
+
+location_mode: 'hybrid' (the formula), 'location_only' (drops k_j: where to
+look depends on the query and past alignment only), 'content_only' (drops
+U f: Bahdanau's additive attention plus b).
+
+Only a step-by-step decoder knows the earlier steps' weights, so the variant
+lists rnn_seq2seq only. Memory: the tanh acts on a [b, h, n, m, d] tensor,
+as additive.py's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.luong import attend, per_head_matrix
+
+MODES = ('hybrid', 'location_only', 'content_only')
+
+
+def location_features(alignment, filters):
+  """f = F * alignment along the key axis, zero-padded to keep the length ('same').
+
+  f[..., j, c] = sum_t filters[t, c] * alignment[..., j + t - (K - 1) / 2], with
+  alignment 0 outside 0..m-1: a cross-correlation, as convolution layers
+  compute (the filter is not flipped).
+
+  Args:
+    alignment: [b, h, n, m].
+    filters: [K, C], K odd.
+  Returns:
+    [b, h, n, m, C] float32.
+  """
+  b, h, n, m = alignment.shape
+  kernel, channels = filters.shape
+  half = (kernel - 1) // 2
+  x = alignment.astype(jnp.float32).reshape(b * h * n, m, 1)  # [batch, width, 1 channel]
+  f = jax.lax.conv_general_dilated(
+      x, filters.astype(jnp.float32)[:, None, :], window_strides=(1,),
+      padding=[(half, half)], dimension_numbers=('NWC', 'WIO', 'NWC'))  # [bhn, m, C]
+  return f.reshape(b, h, n, m, channels)
+
+
+def location_sensitive_attention(query, key, value, location_v, location_b,
+                                 location_filters=None, location_u=None, *,
+                                 prev_alignment, location_mode='hybrid',
+                                 location_kernel=31, location_channels=32,
+                                 dtype=None, **common):
+  """Location-sensitive attention (module docstring).
+
+  Args:
+    query: [b, n, h, d]; key, value: [b, m, h, d].
+    location_v, location_b: [h, d].
+    location_filters: [K, C]; location_u: [h, C, d]; None for content_only.
+    prev_alignment: [b, h, n, m], summed weights of the earlier decoder steps.
+    location_mode: one of MODES.
+    common: mask, bias, dropout, return_weights, as `luong.attend`.
+  Returns:
+    [b, n, h, d] in `dtype` (default: query's); with return_weights,
+    (that, weights [b, h, n, m]).
+  """
+  del location_kernel, location_channels  # carried by the filters' shape
+  f32 = jnp.float32
+  hidden = (jnp.transpose(query.astype(f32), (0, 2, 1, 3))[:, :, :, None]
+            + location_b.astype(f32)[None, :, None, None])  # [b, h, n, 1, d]
+  if location_mode != 'location_only':
+    hidden = hidden + jnp.transpose(key.astype(f32), (0, 2, 1, 3))[:, :, None]
+  if location_mode != 'content_only':
+    features = location_features(prev_alignment, location_filters)  # [b, h, n, m, C]
+    hidden = hidden + jnp.einsum('bhnmc,hcd->bhnmd', features, location_u.astype(f32))
+  logits = jnp.einsum('bhnmd,hd->bhnm', jnp.tanh(hidden), location_v.astype(f32))
+  return attend(logits, value, dtype=dtype or query.dtype, **common)
+
+
+def _params(num_heads, head_dim, kwargs):
+  params = {'location_v': ((num_heads, head_dim), jax.nn.initializers.normal(head_dim ** -0.5)),
+            'location_b': ((num_heads, head_dim), jax.nn.initializers.zeros)}
+  if kwargs['location_mode'] != 'content_only':
+    kernel, channels = kwargs['location_kernel'], kwargs['location_channels']
+    params['location_filters'] = (
+        (kernel, channels), jax.nn.initializers.lecun_normal(in_axis=0, out_axis=1))
+    params['location_u'] = ((num_heads, channels, head_dim), per_head_matrix)
+  return params
+
+
+def _validate(kwargs):
+  for name in ('location_channels', 'location_kernel'):
+    v = kwargs[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int >= 1')
+  if kwargs['location_kernel'] % 2 == 0:
+    raise ValueError(f"attention_kwargs.location_kernel={kwargs['location_kernel']}; must be "
+                     "odd (a 'same' convolution centred on each key)")
+  if kwargs['location_mode'] not in MODES:
+    raise ValueError(f"attention_kwargs.location_mode={kwargs['location_mode']!r}; "
+                     f"valid: {', '.join(map(repr, MODES))}")
+
+
+registry.register(registry.AttentionVariant(
+    name='location_sensitive',
+    models=('rnn_seq2seq',),
+    fn=location_sensitive_attention,
+    kwargs={'location_channels': 32, 'location_kernel': 31, 'location_mode': 'hybrid'},
+    params=_params,
+    validate=_validate,
+    uses_alignment=True,
+    doc='v_h . tanh(q + k + U_h (F * cumulative weights) + b_h) (Chorowski et al. '
+        "2015, Tacotron 2); location_mode: hybrid | location_only | content_only"))

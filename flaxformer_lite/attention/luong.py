@@ -1,0 +1,207 @@
+"""Luong et al. 2015, "Effective Approaches to Attention-based NMT": dot, general, local-p, local-m.
+
+Luong phrases attention as a score, then a softmax over the source, then the
+weighted sum; `attend` is that second half, shared by every score-function
+variant (additive.py, location.py). Scores here are unscaled (no 1/sqrt(d)),
+as in the paper, whose states came out of tanh/LSTM cells. Layer queries and
+keys have per-feature variance ~1, so q.k has variance ~d: at d=64 the
+softmax starts out sharp. That is the paper's math, kept on purpose.
+
+`general_w` starts as the identity, so luong_general starts equal to
+luong_dot and the comparison of the two isolates what W learns. A random
+(lecun) W would give logits of the same variance (d) and no other benefit;
+no noise is needed to break symmetry, the heads' query/key projections
+already differ.
+
+Key positions are 0-based. Local attention uses a window of half-width D
+(`window`): query i sees keys |j - p_i| <= D, 2D + 1 at most (local.py's
+`local` uses a different convention, see there).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.dot_product import softmax_weights
+from flaxformer_lite.attention.local import validate_window, window_softmax
+
+
+def attend(logits, value, *, mask=None, bias=None, dropout_rate=0.0, dropout_rng=None,
+           deterministic=True, dtype=None, return_weights=False):
+  """softmax over keys of logits [b, h, n, m] (+ bias, masked), then sum_j w_ij v_j.
+
+  value: [b, m, h, d]. Returns [b, n, h, d] in `dtype` (default: value's);
+  with return_weights, (that, weights [b, h, n, m]).
+  """
+  dtype = dtype or value.dtype
+  logits = logits.astype(jnp.float32)
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  weights = softmax_weights(logits, mask, dropout_rate=dropout_rate,
+                            dropout_rng=dropout_rng, deterministic=deterministic,
+                            dtype=dtype)
+  out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
+  return (out, weights) if return_weights else out
+
+
+def general_logits(query, key, general_w):
+  """q_i^T W_h k_j: query [b, n, h, d], key [b, m, h, d], W [h, d, d] -> [b, h, n, m] float32."""
+  qw = jnp.einsum('bnhd,hde->bnhe', query.astype(jnp.float32), general_w.astype(jnp.float32))
+  return jnp.einsum('bnhe,bmhe->bhnm', qw, key.astype(jnp.float32))
+
+
+def luong_dot_attention(query, key, value, *, dtype=None, **common):
+  """score = q_i . k_j, unscaled.
+
+  query [b, n, h, d]; key, value [b, m, h, d]; `common` (mask, bias, dropout,
+  return_weights) as `attend`. Returns [b, n, h, d] in `dtype` (default:
+  query's), and weights [b, h, n, m] with return_weights.
+  """
+  logits = jnp.einsum('bnhd,bmhd->bhnm', query.astype(jnp.float32), key.astype(jnp.float32))
+  return attend(logits, value, dtype=dtype or query.dtype, **common)
+
+
+def luong_general_attention(query, key, value, general_w, *, dtype=None, **common):
+  """score = q_i^T W_h k_j with W [h, d, d]; otherwise as luong_dot_attention."""
+  return attend(general_logits(query, key, general_w), value, dtype=dtype or query.dtype,
+                **common)
+
+
+def visible_keys(mask, m):
+  """S: how many keys each query may attend to -> float32 [..., n | 1, 1] (m without a mask).
+
+  For a padding mask that is the source length, the paper's S; under a causal
+  mask it is i + 1, so a predicted or clipped position stays among the keys
+  the query can see, in a full pass and step by step with a cache alike.
+  """
+  if mask is None:
+    return jnp.float32(m)
+  mask = jnp.broadcast_to(mask, mask.shape[:-1] + (m,))
+  return jnp.sum(mask, axis=-1, keepdims=True, dtype=jnp.float32)
+
+
+def _window_weights(logits, positions, window, *, mask, bias, dtype, **drop):
+  """Softmax of logits [b, h, n, m] over the visible keys |j - p| <= window.
+
+  positions: p, float32 broadcastable to [b, h, n, 1]. Returns (weights
+  [b, h, n, m] in `dtype`, offsets j - p float32).
+  """
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  offsets = jnp.arange(logits.shape[-1], dtype=jnp.float32) - positions  # [.., n, m]
+  weights = window_softmax(logits, jnp.abs(offsets) <= window, mask, dtype=dtype, **drop)
+  return weights, offsets
+
+
+def luong_local_p_attention(query, key, value, general_w, local_wp, local_vp, *,
+                            window=8, mask=None, bias=None, dtype=None,
+                            return_weights=False, **drop):
+  """Local-p (eq. 9-10): a predicted window position, general score, Gaussian.
+
+  p_i = S * sigmoid(vp_h . tanh(Wp_h q_i)) in [0, S] (S from `visible_keys`);
+  a_ij = softmax over visible keys |j - p_i| <= D of q_i^T W_h k_j, times
+  exp(-(j - p_i)^2 / (2 sigma^2)), sigma = D / 2, not renormalised (as the
+  paper): rows sum to less than 1. The Gaussian carries the gradient to p_i
+  (the window's edges have none).
+
+  Args:
+    query: [b, n, h, d]; key, value: [b, m, h, d].
+    general_w, local_wp: [h, d, d]; local_vp: [h, d].
+    window: D >= 1.
+  Returns:
+    [b, n, h, d] in `dtype`; with return_weights, (that, weights [b, h, n, m]).
+  """
+  hidden = jnp.tanh(jnp.einsum('bnhd,hde->bhne', query.astype(jnp.float32),
+                               local_wp.astype(jnp.float32)))  # [b, h, n, d]
+  gate = jax.nn.sigmoid(jnp.einsum('bhne,he->bhn', hidden, local_vp.astype(jnp.float32)))
+  positions = visible_keys(mask, key.shape[1]) * gate[..., None]  # [b, h, n, 1]
+  dtype = dtype or query.dtype
+  weights, offsets = _window_weights(general_logits(query, key, general_w), positions,
+                                     window, mask=mask, bias=bias, dtype=dtype, **drop)
+  sigma = window / 2
+  weights = (weights * jnp.exp(-offsets ** 2 / (2 * sigma ** 2))).astype(dtype)
+  out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
+  return (out, weights) if return_weights else out
+
+
+def luong_local_m_attention(query, key, value, general_w, *, window=8, q_offset=0,
+                            mask=None, bias=None, dtype=None, return_weights=False, **drop):
+  """Local-m: a monotonic window around p_i = q_offset + i, general score, no Gaussian.
+
+  p_i is clipped to S - 1 (S from `visible_keys`), so a target longer than
+  its source attends to the last D + 1 source keys rather than to none.
+  Weights are the softmax over visible keys |j - p_i| <= D (rows sum to 1).
+
+  Args:
+    query: [b, n, h, d], query i at absolute position q_offset + i.
+    key, value: [b, m, h, d], key j at position j.
+    general_w: [h, d, d].
+    window: D >= 1.
+  Returns:
+    [b, n, h, d] in `dtype`; with return_weights, (that, weights [b, h, n, m]).
+  """
+  n, m = query.shape[1], key.shape[1]
+  last = jnp.maximum(visible_keys(mask, m) - 1, 0)
+  positions = jnp.minimum((q_offset + jnp.arange(n, dtype=jnp.float32))[:, None], last)
+  dtype = dtype or query.dtype
+  weights, _ = _window_weights(general_logits(query, key, general_w), positions, window,
+                               mask=mask, bias=bias, dtype=dtype, **drop)
+  out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
+  return (out, weights) if return_weights else out
+
+
+# For [h, d_in, d_out] matrices: fan-in d_in (by default the head axis would
+# count into the fan-in too, shrinking the init by sqrt(h)).
+per_head_matrix = jax.nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+def identity_init(key, shape, dtype=jnp.float32):
+  """[h, d, d] identities (the key is unused: the init is deterministic)."""
+  del key
+  return jnp.broadcast_to(jnp.eye(shape[-1], dtype=dtype), shape)
+
+
+def _general_params(num_heads, head_dim, kwargs):
+  del kwargs
+  return {'general_w': ((num_heads, head_dim, head_dim), identity_init)}
+
+
+def _local_p_params(num_heads, head_dim, kwargs):
+  return {**_general_params(num_heads, head_dim, kwargs),
+          'local_wp': ((num_heads, head_dim, head_dim), per_head_matrix),
+          # vp . tanh(.) has variance ~1 with std d^-0.5: p starts spread around S/2.
+          'local_vp': ((num_heads, head_dim), jax.nn.initializers.normal(head_dim ** -0.5))}
+
+
+registry.register(registry.AttentionVariant(
+    name='luong_dot',
+    fn=luong_dot_attention,
+    doc='softmax(q.k) v, unscaled (Luong et al. 2015, dot)'))
+
+registry.register(registry.AttentionVariant(
+    name='luong_general',
+    fn=luong_general_attention,
+    params=_general_params,
+    doc='softmax(q^T W_h k) v, W_h [d, d] per head starting at the identity '
+        '(Luong et al. 2015, general)'))
+
+registry.register(registry.AttentionVariant(
+    name='luong_local_p',
+    fn=luong_local_p_attention,
+    kwargs={'window': 8},
+    params=_local_p_params,
+    validate=validate_window,
+    doc='general score in a window |j-p_i| <= window around a predicted '
+        'p_i = S*sigmoid(vp.tanh(Wp q_i)), times a Gaussian (sigma=window/2); '
+        'rows sum to < 1 (Luong et al. 2015, local-p)'))
+
+registry.register(registry.AttentionVariant(
+    name='luong_local_m',
+    fn=luong_local_m_attention,
+    kwargs={'window': 8},
+    params=_general_params,
+    validate=validate_window,
+    uses_positions=True,
+    doc='general score in a window |j-p_i| <= window around p_i = query position '
+        '(clipped to the last visible key) (Luong et al. 2015, local-m)'))

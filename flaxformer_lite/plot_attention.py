@@ -1,0 +1,235 @@
+"""Attention maps of a trained run, one PNG per attention layer:
+
+  python -m flaxformer_lite.plot_attention --workdir=DIR [--split=validation]
+      [--example=0] [--out=DIR/attention]
+
+Rebuilds the model from DIR/config.json, restores the newest checkpoint,
+decodes example `--example` of `--split` greedily, then runs the
+teacher-forced pass on (input, decoded output) and plots every
+'attention_weights' entry the model sows into 'intermediates' (Transformer
+layers with `models.build(..., sow_weights=True)`, the RNN decoder always):
+one figure per module path, one subplot per head, rows = queries,
+columns = keys, labelled with the token ids.
+
+Exit codes: 0 done; 2 bad flag, or DIR holds no run (config.json and a
+checkpoint).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from flax import traverse_util
+from matplotlib.figure import Figure
+
+from flaxformer_lite import config as config_lib
+from flaxformer_lite import data, decoding, models
+from flaxformer_lite.train import checkpoints
+from flaxformer_lite.train import state as state_lib
+
+# A registry of our own: importing this module next to main.py (which also
+# defines --workdir) must not clash.
+FLAGS = flags.FlagValues()
+flags.DEFINE_string('workdir', None, 'A training workdir (config.json, checkpoints/).',
+                    flag_values=FLAGS)
+flags.DEFINE_string('split', 'validation', 'Dataset split to take the example from.',
+                    flag_values=FLAGS)
+flags.DEFINE_integer('example', 0, 'Index of the example in the split.', flag_values=FLAGS)
+flags.DEFINE_string('out', None, 'Output folder (default: WORKDIR/attention).',
+                    flag_values=FLAGS)
+
+SPECIAL_TOKENS = {models.PAD_ID: '<pad>', models.BOS_ID: '<s>', models.EOS_ID: '</s>'}
+
+
+class UsageError(ValueError):
+  """A bad flag or a workdir without a run; exit code 2."""
+
+
+@dataclasses.dataclass
+class Run:
+  """What a workdir holds: its config, dataset, newest parameters and step."""
+  config: object
+  dataset: data.Dataset
+  params: dict
+  step: int
+
+
+@dataclasses.dataclass
+class AttentionMap:
+  """One sown attention layer for one example.
+
+  path: the module path, e.g. 'decoder/layer_0/cross_attention'.
+  weights: [h, n, m] float32, rows (queries) summing to 1 over visible keys.
+  queries, keys: n and m token labels.
+  query_axis, key_axis: what the labels are ('input', 'output', 'decoder input').
+  """
+  path: str
+  weights: np.ndarray
+  queries: list[str]
+  keys: list[str]
+  query_axis: str
+  key_axis: str
+
+
+def load_run(workdir: str) -> Run:
+  """Config, dataset and the newest checkpoint's parameters of `workdir`."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise UsageError(f'--workdir={workdir} holds no config.json, so it is not a training '
+                     'workdir; pass the --workdir of a run of flaxformer_lite.main')
+  with open(path) as f:
+    config = config_lib.from_json(f.read())
+  if config.model.type == 'decoder_only':
+    raise UsageError('plot_attention decodes an input sequence; model.type=decoder_only '
+                     'has none (valid: encoder_decoder, rnn_seq2seq)')
+  # Checked before Checkpointer, which would create the folder.
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    raise UsageError(f'--workdir={workdir} has a config.json but no checkpoints/ yet; '
+                     'train until the first checkpoint (train.checkpoint_every)')
+  ckpt = checkpoints.Checkpointer(workdir, config.train.keep_checkpoints)
+  try:
+    if ckpt.latest_step() is None:
+      raise UsageError(f'{ckpt.directory} holds no complete checkpoint yet')
+    dataset = data.load(config.data)
+    model = models.build(config.model)
+    example = {k: v[:1] for k, v in dataset.splits['train'].items()}
+    target = state_lib.create(model, config, example, jax.random.key(config.seed))
+    state, _ = ckpt.restore(target)
+  finally:
+    ckpt.close()
+  return Run(config, dataset, state.params, int(state.step))
+
+
+def trim(ids) -> np.ndarray:
+  """ids [L] -> the tokens before any padding, up to and including the first EOS."""
+  ids = np.asarray(ids)
+  ids = ids[:np.argmax(ids == models.PAD_ID)] if np.any(ids == models.PAD_ID) else ids
+  eos = np.flatnonzero(ids == models.EOS_ID)
+  return ids[:eos[0] + 1] if eos.size else ids
+
+
+def greedy_decode(config, params, inputs, max_len: int) -> np.ndarray:
+  """inputs [m] (no padding) -> decoded [n <= max_len], EOS included."""
+  translate = functools.partial(decoding.greedy_translate, models.build(config.model),
+                                models.build(config.model, decode=True))
+  out = jax.jit(translate, static_argnums=2)(params, inputs[None], max_len)
+  return trim(out[0])
+
+
+def _token(i) -> str:
+  return SPECIAL_TOKENS.get(int(i), str(int(i)))
+
+
+def attention_maps(config, params, inputs, decoded) -> list[AttentionMap]:
+  """Teacher-forced weights of every sown attention layer.
+
+  inputs [m], decoded [n] (no padding). Queries of encoder layers are the
+  input tokens; other queries are decoder positions, labelled with the token
+  each one outputs (decoded[t]). Keys are decoder inputs (BOS, decoded[:-1])
+  for decoder self-attention (a 'self_attention' module under 'decoder'),
+  otherwise the input tokens.
+  """
+  model = models.build(config.model, sow_weights=True)
+  decoder_inputs = models.shift_right(decoded[None])
+  forward = jax.jit(functools.partial(model.apply, mutable=['intermediates']))
+  _, state = forward({'params': params}, inputs[None], decoder_inputs)
+  labels = {'input': [_token(t) for t in inputs], 'output': [_token(t) for t in decoded],
+            'decoder input': [_token(t) for t in decoder_inputs[0]]}
+  maps = []
+  for key, sown in traverse_util.flatten_dict(state['intermediates']).items():
+    if key[-1] != 'attention_weights':
+      continue
+    modules = key[:-1]
+    is_encoder = modules[0] == 'encoder'
+    decoder_self = not is_encoder and 'self_attention' in modules
+    query_axis = 'input' if is_encoder else 'output'
+    key_axis = 'decoder input' if decoder_self else 'input'
+    for call, weights in enumerate(sown):  # sow keeps one entry per call
+      path = '/'.join(modules) + (f'/call_{call}' if len(sown) > 1 else '')
+      maps.append(AttentionMap(path, np.asarray(weights[0], np.float32), labels[query_axis],
+                               labels[key_axis], query_axis, key_axis))
+  return maps
+
+
+def plot(maps: list[AttentionMap], out_dir: str, title: str) -> list[str]:
+  """One PNG per map (module path, '/' -> '.'), one subplot per head."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for m in maps:
+    h, n, k = m.weights.shape
+    # Figure() without pyplot: the Agg canvas, no global backend state.
+    fig = Figure(figsize=(max(5.0, 1.0 + h * max(2.5, 0.3 * k)), 1.5 + max(2.5, 0.3 * n)),
+                 layout='constrained')
+    axes = fig.subplots(1, h, squeeze=False)[0]
+    for head, ax in enumerate(axes):
+      image = ax.imshow(m.weights[head], vmin=0.0, vmax=1.0, cmap='viridis')
+      ax.set_xticks(range(k), labels=m.keys, rotation=90, fontsize=7)
+      ax.set_yticks(range(n), labels=m.queries, fontsize=7)
+      ax.set_title(f'head {head}', fontsize=9)
+      ax.set_xlabel(f'key: {m.key_axis} token')
+    axes[0].set_ylabel(f'query: {m.query_axis} token')
+    fig.colorbar(image, ax=list(axes), shrink=0.8)
+    fig.suptitle(f'{title}\n{m.path}', fontsize=10)
+    path = os.path.join(out_dir, m.path.replace('/', '.') + '.png')
+    fig.savefig(path, dpi=100)
+    paths.append(path)
+  return paths
+
+
+def plot_run(workdir: str, split: str, example: int, out_dir: str) -> list[str]:
+  """Loads `workdir`, decodes one example and writes its PNGs; returns their paths."""
+  run = load_run(workdir)
+  splits = run.dataset.splits
+  if split not in splits:
+    raise UsageError(f'--split={split!r} is not a split; valid: {", ".join(splits)}')
+  count = len(splits[split]['inputs'])
+  if not 0 <= example < count:
+    raise UsageError(f'--example={example} is out of range; split {split!r} has '
+                     f'{count} examples (0..{count - 1})')
+  inputs = trim(splits[split]['inputs'][example])
+  decoded = greedy_decode(run.config, run.params, inputs, splits[split]['targets'].shape[1])
+  maps = attention_maps(run.config, run.params, inputs, decoded)
+  title = (f'attention={run.config.model.attention}  model={run.config.model.type}\n'
+           f'step {run.step}  {split}[{example}]')
+  return plot(maps, out_dir, title)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if not FLAGS.workdir:
+    _fail('--workdir is required: the workdir of a training run')
+  try:
+    paths = plot_run(FLAGS.workdir, FLAGS.split, FLAGS.example,
+                     FLAGS.out or os.path.join(FLAGS.workdir, 'attention'))
+  except UsageError as e:
+    _fail(str(e))
+  for path in paths:
+    print(path)
+
+
+def _fail(message: str):
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv):
+  """Parses our FLAGS; absl's global FLAGS (app.run needs them parsed) get
+  defaults only."""
+  flags.FLAGS(argv[:1])
+  try:
+    rest = FLAGS(argv)
+  except flags.Error as e:
+    _fail(f'{e}. Flags: --workdir=DIR [--split=validation] [--example=0] [--out=DIR]')
+  if len(rest) > 1:
+    _fail(f'unexpected arguments {rest[1:]}; flags look like --workdir=DIR')
+  return rest
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse_flags)
