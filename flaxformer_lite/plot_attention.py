@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, decoding, models
+from flaxformer_lite.attention import registry
 from flaxformer_lite.train import checkpoints
 from flaxformer_lite.train import state as state_lib
 
@@ -156,8 +157,10 @@ def attention_maps(config, params, inputs, decoded) -> list[AttentionMap]:
   return maps
 
 
-def plot(maps: list[AttentionMap], out_dir: str, title: str) -> list[str]:
-  """One PNG per map (module path, '/' -> '.'), one subplot per head."""
+def plot(maps: list[AttentionMap], out_dir: str, title: str,
+         notes: dict[str, str] | None = None) -> list[str]:
+  """One PNG per map (module path, '/' -> '.'), one subplot per head;
+  `notes` adds a line to the title of the map at that path."""
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for m in maps:
@@ -174,7 +177,8 @@ def plot(maps: list[AttentionMap], out_dir: str, title: str) -> list[str]:
       ax.set_xlabel(f'key: {m.key_axis} token')
     axes[0].set_ylabel(f'query: {m.query_axis} token')
     fig.colorbar(image, ax=list(axes), shrink=0.8)
-    fig.suptitle(f'{title}\n{m.path}', fontsize=10)
+    note = (notes or {}).get(m.path, '')
+    fig.suptitle(f'{title}\n{m.path}{note}', fontsize=10)
     path = os.path.join(out_dir, m.path.replace('/', '.') + '.png')
     fig.savefig(path, dpi=100)
     paths.append(path)
@@ -196,7 +200,12 @@ def plot_run(workdir: str, split: str, example: int, out_dir: str) -> list[str]:
   maps = attention_maps(run.config, run.params, inputs, decoded)
   title = (f'attention={run.config.model.attention}  model={run.config.model.type}\n'
            f'step {run.step}  {split}[{example}]')
-  return plot(maps, out_dir, title)
+  notes = {}
+  if registry.get(run.config.model.attention).uses_positions:
+    # layers/transformer.py: position-aware variants do not cross encoder and decoder.
+    notes = {m.path: '  (cross-attention: dot_product)' for m in maps
+             if 'cross_attention' in m.path}
+  return plot(maps, out_dir, title, notes)
 
 
 def main(argv):
