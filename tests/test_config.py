@@ -78,6 +78,10 @@ def test_differences_ignore_resumable_keys():
     (['--config.model.attention=nope'],
      'valid: alibi, bahdanau, dot_product, hard, local, location_sensitive, luong_concat, '
      'luong_dot, luong_general, luong_local_m, luong_local_p, rotary, shaw, t5_bias'),
+    (['--config.model.attention=location_sensitive'],
+     "cannot be used in model.type='encoder_decoder'; it works in: rnn_seq2seq"),
+    (['--config.model.type=rnn_seq2seq', '--config.model.attention=shaw'],
+     "cannot be used in model.type='rnn_seq2seq'; it works in: encoder_decoder, decoder_only"),
     (['--config.model.num_heads=5'], 'does not divide'),
     (['--config=experiments/missing.py'], 'experiments/missing.py'),
 ])
