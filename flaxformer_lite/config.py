@@ -23,7 +23,7 @@ PARALLEL_MODES = ('jit',)
 # Keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',
-                     'eval.num_examples_to_log', 'eval.final_test')
+                     'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite')
 
 
 class ConfigError(ValueError):
@@ -76,6 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
   t.adam_eps = 1e-9
   t.weight_decay = 0.0
   t.grad_clip = 0.0  # global-norm clipping; 0 = off
+  t.skip_nonfinite = False  # True: a step with a NaN/inf loss or gradient leaves the state as it was
   t.log_every = 100
   t.eval_every = 500
   t.checkpoint_every = 500
@@ -208,13 +209,18 @@ def flatten(x, prefix='') -> dict[str, Any]:
 
 
 def differences(saved, new) -> list[str]:
-  """'key: saved -> new' for keys that matter for resuming (see RESUMABLE_CHANGES)."""
+  """'key: saved -> new' for keys that matter for resuming (see RESUMABLE_CHANGES).
+
+  A key that a saved config lacks (written before the key existed) counts as
+  its base_config() default, which is what that run used.
+  """
   a, b = flatten(saved), flatten(new)
+  defaults = flatten(base_config())
   out = []
   for k in sorted(set(a) | set(b)):
     if k in RESUMABLE_CHANGES:
       continue
-    va, vb = a.get(k, '<missing>'), b.get(k, '<missing>')
+    va, vb = a.get(k, defaults.get(k, '<missing>')), b.get(k, '<missing>')
     if _tuples(va) != _tuples(vb):
       out.append(f'{k}: {va!r} -> {vb!r}')
   return out

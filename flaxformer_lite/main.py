@@ -107,7 +107,8 @@ def main(argv):
     for name in registry.names():
       print(registry.describe(registry.get(name)))
     return
-  from flaxformer_lite.train import loop  # imported late: --list_attention stays fast
+  # Imported late: --list_attention stays fast.
+  from flaxformer_lite.train import checkpoints, loop
 
   config = FLAGS.config
   workdir = FLAGS.workdir or os.path.join(
@@ -116,7 +117,7 @@ def main(argv):
     config_lib.validate(config)
     std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(workdir))
     loop.train_and_evaluate(config, workdir)
-  except config_lib.ConfigError as e:
+  except (config_lib.ConfigError, checkpoints.CheckpointError) as e:
     _fail(str(e), 2)
   except loop.NonFiniteLossError as e:
     _fail(str(e), 3)

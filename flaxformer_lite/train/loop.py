@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, models
-from flaxformer_lite.train import checkpoints, metrics as metrics_lib, schedules, steps
+from flaxformer_lite.train import checkpoints, metrics as metrics_lib, preemption, schedules, steps
 from flaxformer_lite.train import state as state_lib
 
 
@@ -22,6 +22,15 @@ log = logging.getLogger('flaxformer_lite')
 
 class NonFiniteLossError(RuntimeError):
   """The loss became NaN/inf; main.py exits with code 3."""
+
+
+def _check_finite(loss: float, step: int, ckpt):
+  if not np.isfinite(loss):
+    ckpt.manager.wait_until_finished()  # an earlier async save completes; none follows
+    raise NonFiniteLossError(
+        f'loss is {loss} by step {step}; the last good checkpoint is step '
+        f'{ckpt.latest_step()} in {ckpt.directory} (nothing was saved after it). '
+        'Lower train.learning_rate or set train.grad_clip.')
 
 
 def _summarise(sums) -> dict:
@@ -125,7 +134,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
   ckpt = checkpoints.Checkpointer(workdir, t.keep_checkpoints)
   start = 0
   if ckpt.latest_step() is not None:
-    state, data_state = ckpt.restore(state)
+    try:
+      state, data_state = ckpt.restore(state)
+    except checkpoints.CheckpointError:
+      ckpt.close()
+      raise
     train_iter.set_state(data_state)
     start = int(state.step)
     log.info('Resumed from %s at step %d', ckpt.directory, start)
@@ -133,7 +146,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   evaluate = Evaluator(config, model, batch_sharding)
 
   train_step = jax.jit(
-      functools.partial(steps.train_step, label_smoothing=t.label_smoothing),
+      functools.partial(steps.train_step, label_smoothing=t.label_smoothing,
+                        skip_nonfinite=t.skip_nonfinite),
       donate_argnums=(0,))
   schedule = schedules.create(t, config.model.d_model)
   log.info('Model %s, %s parameters, attention=%s; training steps %d..%d, '
@@ -143,40 +157,52 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   window, window_start, window_steps = None, time.time(), 0
   train_start, results = time.time(), {}
-  for step in range(start, t.num_steps):
-    batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter))
-    state, sums = train_step(state, batch, dropout_rng)
-    window = sums if window is None else _add(window, sums)
-    window_steps += 1
-    done = step + 1
-    if done % t.log_every == 0 or done == t.num_steps:
-      m = _summarise(window)
-      m['grad_norm'] /= window_steps
-      if not np.isfinite(m['loss']):
-        raise NonFiniteLossError(
-            f'loss is {m["loss"]} at step {done}; the last good checkpoint is step '
-            f'{ckpt.latest_step()} in {ckpt.directory}. Lower train.learning_rate or '
-            'set train.grad_clip.')
-      elapsed = time.time() - window_start
-      m['steps_per_sec'] = window_steps / elapsed
-      m['learning_rate'] = float(schedule(step))
-      writer.write(done, 'train', m)
-      eta = (t.num_steps - done) / m['steps_per_sec']
-      log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %.1f steps/s  ETA %s',
-                   done, t.num_steps, m['loss'], m['accuracy'], m['learning_rate'],
-                   m['steps_per_sec'], _fmt_time(eta))
-      window, window_start, window_steps = None, time.time(), 0
-    if done % t.eval_every == 0 or done == t.num_steps:
-      eval_start = time.time()
-      results['eval'] = evaluate(state.params, dataset.splits['validation'],
-                                 log_examples=config.eval.num_examples_to_log)
-      writer.write(done, 'eval', results['eval'])
-      log.info('eval at step %d: loss %.4f  accuracy %.4f  sequence_accuracy %.4f '
-                   '(%.1fs)', done, results['eval']['loss'], results['eval']['accuracy'],
-                   results['eval']['sequence_accuracy'], time.time() - eval_start)
-      window_start += time.time() - eval_start
-    if done % t.checkpoint_every == 0 or done == t.num_steps:
-      ckpt.save(done, state, train_iter.get_state())
+  with preemption.Preemption() as preempt:
+    for step in range(start, t.num_steps):
+      batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter))
+      state, sums = train_step(state, batch, dropout_rng)
+      window = sums if window is None else _add(window, sums)
+      window_steps += 1
+      done = step + 1
+      if done % t.log_every == 0 or done == t.num_steps:
+        m = _summarise(window)
+        m['grad_norm'] /= window_steps
+        _check_finite(m['loss'], done, ckpt)
+        if 'skipped' in window:
+          m['skipped_steps'] = int(window['skipped'])
+          if m['skipped_steps']:
+            log.warning('skipped %d of the last %d steps: non-finite loss or gradients',
+                        m['skipped_steps'], window_steps)
+        elapsed = time.time() - window_start
+        m['steps_per_sec'] = window_steps / elapsed
+        m['learning_rate'] = float(schedule(step))
+        writer.write(done, 'train', m)
+        eta = (t.num_steps - done) / m['steps_per_sec']
+        log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %.1f steps/s  ETA %s',
+                 done, t.num_steps, m['loss'], m['accuracy'], m['learning_rate'],
+                 m['steps_per_sec'], _fmt_time(eta))
+        window, window_start, window_steps = None, time.time(), 0
+      if done % t.eval_every == 0 or done == t.num_steps:
+        eval_start = time.time()
+        results['eval'] = evaluate(state.params, dataset.splits['validation'],
+                                   log_examples=config.eval.num_examples_to_log)
+        writer.write(done, 'eval', results['eval'])
+        log.info('eval at step %d: loss %.4f  accuracy %.4f  sequence_accuracy %.4f '
+                 '(%.1fs)', done, results['eval']['loss'], results['eval']['accuracy'],
+                 results['eval']['sequence_accuracy'], time.time() - eval_start)
+        window_start += time.time() - eval_start
+      if (done % t.checkpoint_every == 0 or done == t.num_steps
+          or preempt.requested):
+        if window is not None:  # steps since the last log: never save a non-finite state
+          _check_finite(_summarise(window)['loss'], done, ckpt)
+        ckpt.save(done, state, train_iter.get_state())
+      if preempt.requested:
+        ckpt.close()
+        writer.close()
+        log.warning('Stopped on %s at step %d of %d; checkpoint saved in %s. Re-run the '
+                    'same command to resume.', preempt.requested, done, t.num_steps,
+                    ckpt.directory)
+        return {'preempted': preempt.requested, 'step': done, **results}
 
   train_time = time.time() - train_start
   if 'eval' not in results:  # resumed a finished run

@@ -9,9 +9,14 @@ from flaxformer_lite.models import PAD_ID, shift_right
 from flaxformer_lite.train import losses
 
 
-def train_step(state, batch, rng, *, label_smoothing: float):
+def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: bool = False):
   """One optimizer update. Dropout draws from fold_in(rng, step), so a resumed
-  run draws the same numbers as an uninterrupted one."""
+  run draws the same numbers as an uninterrupted one.
+
+  skip_nonfinite: when the loss or any gradient is NaN/inf, keep params and
+  optimizer state as they were (the step counter still advances: the batch
+  is consumed), zero this step's metric sums and count it in sums['skipped'].
+  """
   inputs, targets = batch['inputs'], batch['targets']
   weights = (targets != PAD_ID).astype(jnp.float32)
   dropout_rng = jax.random.fold_in(rng, state.step)
@@ -25,6 +30,12 @@ def train_step(state, batch, rng, *, label_smoothing: float):
   grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
   new_state = state.apply_gradients(grads=grads)
   sums['grad_norm'] = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+  if skip_nonfinite:
+    ok = jnp.isfinite(sums['loss']) & jnp.isfinite(sums['grad_norm'])
+    kept = state.replace(step=state.step + 1)
+    new_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, kept)
+    sums = jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), sums)
+    sums['skipped'] = jnp.where(ok, 0, 1)
   return new_state, sums
 
 

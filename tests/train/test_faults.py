@@ -1,0 +1,203 @@
+"""Faults made for real: signals to a training process, damaged checkpoint files, NaN losses."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from flaxformer_lite import config as config_lib
+from flaxformer_lite.train import checkpoints, loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.model.mlp_dim=32',
+        '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
+        '--config.data.max_len=5', '--config.data.num_train=256', '--config.data.num_eval=20',
+        '--config.train.batch_size=8', '--config.eval.batch_size=10']
+
+
+def _steps(workdir):
+  d = os.path.join(workdir, 'checkpoints')
+  return sorted(int(s) for s in os.listdir(d) if s.isdigit()) if os.path.isdir(d) else []
+
+
+def _start(workdir, tfds_dir, *extra):
+  return subprocess.Popen(
+      [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
+       f'--config.data.data_dir={tfds_dir}', *TINY, '--config.train.num_steps=100000',
+       '--config.train.log_every=5', '--config.train.checkpoint_every=100000',
+       '--config.train.eval_every=100000', *extra],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_training(proc, workdir, timeout=240):
+  """Returns once metrics.jsonl holds a train point (the loop is stepping)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      raise AssertionError(f'training exited early: {proc.communicate()[1][-3000:]}')
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+      return
+    time.sleep(0.2)
+  proc.kill()
+  raise AssertionError('training did not log a step in time')
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_exits_0_and_the_same_command_resumes(
+    signum, tmp_path, tfds_dir):
+  workdir = str(tmp_path / 'w')
+  proc = _start(workdir, tfds_dir)
+  _wait_for_training(proc, workdir)
+  proc.send_signal(signum)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  assert f'Stopped on {signal.Signals(signum).name}' in err and 'Re-run the same command' in err
+  (saved,) = _steps(workdir)  # no checkpoint_every step was reached: this one is the signal's
+  assert saved >= 5
+
+  proc = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
+       f'--config.data.data_dir={tfds_dir}', *TINY, f'--config.train.num_steps={saved + 3}',
+       '--config.train.log_every=5', '--config.train.checkpoint_every=100000',
+       '--config.train.eval_every=100000'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f'at step {saved}' in proc.stderr
+  assert _steps(workdir)[-1] == saved + 3
+
+
+def _train_points(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return {r['step']: (r['loss'], r['grad_norm']) for r in rows if r['split'] == 'train'}
+
+
+def test_kill_9_at_a_random_moment_then_the_same_command_gives_the_same_run(tmp_path, tfds_dir):
+  args = [f'--config.data.data_dir={tfds_dir}', *TINY, '--config.train.num_steps=3000',
+          '--config.train.log_every=100', '--config.train.checkpoint_every=100',
+          '--config.train.eval_every=100000', '--config.eval.final_test=False']
+  command = [sys.executable, '-m', 'flaxformer_lite.main', *args]
+  reference = str(tmp_path / 'reference')
+  proc = subprocess.run([*command, f'--workdir={reference}'], cwd=REPO, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+  workdir = str(tmp_path / 'killed')
+  proc = subprocess.Popen([*command, f'--workdir={workdir}'], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  _wait_for_training(proc, workdir)
+  time.sleep(np.random.default_rng().uniform(0.0, 1.5))  # anywhere: mid-step, mid-save
+  proc.kill()
+  proc.communicate()
+  killed_at = max(_train_points(workdir))
+  assert killed_at < 3000, 'the run finished before the kill: make it longer'
+  proc = subprocess.run([*command, f'--workdir={workdir}'], cwd=REPO, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got, want = _train_points(workdir), _train_points(reference)
+  assert sorted(got) == sorted(want), (killed_at, sorted(got))
+  assert got == want, f'killed after step {killed_at}'  # bitwise: same floats in the JSON
+
+
+def test_second_signal_exits_at_once():
+  # A training step here takes ~1 ms, so a second signal to the training loop
+  # arrives after it has already saved and left; drive the handler directly
+  # in a process that would otherwise keep running.
+  code = (
+      'import os, signal, time\n'
+      'from flaxformer_lite.train.preemption import Preemption\n'
+      'with Preemption() as p:\n'
+      '  os.kill(os.getpid(), signal.SIGTERM)\n'
+      '  time.sleep(0.2)\n'
+      '  assert p.requested == "SIGTERM", p.requested\n'
+      '  print("first handled", flush=True)\n'
+      '  os.kill(os.getpid(), signal.SIGINT)\n'
+      '  time.sleep(10)\n'
+      'print("not reached")\n')
+  proc = subprocess.run([sys.executable, '-c', code], cwd=REPO, capture_output=True,
+                        text=True, timeout=60)
+  assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+  assert proc.stdout == 'first handled\n'
+  assert 'SIGINT again: exiting now' in proc.stderr
+
+
+def _damage(step_dir):
+  """Truncates every array data file of a checkpoint (as a full disk or a killed copy would)."""
+  damaged = 0
+  for root, _, files in os.walk(os.path.join(step_dir, 'state')):
+    for name in files:
+      path = os.path.join(root, name)
+      if os.path.getsize(path) > 0 and 'metadata' not in name.lower():
+        with open(path, 'r+b') as f:
+          f.truncate(os.path.getsize(path) // 3)
+        damaged += 1
+  assert damaged, f'no data files under {step_dir}'
+
+
+def _train_loss(workdir, step):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return [r['loss'] for r in rows if r['split'] == 'train' and r['step'] == step][-1]
+
+
+def test_unreadable_newest_checkpoint_falls_back_and_is_kept(tiny_config, tmp_path, caplog):
+  c = tiny_config  # 20 steps, checkpoints at 10 and 20
+  reference = str(tmp_path / 'reference')
+  loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), reference)
+
+  workdir = str(tmp_path / 'w')
+  loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), workdir)
+  _damage(os.path.join(workdir, 'checkpoints', '20'))
+  longer = config_lib.from_json(config_lib.to_json(c))
+  longer.train.num_steps = 20  # the same command again
+  with caplog.at_level('WARNING', logger='flaxformer_lite'):
+    loop.train_and_evaluate(longer, workdir)
+  assert 'checkpoints/20 cannot be restored' in caplog.text
+  # Resumed from 10 and redid 11..20 exactly as the uninterrupted run did.
+  np.testing.assert_allclose(_train_loss(workdir, 20), _train_loss(reference, 20), rtol=1e-6)
+  assert _steps(workdir) == [10, 20]
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints_unreadable', '20'))  # kept, not deleted
+
+
+def test_no_readable_checkpoint_exits_2_and_changes_nothing(tiny_config, tmp_path, tfds_dir):
+  c = tiny_config
+  c.train.num_steps = 10
+  workdir = str(tmp_path / 'w')
+  loop.train_and_evaluate(c, workdir)
+  _damage(os.path.join(workdir, 'checkpoints', '10'))
+  before = sorted(os.walk(workdir))
+  with pytest.raises(checkpoints.CheckpointError, match='no checkpoint in .* can be restored'):
+    loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), workdir)
+  assert sorted(os.walk(workdir)) == before
+
+
+def test_nonfinite_loss_exits_3_naming_the_last_good_checkpoint(tmp_path, tfds_dir):
+  # lr 1e30: the first update is finite (Adam steps are ~lr in size), the next loss is not.
+  workdir = tmp_path / 'w'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
+       f'--config.data.data_dir={tfds_dir}', *TINY, '--config.train.num_steps=6',
+       '--config.train.schedule=constant', '--config.train.learning_rate=1e30',
+       '--config.train.log_every=3', '--config.train.checkpoint_every=1'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  assert 'the last good checkpoint is step 1' in proc.stderr
+  assert _steps(str(workdir)) == [1]  # nothing saved after the loss went bad
+
+
+def test_skip_nonfinite_keeps_training_and_counts_skipped_steps(tiny_config, tmp_path):
+  c = tiny_config
+  c.train.num_steps, c.train.log_every, c.train.checkpoint_every = 6, 3, 3
+  c.train.schedule, c.train.learning_rate = 'constant', 1e30
+  c.train.skip_nonfinite = True
+  workdir = str(tmp_path / 'w')
+  loop.train_and_evaluate(c, workdir)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    train = [json.loads(line) for line in f if '"train"' in line]
+  assert [r['skipped_steps'] for r in train] == [2, 3]  # step 1 is the only finite one
+  assert all(np.isfinite(r['loss']) for r in train)
