@@ -52,8 +52,16 @@ def _fmt_time(seconds: float) -> str:
 
 def _prepare_workdir(config, workdir):
   """Writes config.json; a resumed run must match the saved one (exit 2 if not)."""
-  os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, 'config.json')
+  try:  # before any compilation: a workdir that cannot be written fails now, not at the first save
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, '.write_test'), 'w') as f:
+      f.write('ok')
+    os.remove(os.path.join(workdir, '.write_test'))
+  except OSError as e:
+    raise config_lib.ConfigError(
+        f'workdir {workdir} cannot be written ({type(e).__name__}: {e}); '
+        'choose another --workdir') from None
   if os.path.exists(path):
     with open(path) as f:
       saved = config_lib.from_json(f.read())

@@ -201,3 +201,15 @@ def test_skip_nonfinite_keeps_training_and_counts_skipped_steps(tiny_config, tmp
     train = [json.loads(line) for line in f if '"train"' in line]
   assert [r['skipped_steps'] for r in train] == [2, 3]  # step 1 is the only finite one
   assert all(np.isfinite(r['loss']) for r in train)
+
+
+def test_unwritable_workdir_exits_2_before_training(tmp_path, tfds_dir):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  proc = subprocess.run(
+      [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={blocker}/run',
+       f'--config.data.data_dir={tfds_dir}', *TINY, '--config.train.num_steps=2'],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert f'workdir {blocker}/run cannot be written' in proc.stderr
+  assert 'Traceback' not in proc.stderr
