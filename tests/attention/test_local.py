@@ -77,6 +77,23 @@ _plain = jax.jit(lambda *a, **kw: local.local_attention(*a, return_weights=True,
                  static_argnames=('window', 'causal'))
 
 
+@pytest.fixture(autouse=True)
+def blocked_on_tiny_shapes(monkeypatch):
+  """The real rule takes the blocked form only when m >= 2x its context; these
+  tests use tiny shapes, so let it take the blocked form whenever it fits."""
+  monkeypatch.setattr(local, '_BLOCKED_MIN_RATIO', 1)
+
+
+def test_blocked_form_only_where_it_pays(monkeypatch):
+  monkeypatch.setattr(local, '_BLOCKED_MIN_RATIO', 2)
+  q, k, v = _qkv(0, n=8, m=8)
+  monkeypatch.setattr(local, '_blocked', None)  # context 6 > 8 / 2: must not be called
+  local.local_attention(q, k, v, window=2, causal=False)
+  monkeypatch.undo()
+  monkeypatch.setattr(local, '_plain', None)  # context 4 <= 8 / 2: must not be called
+  local.local_attention(q, k, v, window=2, causal=True)
+
+
 @pytest.mark.parametrize('causal', [True, False])
 @pytest.mark.parametrize('mask_name', ['keys', 'full', 'heads', 'rank2'])
 def test_blocked_equals_plain_equals_loop(causal, mask_name, monkeypatch):
