@@ -15,6 +15,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from flaxformer_lite import data, models
+from flaxformer_lite.data import corpora, tokenizers
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import embeddings, rnn, transformer
 from flaxformer_lite.train import schedules
@@ -23,7 +24,9 @@ PARALLEL_MODES = ('jit',)
 # Keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',
-                     'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite')
+                     'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite',
+                     'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
+                     'eval.max_decode_len', 'data.manual_dir')
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train = t = ml_collections.ConfigDict()
   t.num_steps = 2000
   t.batch_size = 64  # global: across all devices and hosts
+  # > 0: seq2seq batches of rows of similar length, about this many tokens
+  # (padding included) per batch instead of batch_size rows (data/pipeline.py).
+  t.batch_tokens = 0
   t.schedule = 'rsqrt'  # schedules.SCHEDULES
   # 'rsqrt': factor on the paper's d^-0.5 * min(s^-0.5, s * warmup^-1.5);
   # the other schedules: the peak learning rate.
@@ -74,7 +80,8 @@ def base_config() -> ml_collections.ConfigDict:
   t.adam_b1 = 0.9
   t.adam_b2 = 0.98
   t.adam_eps = 1e-9
-  t.weight_decay = 0.0
+  t.final_learning_rate = 0.0  # where warmup_cosine / warmup_linear end
+  t.weight_decay = 0.0  # AdamW's, on matrices and embeddings
   t.grad_clip = 0.0  # global-norm clipping; 0 = off
   t.skip_nonfinite = False  # True: a step with a NaN/inf loss or gradient leaves the state as it was
   t.log_every = 100
@@ -84,12 +91,23 @@ def base_config() -> ml_collections.ConfigDict:
   t.parallel = 'jit'
 
   c.data = d = ml_collections.ConfigDict()
-  d.task = 'reverse'  # data.TASKS
-  d.manual_dir = ''  # raw files for real corpora (not used by synthetic tasks)
+  d.task = 'reverse'  # data.TASKS: synthetic (reverse, copy, sort), multi30k, tiny_shakespeare, tfds
+  d.tfds_name = ''  # task=tfds: a TFDS catalog name, e.g. wmt14_translate/de-en, lm1b
+  d.manual_dir = ''  # raw files of a real corpus; '' = download from the public location
   d.data_dir = ''  # TFDS data dir; '' = $TFDS_DATA_DIR or ~/tensorflow_datasets
-  d.num_symbols = 16
-  d.min_len = 1
+  # Synthetic tasks: lengths min_len..max_len (+ EOS). Translation: training
+  # pairs longer than max_len tokens (+ EOS) are dropped or truncated
+  # (overlong). Language models: the context length.
   d.max_len = 16
+  d.overlong = 'drop'  # drop | truncate (always counted and logged)
+  d.source_lang = 'en'  # translation: the features of the pair
+  d.target_lang = 'de'
+  d.tokenizer = 'sentencepiece'  # real text: sentencepiece | char | byte
+  d.vocab_size = 8000  # sentencepiece: joint source+target vocabulary
+  d.spm_model_type = 'unigram'  # unigram | bpe
+  d.mlm_rate = 0.15  # model.type=encoder_only: fraction of tokens masked (BERT)
+  d.num_symbols = 16  # synthetic tasks ...
+  d.min_len = 1
   d.num_train = 50_000
   d.num_eval = 1_000
   d.seed = 0
@@ -97,7 +115,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval = e = ml_collections.ConfigDict()
   e.batch_size = 250
   e.num_examples_to_log = 3
-  e.final_test = True  # evaluate 'test' and 'test_long' after training
+  e.final_test = True  # evaluate 'test' (and 'test_long') after training
+  e.beam_size = 1  # the final test's decoding: 1 = greedy (periodic evals are greedy)
+  e.beam_alpha = 0.6  # GNMT length penalty
+  e.max_decode_len = 0  # 0: target width (token tasks), 1.5 x source + 10 (text)
   return c
 
 
@@ -165,18 +186,71 @@ def validate(config) -> None:
          f'{n} devices; e.g. {n * max(1, t.batch_size // n)}')
 
   _choice('data.task', d.task, data.TASKS)
-  _check(1 <= d.min_len <= d.max_len,
-         f'data.min_len={d.min_len} and data.max_len={d.max_len} need 1 <= min_len <= max_len')
-  _check(d.num_symbols >= 1, f'data.num_symbols={d.num_symbols} must be >= 1')
-  _check(d.num_train >= t.batch_size,
-         f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
-  longest = 2 * d.max_len + 1  # the test_long split, EOS included
-  _check(m.positions != 'learned' or m.max_len >= longest,
-         f'model.max_len={m.max_len} is shorter than the longest sequence ({longest}, '
-         f'data.max_len={d.max_len} doubled for test_long, + EOS); set model.max_len >= {longest}')
+  _check(d.max_len >= 1, f'data.max_len={d.max_len} must be >= 1')
+  kind = task_kind(d)
+  objective = OBJECTIVE_KIND[m.type]
+  _check(kind is None or kind == objective,
+         f'model.type={m.type!r} trains on {objective} data but data.task={d.task!r} is '
+         f'{kind} data; use model.type in '
+         f'{[k for k, v in OBJECTIVE_KIND.items() if v == kind]} for it')
+  if d.task in data.REAL_TASKS:
+    _check(d.task != 'tfds' or bool(d.tfds_name),
+           'data.task=tfds needs data.tfds_name, e.g. wmt14_translate/de-en or lm1b')
+    _choice('data.tokenizer', d.tokenizer, tokenizers.TOKENIZERS)
+    _choice('data.spm_model_type', d.spm_model_type, ('unigram', 'bpe'))
+    _check(d.vocab_size >= 16, f'data.vocab_size={d.vocab_size} must be >= 16')
+    _choice('data.overlong', d.overlong, data.OVERLONG)
+    if d.manual_dir and d.task in data.BUILDER_NAMES:
+      try:
+        corpora.check_manual_dir(data.BUILDER_NAMES[d.task], d.manual_dir)
+      except data.DataError as e:
+        raise ConfigError(f'data.manual_dir: {e}') from None
+  _check(0.0 < d.mlm_rate < 1.0, f'data.mlm_rate={d.mlm_rate} must be in (0, 1)')
+  _check(t.batch_tokens >= 0, f'train.batch_tokens={t.batch_tokens} must be >= 0')
+  if d.task in data.REAL_TASKS and kind != 'lm':
+    _check(m.positions != 'learned' or m.max_len >= d.max_len + 1,
+           f'model.max_len={m.max_len} is shorter than data.max_len + EOS ({d.max_len + 1})')
+  if kind == 'lm':
+    _check(m.positions != 'learned' or m.max_len >= d.max_len,
+           f'model.max_len={m.max_len} is shorter than the context data.max_len={d.max_len}')
+  if d.task in data.TASKS and d.task not in data.REAL_TASKS:  # synthetic
+    _check(1 <= d.min_len <= d.max_len,
+           f'data.min_len={d.min_len} and data.max_len={d.max_len} need 1 <= min_len <= max_len')
+    _check(d.num_symbols >= 1, f'data.num_symbols={d.num_symbols} must be >= 1')
+    _check(d.num_train >= t.batch_size,
+           f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
+    longest = 2 * d.max_len + 1  # the test_long split, EOS included
+    _check(m.positions != 'learned' or m.max_len >= longest,
+           f'model.max_len={m.max_len} is shorter than the longest sequence ({longest}, '
+           f'data.max_len={d.max_len} doubled for test_long, + EOS); set model.max_len >= {longest}')
   e = config.eval
   _check(e.batch_size > 0 and e.batch_size % n == 0,
          f'eval.batch_size={e.batch_size} must be > 0 and divisible by the {n} devices')
+  _check(e.beam_size >= 1, f'eval.beam_size={e.beam_size} must be >= 1 (1 = greedy)')
+  _check(e.max_decode_len >= 0, f'eval.max_decode_len={e.max_decode_len} must be >= 0')
+
+
+# The data each model type trains on (train/steps.py OBJECTIVES).
+OBJECTIVE_KIND = {'encoder_decoder': 'seq2seq', 'rnn_seq2seq': 'seq2seq',
+                  'decoder_only': 'lm', 'encoder_only': 'lm'}
+
+
+def task_kind(data_config) -> str | None:
+  """'seq2seq' | 'lm' for a task, None when only the data can tell (tfds)."""
+  task = data_config.task
+  if task == 'tiny_shakespeare':
+    return 'lm'
+  if task == 'tfds':
+    return None
+  return 'seq2seq'
+
+
+def check_dataset(config, kind: str):
+  """After loading: the model type fits the data (tfds catalog names)."""
+  objective = OBJECTIVE_KIND[config.model.type]
+  _check(kind == objective,
+         f'model.type={config.model.type!r} trains on {objective} data but '
+         f'data.tfds_name={config.data.tfds_name!r} is {kind} data')
 
 
 def to_json(config) -> str:

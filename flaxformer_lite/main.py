@@ -1,7 +1,7 @@
 """Entry point: `python -m flaxformer_lite.main --config=EXP.py [--workdir=DIR] [--config.a.b=v]`.
 
-Exit codes: 0 done; 2 bad flag or config (nothing compiled, nothing saved
-overwritten); 3 non-finite loss (the last good checkpoint is kept).
+Exit codes: 0 done; 2 bad flag, config or data (nothing compiled, nothing
+saved overwritten); 3 non-finite loss (the last good checkpoint is kept).
 """
 from __future__ import annotations
 
@@ -108,6 +108,7 @@ def main(argv):
       print(registry.describe(registry.get(name)))
     return
   # Imported late: --list_attention stays fast.
+  from flaxformer_lite import data
   from flaxformer_lite.train import checkpoints, loop
 
   config = FLAGS.config
@@ -117,7 +118,7 @@ def main(argv):
     config_lib.validate(config)
     std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(workdir))
     loop.train_and_evaluate(config, workdir)
-  except (config_lib.ConfigError, checkpoints.CheckpointError) as e:
+  except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError) as e:
     _fail(str(e), 2)
   except loop.NonFiniteLossError as e:
     _fail(str(e), 3)

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
                                     RNNEncoder, TransformerConfig)
+from flaxformer_lite.layers.transformer import ACTIVATIONS
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-MODEL_TYPES = ('encoder_decoder', 'decoder_only', 'rnn_seq2seq')
+MODEL_TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only', 'rnn_seq2seq')
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
@@ -87,6 +88,36 @@ class DecoderOnly(nn.Module):
     return self.decoder(ids, self_mask=self_mask, deterministic=deterministic)
 
 
+class EncoderOnly(nn.Module):
+  """BERT-style encoder with a masked-LM head (Devlin et al. 2019).
+
+  `__call__(ids [b, n])` -> logits [b, n, vocab]: bidirectional self-attention
+  over the non-PAD tokens (cfg.num_encoder_layers), then the MLM head
+  Dense(d_model) -> activation -> LayerNorm -> the embedding table transposed
+  (tied, as in BERT) + a learned bias [vocab]. Logits at PAD positions are
+  meaningless; the loss weights them 0. Masking: data/masking.py.
+  """
+  cfg: TransformerConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed')
+    self.encoder = Encoder(cfg, self.embed, name='encoder')
+    self.mlm_dense = nn.Dense(cfg.d_model, dtype=cfg.dtype, name='mlm_dense')
+    self.mlm_norm = nn.LayerNorm(dtype=cfg.dtype, name='mlm_norm')
+    self.mlm_bias = self.param('mlm_bias', nn.initializers.zeros, (cfg.vocab_size,))
+
+  def encode(self, ids, *, deterministic=True):
+    """ids [b, n] -> final hidden states [b, n, d_model] (before the MLM head)."""
+    mask = nn.make_attention_mask(ids > PAD_ID, ids > PAD_ID, dtype=bool)
+    return self.encoder(ids, mask=mask, deterministic=deterministic)
+
+  def __call__(self, ids, *, deterministic=True):
+    h = self.encode(ids, deterministic=deterministic)  # [b, n, d]
+    h = self.mlm_norm(ACTIVATIONS[self.cfg.activation](self.mlm_dense(h)))
+    return self.embed.attend(h).astype(jnp.float32) + self.mlm_bias  # [b, n, V]
+
+
 class RNNSeq2Seq(nn.Module):
   """Bidirectional RNN encoder, attentional RNN decoder with input feeding
   (layers/rnn.py), one embedding for both sides. The interface is
@@ -153,8 +184,8 @@ def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
 
 def build(model_config: Mapping[str, Any], *, decode: bool = False,
           sow_weights: bool = False) -> nn.Module:
-  """config.model -> EncoderDecoder | DecoderOnly | RNNSeq2Seq (set by
-  `model_config.type`).
+  """config.model -> EncoderDecoder | DecoderOnly | EncoderOnly | RNNSeq2Seq
+  (set by `model_config.type`).
 
   `decode=True` builds the same parameters with decoding caches.
   `sow_weights=True`: every Transformer attention layer stores its weights
@@ -167,4 +198,6 @@ def build(model_config: Mapping[str, Any], *, decode: bool = False,
   if model_type == 'rnn_seq2seq':
     return RNNSeq2Seq(rnn_config(model_config, decode=decode))
   cfg = transformer_config(model_config, decode=decode, sow_weights=sow_weights)
+  if model_type == 'encoder_only':
+    return EncoderOnly(cfg)
   return (EncoderDecoder if model_type == 'encoder_decoder' else DecoderOnly)(cfg)

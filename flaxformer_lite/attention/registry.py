@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from flaxformer_lite.attention.dot_product import dot_product_attention
 
-TRANSFORMER_MODELS = ('encoder_decoder', 'decoder_only')
+TRANSFORMER_MODELS = ('encoder_decoder', 'decoder_only', 'encoder_only')
 ALL_MODELS = TRANSFORMER_MODELS + ('rnn_seq2seq',)
 
 

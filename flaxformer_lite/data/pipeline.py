@@ -1,8 +1,13 @@
 """Batching: padded numpy batches, deterministic and resumable, per-host.
 
-A split is held as padded arrays {feature: [N, L]}; batches are drawn by a
-seeded permutation per epoch. The iterator's position ({'epoch', 'index'})
-is saved in checkpoints so a resumed run sees the same batches.
+A sequence split is held as padded arrays {feature: [N, L]}; a language-model
+split as one token stream [T]. Three iterators draw from them:
+  Batches          fixed rows per batch, a seeded permutation per epoch;
+  BucketedBatches  rows of similar length, about a token budget per batch;
+  LMWindows        random windows of a token stream (nanoGPT's get_batch).
+Each one's position (get_state/set_state, a small dict of ints) is saved in
+checkpoints, so a resumed run sees the same batches. With process_count > 1
+every process draws the same global batch and keeps its own rows.
 """
 from __future__ import annotations
 
@@ -67,6 +72,126 @@ class Batches:
     rows = self._perm[start:start + self.per_process]
     self.index += self.batch_size
     return {k: v[rows] for k, v in self.arrays.items()}
+
+
+def bucket_boundaries(max_len: int, step: int = 8) -> list[int]:
+  """Padded lengths for buckets: multiples of `step` up to max_len (included)."""
+  return sorted({*range(step, max_len, step), max_len})
+
+
+class BucketedBatches:
+  """Endless batches of rows of similar length, ~`batch_tokens` tokens each.
+
+  An example goes to the smallest boundary >= its longest feature (count of
+  non-PAD tokens). Each epoch, seeded by (seed, epoch): the examples are
+  shuffled, grouped by bucket, cut into batches of
+  rows = batch_tokens // boundary (a multiple of `row_multiple`; each
+  bucket's ragged tail waits for a later epoch), and the batches shuffled.
+  A batch is {feature: [rows, boundary]} (the process's share of the rows).
+  Few distinct shapes, so few compilations; little padding.
+  """
+
+  def __init__(self, arrays, batch_tokens: int, *, seed: int, boundaries=None,
+               row_multiple: int = 1, process_index: int = 0, process_count: int = 1):
+    self.arrays, self.seed = arrays, seed
+    width = next(iter(arrays.values())).shape[1]
+    self.boundaries = np.asarray(boundaries or bucket_boundaries(width))
+    lengths = np.max([np.sum(v != PAD_ID, axis=1) for v in arrays.values()], axis=0)
+    self.bucket = np.searchsorted(self.boundaries, lengths)  # index of the boundary
+    if self.bucket.max(initial=0) >= len(self.boundaries):
+      raise ValueError(f'examples of length {lengths.max()} exceed the largest bucket '
+                       f'{self.boundaries[-1]}')
+    multiple = row_multiple * process_count
+    self.rows = [max(multiple, batch_tokens // int(b) // multiple * multiple)
+                 for b in self.boundaries]
+    self.process_index, self.process_count = process_index, process_count
+    self.epoch, self.index = 0, 0
+    self._batches = self._plan(0)
+
+  def _plan(self, epoch) -> list[np.ndarray]:
+    rng = np.random.default_rng([self.seed, epoch])
+    order = rng.permutation(len(self.bucket))
+    order = order[np.argsort(self.bucket[order], kind='stable')]
+    batches = []
+    for b, rows in enumerate(self.rows):
+      members = order[self.bucket[order] == b]
+      batches += [members[i:i + rows] for i in range(0, len(members) - rows + 1, rows)]
+    if not batches:
+      raise ValueError(f'no bucket holds a full batch ({self.rows} rows per bucket '
+                       f'boundary {list(self.boundaries)}); lower the token budget')
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+  def get_state(self) -> dict:
+    return {'epoch': int(self.epoch), 'index': int(self.index)}
+
+  def set_state(self, state: dict):
+    self.epoch, self.index = int(state['epoch']), int(state['index'])
+    self._batches = self._plan(self.epoch)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.index >= len(self._batches):
+      self.epoch, self.index = self.epoch + 1, 0
+      self._batches = self._plan(self.epoch)
+    rows = self._batches[self.index]
+    self.index += 1
+    share = len(rows) // self.process_count
+    rows = rows[self.process_index * share:(self.process_index + 1) * share]
+    width = int(self.boundaries[self.bucket[rows[0]]])
+    return {k: v[rows, :width] for k, v in self.arrays.items()}
+
+
+class LMWindows:
+  """Endless batches of random windows of a token stream [T].
+
+  Batch i draws `batch_size` start offsets uniformly from
+  [0, T - context - 1] with a generator seeded by (seed, i):
+  {'inputs': stream[o:o + context], 'targets': stream[o + 1:o + context + 1]},
+  each [rows, context]. The state is just i.
+  """
+
+  def __init__(self, stream, context: int, batch_size: int, *, seed: int,
+               process_index: int = 0, process_count: int = 1):
+    if len(stream) < context + 2:
+      raise ValueError(f'a stream of {len(stream)} tokens is shorter than context '
+                       f'{context} + 2')
+    self.stream, self.context, self.batch_size, self.seed = stream, context, batch_size, seed
+    self.per_process = batch_size // process_count
+    self.offset = process_index * self.per_process
+    self.index = 0
+    self._window = np.arange(context)
+
+  def get_state(self) -> dict:
+    return {'epoch': 0, 'index': int(self.index)}
+
+  def set_state(self, state: dict):
+    self.index = int(state['index'])
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    rng = np.random.default_rng([self.seed, self.index])
+    starts = rng.integers(0, len(self.stream) - self.context, size=self.batch_size)
+    starts = starts[self.offset:self.offset + self.per_process]
+    self.index += 1
+    rows = starts[:, None] + self._window
+    return {'inputs': self.stream[rows], 'targets': self.stream[rows + 1]}
+
+
+def lm_eval_arrays(stream, context: int) -> dict:
+  """A stream [T] as its non-overlapping windows: {'inputs', 'targets'} [N, context]
+  with targets the next tokens; the last window is PAD-filled where the
+  stream ends (its PAD targets weigh nothing), so every token but the first
+  is predicted exactly once."""
+  n = -(-(len(stream) - 1) // context)
+  inputs = np.full(n * context, PAD_ID, np.int32)
+  targets = np.full(n * context, PAD_ID, np.int32)
+  inputs[:len(stream) - 1] = stream[:-1]
+  targets[:len(stream) - 1] = stream[1:]
+  return {'inputs': inputs.reshape(n, context), 'targets': targets.reshape(n, context)}
 
 
 def eval_batches(arrays, batch_size: int):

@@ -12,7 +12,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flaxformer_lite import config as config_lib
-from flaxformer_lite import data, models
+from flaxformer_lite import data, decoding, models
+from flaxformer_lite.data import tokenizers
 from flaxformer_lite.train import checkpoints, metrics as metrics_lib, preemption, schedules, steps
 from flaxformer_lite.train import state as state_lib
 
@@ -42,6 +43,23 @@ def _summarise(sums) -> dict:
   if 'grad_norm' in sums:
     out['grad_norm'] = float(sums['grad_norm'])
   return out
+
+
+def _fmt_metrics(m: dict) -> str:
+  return '  '.join(f'{k} {v:.4f}' for k, v in sorted(m.items()))
+
+
+def _train_batches(config, dataset):
+  """The training iterator for the dataset kind and config.train."""
+  t, n = config.train, jax.process_count()
+  where = dict(process_index=jax.process_index(), process_count=n)
+  train = dataset.splits['train']
+  if dataset.kind == 'lm':
+    return data.LMWindows(train, config.data.max_len, t.batch_size, seed=config.seed, **where)
+  if t.batch_tokens:
+    return data.BucketedBatches(train, t.batch_tokens, seed=config.seed,
+                                row_multiple=jax.local_device_count(), **where)
+  return data.Batches(train, t.batch_size, seed=config.seed, **where)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -78,29 +96,112 @@ def _prepare_workdir(config, workdir):
 
 
 class Evaluator:
-  """Teacher-forced metrics and greedy-decoding accuracy over whole splits."""
+  """Whole-split evaluation, by objective.
 
-  def __init__(self, config, model, batch_sharding):
-    self.config, self.batch_sharding = config, batch_sharding
-    self.step = jax.jit(functools.partial(
-        steps.eval_and_predict_step, model=model,
-        decode_model=models.build(config.model, decode=True),
-        label_smoothing=config.train.label_smoothing))
+  seq2seq: teacher-forced loss/perplexity/accuracy, then decoding (greedy, or
+    beam search with `beam_size` > 1): sequence_accuracy for token tasks,
+    sacreBLEU of the detokenized output against the raw references for text.
+  lm: loss, perplexity, bits_per_token (bpc for char/byte tokenizers) over
+    the split's non-overlapping windows of data.max_len tokens.
+  mlm: loss/accuracy on masked positions; the masks are drawn from a fixed
+    key, so every evaluation scores the same ones.
+  """
 
-  def __call__(self, params, arrays, *, log_examples=0) -> dict:
-    sums, examples = None, []
-    for batch in data.eval_batches(arrays, self.config.eval.batch_size):
+  def __init__(self, config, model, dataset, batch_sharding):
+    self.config, self.dataset, self.batch_sharding = config, dataset, batch_sharding
+    self.objective = steps.OBJECTIVES[config.model.type]
+    self.metrics_step = jax.jit(functools.partial(
+        steps.eval_step, apply_fn=model.apply, label_smoothing=config.train.label_smoothing,
+        objective=self.objective, mlm_rate=config.data.mlm_rate,
+        vocab_size=config.model.vocab_size))
+    self.model, self.decode_model = model, None
+    if self.objective != 'mlm':
+      self.decode_model = models.build(config.model, decode=True)
+    self._decoders, self._arrays = {}, {}
+
+  def arrays(self, split) -> dict:
+    """A split as padded arrays (LM streams cut into windows), cached."""
+    if split not in self._arrays:
+      values = self.dataset.splits[split]
+      if self.dataset.kind == 'lm':
+        values = data.lm_eval_arrays(values, self.config.data.max_len)
+      self._arrays[split] = values
+    return self._arrays[split]
+
+  def _decoder(self, max_len, beam_size):
+    key = (max_len, beam_size)
+    if key not in self._decoders:
+      self._decoders[key] = jax.jit(functools.partial(
+          steps.decode_step, model=self.model, decode_model=self.decode_model,
+          max_len=max_len, beam_size=beam_size, alpha=self.config.eval.beam_alpha))
+    return self._decoders[key]
+
+  def decode_len(self, arrays) -> int:
+    """Tokens to decode: eval.max_decode_len, else the target width for token
+    tasks and 1.5 x the source width + 10 for text (within model.max_len for
+    learned positions)."""
+    e, m = self.config.eval, self.config.model
+    if e.max_decode_len:
+      return e.max_decode_len
+    if self.dataset.tokenizer is None:
+      return arrays['targets'].shape[1]
+    n = int(1.5 * arrays['inputs'].shape[1]) + 10
+    return min(n, m.max_len) if m.positions == 'learned' else n
+
+  def __call__(self, params, split, *, beam_size=1, log_examples=0) -> dict:
+    arrays, sums = self.arrays(split), None
+    eval_rng = jax.random.key(self.config.seed + 1)
+    decode = self.objective == 'seq2seq'
+    max_len = self.decode_len(arrays) if decode else 0
+    decoder = self._decoder(max_len, beam_size) if decode else None
+    predicted = []
+    for i, batch in enumerate(data.eval_batches(arrays, self.config.eval.batch_size)):
       batch = jax.device_put(batch, self.batch_sharding)
-      s, predicted = self.step(params, batch)
+      s = self.metrics_step(params, batch, jax.random.fold_in(eval_rng, i))
       sums = s if sums is None else _add(sums, s)
-      for i in range(min(log_examples - len(examples), int(s['sequences']))):
-        examples.append((batch['inputs'][i], batch['targets'][i], predicted[i]))
+      if decode:
+        predicted.append(np.asarray(decoder(params, batch['inputs'])))
     out = _summarise(sums)
-    out['sequence_accuracy'] = float(sums['decoded_correct']) / max(float(sums['sequences']), 1.0)
-    for inputs, targets, predicted in examples:
-      log.info('  input %s\n  target %s\n  decoded %s', _tokens(inputs),
-               _tokens(targets), _tokens(predicted))
+    if self.objective == 'lm':
+      out['bits_per_token'] = out['nll'] / np.log(2.0)
+      if isinstance(self.dataset.tokenizer, (tokenizers.CharTokenizer, tokenizers.ByteTokenizer)):
+        out['bpc'] = out['bits_per_token']
+      if log_examples:
+        self._log_sample(params, arrays)
+    if decode:
+      out.update(self._score(split, arrays, np.concatenate(predicted), log_examples))
     return out
+
+  def _score(self, split, arrays, predicted, log_examples) -> dict:
+    num = len(arrays['inputs'])
+    predicted = predicted[:num]
+    tokenizer = self.dataset.tokenizer
+    if tokenizer is None:  # token tasks: exact match of the whole sequence
+      targets = arrays['targets']
+      width = min(predicted.shape[1], targets.shape[1])
+      same = np.all(predicted[:, :width] == targets[:, :width], axis=1)
+      for i in range(log_examples):
+        log.info('  input %s\n  target %s\n  decoded %s', _tokens(arrays['inputs'][i]),
+                 _tokens(targets[i]), _tokens(predicted[i]))
+      return {'sequence_accuracy': float(np.mean(same))}
+    hypotheses = [tokenizer.decode(row) for row in predicted]
+    references = self.dataset.references[split]
+    for i in range(log_examples):
+      log.info('  source    %s\n  reference %s\n  decoded   %s',
+               tokenizer.decode(arrays['inputs'][i]), references[i], hypotheses[i])
+    return {'bleu': metrics_lib.bleu(hypotheses, references)}
+
+  def _log_sample(self, params, arrays):
+    """A greedy continuation of the split's first window's first half."""
+    context = self.config.data.max_len
+    if 'sample' not in self._decoders:
+      self._decoders['sample'] = jax.jit(functools.partial(
+          decoding.greedy_generate, self.decode_model, max_steps=context - context // 2))
+    prompt = arrays['inputs'][:1, :context // 2]
+    out = np.asarray(self._decoders['sample'](params, prompt))
+    tokenizer = self.dataset.tokenizer
+    log.info('  prompt %r\n  greedy %r', tokenizer.decode(prompt[0]),
+             tokenizer.decode(out[0]))
 
 
 _add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
@@ -115,13 +216,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
   in workdir), evaluates, and returns the final metrics by split."""
   config_lib.validate(config)
   dataset = data.load(config.data)
+  objective = steps.OBJECTIVES[config.model.type]
+  config_lib.check_dataset(config, dataset.kind)
+  # mlm reserves one more id, the last, for [MASK] (steps.forward).
+  needed = dataset.vocab_size + (objective == 'mlm')
   with config.unlocked():
     if not config.model.vocab_size:
-      config.model.vocab_size = dataset.vocab_size
-  if config.model.vocab_size < dataset.vocab_size:
+      config.model.vocab_size = needed
+  if config.model.vocab_size < needed:
     raise config_lib.ConfigError(
         f'model.vocab_size={config.model.vocab_size} is smaller than the dataset '
-        f'vocabulary ({dataset.vocab_size}); use 0 (automatic) or >= {dataset.vocab_size}')
+        f'vocabulary ({needed}); use 0 (automatic) or >= {needed}')
   _prepare_workdir(config, workdir)
 
   mesh = jax.make_mesh((jax.device_count(),), ('data',),
@@ -131,11 +236,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   t = config.train
   model = models.build(config.model)
-  train_iter = data.Batches(dataset.splits['train'], t.batch_size, seed=config.seed,
-                            process_index=jax.process_index(),
-                            process_count=jax.process_count())
+  train_iter = _train_batches(config, dataset)
   init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
-  example = {k: v[:1] for k, v in dataset.splits['train'].items()}
+  example = {k: v[:1] for k, v in next(_train_batches(config, dataset)).items()}
   state = jax.device_put(state_lib.create(model, config, example, init_rng), replicated)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
 
@@ -151,20 +254,21 @@ def train_and_evaluate(config, workdir: str) -> dict:
     start = int(state.step)
     log.info('Resumed from %s at step %d', ckpt.directory, start)
   writer = metrics_lib.MetricWriter(workdir, start)
-  evaluate = Evaluator(config, model, batch_sharding)
+  evaluate = Evaluator(config, model, dataset, batch_sharding)
 
   train_step = jax.jit(
       functools.partial(steps.train_step, label_smoothing=t.label_smoothing,
-                        skip_nonfinite=t.skip_nonfinite),
+                        skip_nonfinite=t.skip_nonfinite, objective=objective,
+                        mlm_rate=config.data.mlm_rate, vocab_size=config.model.vocab_size),
       donate_argnums=(0,))
   schedule = schedules.create(t, config.model.d_model)
   log.info('Model %s, %s parameters, attention=%s; training steps %d..%d, '
-               'batch %d on %d device(s)', config.model.type, f'{num_params:,}',
-               config.model.attention, start, t.num_steps, t.batch_size,
-               jax.device_count())
+           'batch %s on %d device(s)', config.model.type, f'{num_params:,}',
+           config.model.attention, start, t.num_steps,
+           f'~{t.batch_tokens} tokens' if t.batch_tokens else t.batch_size, jax.device_count())
 
   window, window_start, window_steps = None, time.time(), 0
-  train_start, results = time.time(), {}
+  train_start, eval_seconds, results = time.time(), 0.0, {}
   with preemption.Preemption() as preempt:
     for step in range(start, t.num_steps):
       batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter))
@@ -192,13 +296,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
         window, window_start, window_steps = None, time.time(), 0
       if done % t.eval_every == 0 or done == t.num_steps:
         eval_start = time.time()
-        results['eval'] = evaluate(state.params, dataset.splits['validation'],
+        results['eval'] = evaluate(state.params, 'validation',
                                    log_examples=config.eval.num_examples_to_log)
         writer.write(done, 'eval', results['eval'])
-        log.info('eval at step %d: loss %.4f  accuracy %.4f  sequence_accuracy %.4f '
-                 '(%.1fs)', done, results['eval']['loss'], results['eval']['accuracy'],
-                 results['eval']['sequence_accuracy'], time.time() - eval_start)
+        log.info('eval at step %d (%.1fs): %s', done, time.time() - eval_start,
+                 _fmt_metrics(results['eval']))
         window_start += time.time() - eval_start
+        eval_seconds += time.time() - eval_start
       if (done % t.checkpoint_every == 0 or done == t.num_steps
           or preempt.requested):
         if window is not None:  # steps since the last log: never save a non-finite state
@@ -214,19 +318,26 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   train_time = time.time() - train_start
   if 'eval' not in results:  # resumed a finished run
-    results['eval'] = evaluate(state.params, dataset.splits['validation'])
-  if config.eval.final_test:
-    test = evaluate(state.params, dataset.splits['test'])
-    long = evaluate(state.params, dataset.splits['test_long'])
-    results['test'] = {**test, **{f'long_{k}': v for k, v in long.items()}}
+    results['eval'] = evaluate(state.params, 'validation')
+  if config.eval.final_test and 'test' in dataset.splits:
+    test_start = time.time()
+    results['test'] = evaluate(state.params, 'test', beam_size=config.eval.beam_size,
+                               log_examples=config.eval.num_examples_to_log)
+    if 'test_long' in dataset.splits:
+      long = evaluate(state.params, 'test_long', beam_size=config.eval.beam_size)
+      results['test'].update({f'long_{k}': v for k, v in long.items()})
     writer.write(t.num_steps, 'test', results['test'])
+    log.info('test (%.1fs, beam %d): %s', time.time() - test_start, config.eval.beam_size,
+             _fmt_metrics(results['test']))
   ckpt.close()
   writer.close()
 
-  log.info('Done: %d steps in %s (this run: %d steps). Results by split:',
-               t.num_steps, _fmt_time(train_time), t.num_steps - start)
+  log.info('Done: %d steps; this run trained steps %d..%d in %s (periodic evaluation '
+           '%s of it). Results by split:', t.num_steps, start, t.num_steps,
+           _fmt_time(train_time), _fmt_time(eval_seconds))
   for split, m in results.items():
-    log.info('  %-5s %s', split, '  '.join(f'{k} {v:.4f}' for k, v in sorted(m.items())))
+    log.info('  %-5s %s', split, _fmt_metrics(m))
   results['train_seconds'] = train_time
+  results['eval_seconds'] = eval_seconds
   results['num_params'] = num_params
   return results

@@ -5,7 +5,15 @@ import json
 import os
 
 import jax
+import sacrebleu
 from tensorboardX import SummaryWriter
+
+
+def bleu(hypotheses: list[str], references: list[str]) -> float:
+  """Corpus sacreBLEU (13a tokenization, cased) of detokenized text, 0..100."""
+  if len(hypotheses) != len(references):
+    raise ValueError(f'{len(hypotheses)} hypotheses for {len(references)} references')
+  return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
 class MetricWriter:

@@ -19,7 +19,8 @@ def rsqrt(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax.Schedul
 
 
 def create(train_config, d_model: int) -> optax.Schedule:
-  """config.train (schedule, learning_rate, warmup_steps, num_steps) -> schedule."""
+  """config.train (schedule, learning_rate, warmup_steps, num_steps,
+  final_learning_rate: where the decaying schedules end) -> schedule."""
   t = train_config
   name, lr, warmup, total = t.schedule, t.learning_rate, t.warmup_steps, t.num_steps
   if name == 'rsqrt':
@@ -27,9 +28,10 @@ def create(train_config, d_model: int) -> optax.Schedule:
   if name == 'constant':
     return optax.constant_schedule(lr)
   if name == 'warmup_cosine':
-    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total, warmup + 1))
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total, warmup + 1),
+                                              end_value=t.final_learning_rate)
   if name == 'warmup_linear':
     return optax.join_schedules(
         [optax.linear_schedule(0.0, lr, warmup),
-         optax.linear_schedule(lr, 0.0, max(total - warmup, 1))], [warmup])
+         optax.linear_schedule(lr, t.final_learning_rate, max(total - warmup, 1))], [warmup])
   raise ValueError(f'train.schedule={name!r}; valid: {", ".join(SCHEDULES)}')

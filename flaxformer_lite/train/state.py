@@ -11,21 +11,28 @@ from flaxformer_lite.train import schedules
 
 
 def create_optimizer(train_config, d_model: int):
-  """Adam(b1, b2, eps) on the configured schedule; optional clipping and decay."""
+  """Adam(b1, b2, eps) on the configured schedule; optional clipping and decoupled
+  weight decay (AdamW, on matrices and embeddings as in GPT-2/nanoGPT)."""
   t = train_config
   lr = schedules.create(t, d_model)
-  if t.weight_decay:
+  if t.weight_decay:  # matrices and embeddings only, not biases or norm scales
     opt = optax.adamw(lr, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps,
-                      weight_decay=t.weight_decay)
+                      weight_decay=t.weight_decay,
+                      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
   else:
     opt = optax.adam(lr, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps)
   return optax.chain(optax.clip_by_global_norm(t.grad_clip), opt) if t.grad_clip else opt
 
 
 def create(model, config, example_batch, rng) -> train_state.TrainState:
-  """Initialises parameters from `example_batch` shapes and the optimizer."""
-  init = jax.jit(lambda rng, inputs, targets: model.init(rng, inputs, shift_right(targets)))
-  params = init(rng, example_batch['inputs'], example_batch['targets'])['params']
+  """Initialises parameters from `example_batch` shapes and the optimizer.
+  Models with one input (LMs, the MLM encoder) see only example_batch['inputs']."""
+  if config.model.type in ('decoder_only', 'encoder_only'):
+    init = jax.jit(lambda rng, inputs: model.init(rng, inputs))
+    params = init(rng, example_batch['inputs'])['params']
+  else:
+    init = jax.jit(lambda rng, inputs, targets: model.init(rng, inputs, shift_right(targets)))
+    params = init(rng, example_batch['inputs'], example_batch['targets'])['params']
   tx = create_optimizer(config.train, config.model.d_model)
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 

@@ -1,29 +1,65 @@
-"""Pure step functions: (state, batch, rng) -> (state, metrics); jit them outside."""
+"""Pure step functions: (state, batch, rng) -> (state, metrics); jit them outside.
+
+The objective follows the model type (OBJECTIVES):
+  seq2seq  batch {'inputs', 'targets'}: teacher-forced decoder on shift_right(targets);
+  lm       batch {'inputs', 'targets' = next tokens}: a causal LM on inputs;
+  mlm      batch {'inputs'}: BERT's masked LM, masks drawn inside the step
+           (data/masking.py); loss on the masked positions only.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from flaxformer_lite import decoding
+from flaxformer_lite.data import masking
 from flaxformer_lite.models import PAD_ID, shift_right
 from flaxformer_lite.train import losses
 
+OBJECTIVES = {'encoder_decoder': 'seq2seq', 'rnn_seq2seq': 'seq2seq',
+              'decoder_only': 'lm', 'encoder_only': 'mlm'}
 
-def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: bool = False):
-  """One optimizer update. Dropout draws from fold_in(rng, step), so a resumed
-  run draws the same numbers as an uninterrupted one.
+
+def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = True,
+            rng=None, mlm_rate: float = 0.15, vocab_size: int = 0):
+  """-> (logits [b, n, V], targets [b, n], weights [b, n] float, 0 = not scored).
+
+  rng: dropout (when not deterministic) and, for mlm, the masks.
+  vocab_size: mlm only, the model's vocabulary (the last id is [MASK]).
+  """
+  rngs = None if deterministic else {'dropout': jax.random.fold_in(rng, 0)}
+  if objective == 'mlm':
+    data_vocab, mask_id = vocab_size - 1, vocab_size - 1
+    inputs, targets, weights = masking.mask_tokens(
+        jax.random.fold_in(rng, 1), batch['inputs'], vocab_size=data_vocab,
+        mask_id=mask_id, rate=mlm_rate)
+    logits = apply_fn({'params': params}, inputs, deterministic=deterministic, rngs=rngs)
+    return logits, targets, weights.astype(jnp.float32)
+  targets = batch['targets']
+  if objective == 'seq2seq':
+    logits = apply_fn({'params': params}, batch['inputs'], shift_right(targets),
+                      deterministic=deterministic, rngs=rngs)
+  else:
+    logits = apply_fn({'params': params}, batch['inputs'], deterministic=deterministic,
+                      rngs=rngs)
+  return logits, targets, (targets != PAD_ID).astype(jnp.float32)
+
+
+def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: bool = False,
+               objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0):
+  """One optimizer update. Dropout (and mlm masks) draw from fold_in(rng, step),
+  so a resumed run draws the same numbers as an uninterrupted one.
 
   skip_nonfinite: when the loss or any gradient is NaN/inf, keep params and
   optimizer state as they were (the step counter still advances: the batch
   is consumed), zero this step's metric sums and count it in sums['skipped'].
   """
-  inputs, targets = batch['inputs'], batch['targets']
-  weights = (targets != PAD_ID).astype(jnp.float32)
-  dropout_rng = jax.random.fold_in(rng, state.step)
+  step_rng = jax.random.fold_in(rng, state.step)
 
   def loss_fn(params):
-    logits = state.apply_fn({'params': params}, inputs, shift_right(targets),
-                            deterministic=False, rngs={'dropout': dropout_rng})
+    logits, targets, weights = forward(
+        state.apply_fn, params, batch, objective=objective, deterministic=False,
+        rng=step_rng, mlm_rate=mlm_rate, vocab_size=vocab_size)
     sums = losses.token_metrics(logits, targets, weights, label_smoothing)
     return sums['loss'] / jnp.maximum(sums['tokens'], 1.0), sums
 
@@ -39,16 +75,26 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
   return new_state, sums
 
 
-def eval_step(params, batch, *, apply_fn, label_smoothing: float):
-  """Teacher-forced metric sums on one batch (PAD rows weigh nothing)."""
-  targets = batch['targets']
-  weights = (targets != PAD_ID).astype(jnp.float32)
-  logits = apply_fn({'params': params}, batch['inputs'], shift_right(targets))
+def eval_step(params, batch, rng=None, *, apply_fn, label_smoothing: float,
+              objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0):
+  """Teacher-forced metric sums on one batch (PAD rows weigh nothing).
+  rng: the mlm masks (fixed per batch, so every eval scores the same masks)."""
+  logits, targets, weights = forward(apply_fn, params, batch, objective=objective,
+                                     rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size)
   return losses.token_metrics(logits, targets, weights, label_smoothing)
 
 
+def decode_step(params, inputs, *, model, decode_model, max_len: int, beam_size: int = 1,
+                alpha: float = 0.6):
+  """Greedy (beam_size 1) or beam decoding: inputs [b, m] -> tokens [b, max_len]."""
+  if beam_size == 1:
+    return decoding.greedy_translate(model, decode_model, params, inputs, max_len)
+  return decoding.beam_translate(model, decode_model, params, inputs, max_len,
+                                 beam_size=beam_size, alpha=alpha)
+
+
 def eval_and_predict_step(params, batch, *, model, decode_model, label_smoothing: float):
-  """Teacher-forced sums plus greedy decoding of the batch.
+  """Teacher-forced sums plus greedy decoding of the batch (seq2seq).
 
   Returns (sums with 'decoded_correct' = exactly decoded sequences,
   predicted tokens [b, n] with n the target length).

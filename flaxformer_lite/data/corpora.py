@@ -1,0 +1,270 @@
+"""Real text corpora as TFDS builders, written as array_record, read without TensorFlow.
+
+- `multi30k`: Multi30k task 1 (WMT16 multimodal) English-German, raw cased
+  untokenized text; features {'en', 'de'}; splits train / validation / test
+  (= test_2016_flickr) of 29000 / 1014 / 1000 pairs.
+- `tiny_shakespeare`: the char-rnn Tiny Shakespeare text; feature {'text'};
+  one example per split: train = the first 90% of the characters,
+  validation = the rest (nanoGPT's split).
+- `catalog(name)`: any builder of the TFDS catalog ('wmt14_translate/de-en', 'lm1b').
+
+Raw files come from `manual_dir` (each as `X.gz` or plain `X`), or are
+downloaded when no manual_dir is given. Lines that are not valid UTF-8, empty
+pairs and unpaired lines are skipped and counted in the dataset's metadata:
+`bad_line_counts(builder)` -> {split: {'invalid_utf8': n, 'empty': n, 'unpaired': n}}.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib
+import itertools
+import logging
+import os
+
+import tensorflow_datasets as tfds
+
+log = logging.getLogger('flaxformer_lite')
+
+MULTI30K_URL = 'https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/'
+SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/'
+MULTI30K_SPLITS = {'train': 'train', 'validation': 'val', 'test': 'test_2016_flickr'}
+# TFDS name -> {raw file name: the public URL it is downloaded from}.
+RAW_FILES = {
+    'multi30k': {f'{stem}.{lang}': f'{MULTI30K_URL}{stem}.{lang}.gz'
+                 for stem in MULTI30K_SPLITS.values() for lang in ('en', 'de')},
+    'tiny_shakespeare_char': {'input.txt': SHAKESPEARE_URL + 'input.txt'},
+}
+REASONS = ('invalid_utf8', 'empty', 'unpaired')
+CATALOG_EXAMPLES = ('wmt14_translate/de-en', 'wmt17_translate/de-en', 'lm1b')
+
+
+class DataError(ValueError):
+  """Bad or missing data (the CLI exits with code 2)."""
+
+
+def check_manual_dir(name: str, manual_dir: str) -> dict[str, str]:
+  """Raw file name -> its path in manual_dir (`X.gz` or plain `X`); DataError if any is missing."""
+  found = {}
+  for raw in RAW_FILES[name]:
+    for path in (os.path.join(manual_dir, raw + '.gz'), os.path.join(manual_dir, raw)):
+      if os.path.isfile(path):
+        found[raw] = path
+        break
+  missing = [f'{raw} (from {url})' for raw, url in RAW_FILES[name].items() if raw not in found]
+  if missing:
+    raise DataError(
+        f'{name}: manual_dir={manual_dir!r} lacks {", ".join(missing)}. It must hold each of '
+        f'{", ".join(RAW_FILES[name])}, gzipped (NAME.gz) or plain; or leave manual_dir '
+        f'empty to download them.')
+  return found
+
+
+def _raw_paths(builder, dl_manager) -> dict[str, str]:
+  """The raw files: from the download config's manual_dir, else downloaded.
+
+  A manual_dir that is missing or empty counts as not given (that is how TFDS
+  reports it); the factories below check a given one with check_manual_dir first.
+  """
+  try:
+    manual_dir = dl_manager.manual_dir  # AssertionError: none given (or it is empty)
+  except AssertionError:
+    return {raw: os.fspath(path)
+            for raw, path in dl_manager.download(RAW_FILES[builder.name]).items()}
+  return check_manual_dir(builder.name, os.fspath(manual_dir))
+
+
+def _open(path: str):
+  """Binary file object, gunzipped if the file is gzip (by its magic bytes, not its name:
+  TFDS renames downloads)."""
+  with open(path, 'rb') as f:
+    magic = f.read(2)
+  return gzip.open(path, 'rb') if magic == b'\x1f\x8b' else open(path, 'rb')
+
+
+def _decode(line: bytes) -> str | None:
+  try:
+    return line.decode('utf-8')
+  except UnicodeDecodeError:
+    return None
+
+
+def _record(builder, split: str, counts: dict, files) -> None:
+  """Keeps the skip counts in the dataset metadata (saved with the dataset) and warns."""
+  builder.info.metadata[split] = counts
+  if any(counts.values()):
+    log.warning('%s %s: skipped lines in %s: %s', builder.name, split, ', '.join(files), counts)
+
+
+def _info(builder, features, homepage: str, citation: str = '', supervised_keys=None):
+  return tfds.core.DatasetInfo(
+      builder=builder, description=builder.__doc__, homepage=homepage, citation=citation,
+      features=tfds.features.FeaturesDict({k: tfds.features.Text() for k in features}),
+      supervised_keys=supervised_keys,
+      disable_shuffling=True,  # rows in file order: row i of a split is line i of its files
+      metadata=tfds.core.MetadataDict())
+
+
+class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Multi30k task 1, English-German sentence pairs."""
+  # The version names the skip rules and split files too: a change to either
+  # must bump it, or a prepared data_dir silently keeps the old examples.
+  VERSION = tfds.core.Version('1.0.0')
+  MANUAL_DOWNLOAD_INSTRUCTIONS = (
+      f'Put {", ".join(RAW_FILES["multi30k"])} (each gzipped as NAME.gz or plain) in '
+      f'manual_dir; they are at {MULTI30K_URL}NAME.gz')
+
+  def _info(self):
+    return _info(self, ('en', 'de'), 'https://github.com/multi30k/dataset',
+                 'Elliott et al. 2016, Multi30K: Multilingual English-German Image '
+                 'Descriptions, doi:10.18653/v1/W16-3210', supervised_keys=('en', 'de'))
+
+  def _split_generators(self, dl_manager):
+    paths = _raw_paths(self, dl_manager)
+    return {split: self._generate_examples(split, paths[f'{stem}.en'], paths[f'{stem}.de'])
+            for split, stem in MULTI30K_SPLITS.items()}
+
+  def _generate_examples(self, split, en_path, de_path):
+    """Line i of the .en file with line i of the .de file; bad pairs counted and skipped."""
+    counts = dict.fromkeys(REASONS, 0)
+    with _open(en_path) as en_file, _open(de_path) as de_file:
+      for i, (en, de) in enumerate(itertools.zip_longest(en_file, de_file)):
+        if en is None or de is None:
+          counts['unpaired'] += 1
+          continue
+        en, de = _decode(en.rstrip(b'\r\n')), _decode(de.rstrip(b'\r\n'))
+        if en is None or de is None:
+          counts['invalid_utf8'] += 1
+        elif not en.strip() or not de.strip():
+          counts['empty'] += 1
+        else:
+          yield i, {'en': en, 'de': de}
+    _record(self, split, counts, (en_path, de_path))
+
+
+class TinyShakespeare(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Tiny Shakespeare as two long texts (train: first 90% of characters, validation: last 10%)."""
+  name = 'tiny_shakespeare_char'  # the TFDS catalog's 'tiny_shakespeare' has another split
+  VERSION = tfds.core.Version('1.0.0')  # bump with any change to the split or skip rules
+  MANUAL_DOWNLOAD_INSTRUCTIONS = (
+      f'Put input.txt (or input.txt.gz) in manual_dir; get it from {SHAKESPEARE_URL}input.txt')
+
+  def _info(self):
+    return _info(self, ('text',), 'https://github.com/karpathy/char-rnn')
+
+  def _split_generators(self, dl_manager):
+    path = _raw_paths(self, dl_manager)['input.txt']
+    with _open(path) as f:
+      lines = f.read().splitlines(keepends=True)
+    kept, dropped_at = [], []  # dropped_at: character offsets in the kept text
+    length = 0
+    for line in lines:
+      text = _decode(line)
+      if text is None:
+        dropped_at.append(length)
+      else:
+        kept.append(text)
+        length += len(text)
+    text = ''.join(kept)
+    cut = int(len(text) * 0.9)
+    for split, dropped in (('train', sum(at < cut for at in dropped_at)),
+                           ('validation', sum(at >= cut for at in dropped_at))):
+      _record(self, split, {'invalid_utf8': dropped, 'empty': 0, 'unpaired': 0}, (path,))
+    return {'train': self._generate_examples(text[:cut]),
+            'validation': self._generate_examples(text[cut:])}
+
+  def _generate_examples(self, text):
+    yield 0, {'text': text}
+
+
+def _prepare(builder, manual_dir: str):
+  builder.download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=manual_dir or None))
+  return builder
+
+
+def multi30k(data_dir: str, manual_dir: str) -> Multi30k:
+  """The prepared Multi30k builder; raw files from manual_dir, or downloaded if ''."""
+  builder = Multi30k(data_dir=data_dir, file_format='array_record')
+  if manual_dir and not builder.is_prepared():
+    check_manual_dir(builder.name, manual_dir)  # before anything is written to data_dir
+  return _prepare(builder, manual_dir)
+
+
+def tiny_shakespeare(data_dir: str, manual_dir: str) -> TinyShakespeare:
+  """The prepared Tiny Shakespeare builder; input.txt from manual_dir, or downloaded if ''."""
+  builder = TinyShakespeare(data_dir=data_dir, file_format='array_record')
+  if manual_dir and not builder.is_prepared():
+    check_manual_dir(builder.name, manual_dir)
+  return _prepare(builder, manual_dir)
+
+
+def catalog(tfds_name: str, data_dir: str, manual_dir: str = ''):
+  """The prepared builder `tfds_name` ('wmt14_translate/de-en', 'lm1b', ...) of the TFDS catalog."""
+  # tfds 4.9.10 imports its older builder modules in one loop that stops at the
+  # first ImportError (nearest_neighbors needs h5py), so translate/ (wmt*) may
+  # never be registered; import the families we name here ourselves.
+  for module in ('translate', 'text'):
+    try:
+      importlib.import_module(f'tensorflow_datasets.{module}')
+    except ImportError:
+      pass
+  try:
+    builder = tfds.builder(tfds_name, data_dir=data_dir, file_format='array_record')
+  except ValueError as e:  # DatasetNotFoundError, unknown config, ...
+    raise DataError(
+        f'data.tfds_name={tfds_name!r} is not a TFDS catalog dataset ({str(e).splitlines()[0]}); '
+        f'examples of valid names: {", ".join(CATALOG_EXAMPLES)}') from None
+  try:
+    return _prepare(builder, manual_dir)
+  except ModuleNotFoundError as e:  # e.g. lm1b's generator globs files with TensorFlow
+    raise DataError(
+        f'preparing {tfds_name} needs the Python module {e.name!r}, which is not installed; '
+        f'install it, or prepare the dataset once where it is and point data_dir there') from e
+
+
+def _features(builder, *keys: str):
+  available = list(builder.info.features.keys())
+  for key in keys:
+    if key not in available:
+      raise DataError(
+          f'{builder.name} has no feature {key!r}; its features are {", ".join(available)}')
+
+
+def _str(value) -> str:
+  """Real array_record sources return bytes; tfds.testing.mock_data returns str."""
+  return value.decode('utf-8') if isinstance(value, bytes) else str(value)
+
+
+def _examples(builder, split: str) -> list[dict]:
+  source = builder.as_data_source(split)
+  keys = list(range(len(source)))
+  try:
+    return source.__getitems__(keys)  # one batched read: ~4x faster than item by item
+  except TypeError:  # tfds.testing.mock_data's source: its __getitems__ is set without `self`
+    return [source[i] for i in keys]
+
+
+def read_pairs(builder, split: str, source: str, target: str) -> tuple[list[str], list[str]]:
+  """All (source, target) texts of a split, as two lists of equal length."""
+  _features(builder, source, target)
+  sources, targets = [], []
+  for example in _examples(builder, split):
+    sources.append(_str(example[source]))
+    targets.append(_str(example[target]))
+  return sources, targets
+
+
+def read_text(builder, split: str, key: str = 'text') -> list[str]:
+  """The texts of a split (Tiny Shakespeare: one; lm1b: one per sentence)."""
+  _features(builder, key)
+  return [_str(example[key]) for example in _examples(builder, split)]
+
+
+def bad_line_counts(builder) -> dict:
+  """{split: {'invalid_utf8': n, 'empty': n, 'unpaired': n}} for our builders, {} for others."""
+  metadata = builder.info.metadata
+  if not metadata:
+    return {}
+  return {split: {reason: int(counts[reason]) for reason in REASONS}
+          for split, counts in metadata.items()
+          if isinstance(counts, dict) and set(counts) == set(REASONS)}

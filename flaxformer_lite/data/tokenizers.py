@@ -1,0 +1,199 @@
+"""Tokenizers: text <-> int32 ids, with PAD=0, BOS=1, EOS=2 reserved.
+
+Every tokenizer has
+  vocab_size: int           largest id + 1;
+  encode(text) -> [n] int32 ids >= 3 (never PAD/BOS/EOS), WITHOUT EOS:
+                            callers append EOS_ID;
+  decode(ids) -> str        ids is 1-D (list, numpy or jax); decoding stops at
+                            the first EOS and skips PAD, BOS and ids >= vocab_size
+                            (a model's output layer may be padded past the vocab).
+Kinds (`create`, by name): 'char' (id = 3 + index in a sorted character set),
+'byte' (id = 3 + UTF-8 byte) and 'sentencepiece' (unigram or BPE, unk id 3).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from typing import Callable, Iterable, Protocol
+
+import numpy as np
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
+
+from flaxformer_lite.models import BOS_ID, EOS_ID, PAD_ID
+
+FIRST_ID = 3  # the first id of real text; also sentencepiece's unk id
+TOKENIZERS = ('sentencepiece', 'char', 'byte')
+SP_MODEL_TYPES = ('unigram', 'bpe')
+MIN_SP_VOCAB_SIZE = 16
+
+
+class Tokenizer(Protocol):
+  vocab_size: int
+  def encode(self, text: str) -> np.ndarray: ...
+  def decode(self, ids) -> str: ...
+
+
+def _text_ids(ids, vocab_size: int) -> np.ndarray:
+  """The ids before the first EOS, without PAD, BOS and out-of-vocabulary ids."""
+  ids = np.asarray(ids, dtype=np.int64)
+  if ids.ndim != 1:
+    raise ValueError(f'decode takes a 1-D sequence of ids, got shape {ids.shape}')
+  eos = np.flatnonzero(ids == EOS_ID)
+  if eos.size:
+    ids = ids[:eos[0]]
+  return ids[(ids != PAD_ID) & (ids != BOS_ID) & (ids >= 0) & (ids < vocab_size)]
+
+
+def _atomic_write(path: str, data: bytes):
+  """Readers see the old file or the whole new one, never a partial write."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix='.' + os.path.basename(path) + '.')
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+class CharTokenizer:
+  """One id per character: id = 3 + index of the character in `chars`."""
+
+  def __init__(self, chars: str, unknown: str = 'error'):
+    if ''.join(sorted(set(chars))) != chars:
+      raise ValueError('chars must be a sorted string of distinct characters')
+    if unknown not in ('error', 'skip'):
+      raise ValueError(f"unknown must be 'error' or 'skip', got {unknown!r}")
+    self.chars, self.unknown = chars, unknown
+    self._ids = {c: FIRST_ID + i for i, c in enumerate(chars)}
+    self.vocab_size = FIRST_ID + len(chars)
+
+  @classmethod
+  def from_text(cls, text: str | Iterable[str], unknown: str = 'error') -> CharTokenizer:
+    """The characters of a string, or of every string in an iterable."""
+    chars = set()
+    for t in [text] if isinstance(text, str) else text:
+      chars.update(t)
+    return cls(''.join(sorted(chars)), unknown)
+
+  def encode(self, text: str) -> np.ndarray:
+    ids = [self._ids.get(c, -1) for c in text]
+    if self.unknown == 'error' and -1 in ids:
+      missing = [c for c, i in zip(text, ids) if i < 0]
+      raise ValueError(
+          f'{len(missing)} character(s) of the text are not in the vocabulary of '
+          f'{len(self.chars)} characters: {sorted(set(missing))!r} '
+          "(build the vocabulary from more text, or pass unknown='skip')")
+    return np.array([i for i in ids if i >= 0], np.int32)
+
+  def decode(self, ids) -> str:
+    return ''.join(self.chars[i - FIRST_ID] for i in _text_ids(ids, self.vocab_size))
+
+
+class ByteTokenizer:
+  """UTF-8 bytes: id = 3 + byte; invalid UTF-8 decodes to U+FFFD."""
+  vocab_size = FIRST_ID + 256
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32) + FIRST_ID
+
+  def decode(self, ids) -> str:
+    data = (_text_ids(ids, self.vocab_size) - FIRST_ID).astype(np.uint8).tobytes()
+    return data.decode('utf-8', errors='replace')
+
+
+class SentencePieceTokenizer:
+  """A sentencepiece model with pad=0, bos=1, eos=2, unk=3."""
+
+  def __init__(self, model_file: str):
+    self.model_file = model_file
+    self._sp = spm.SentencePieceProcessor(model_file=model_file)
+    special = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
+    if special != (PAD_ID, BOS_ID, EOS_ID, FIRST_ID):
+      raise ValueError(f'{model_file}: (pad, bos, eos, unk) ids are {special}, not (0, 1, 2, 3)')
+    self.vocab_size = self._sp.get_piece_size()
+    spec = sentencepiece_model_pb2.ModelProto.FromString(
+        self._sp.serialized_model_proto()).trainer_spec
+    self.model_type = sentencepiece_model_pb2.TrainerSpec.ModelType.Name(spec.model_type).lower()
+
+  @classmethod
+  def train_or_load(cls, path_prefix: str, texts: Iterable[str], vocab_size: int,
+                    model_type: str = 'unigram') -> SentencePieceTokenizer:
+    """Loads `<path_prefix>.model`, or trains it on `texts` first if it is missing.
+
+    Training is deterministic (the same texts give the same bytes), so processes
+    that race to train the same prefix all write the same model.
+    """
+    if model_type not in SP_MODEL_TYPES:
+      raise ValueError(f'model_type must be one of {SP_MODEL_TYPES}, got {model_type!r}')
+    if vocab_size < MIN_SP_VOCAB_SIZE:
+      raise ValueError(f'vocab_size must be >= {MIN_SP_VOCAB_SIZE}, got {vocab_size}')
+    model_file = path_prefix + '.model'
+    if not os.path.exists(model_file):
+      _train_sentencepiece(path_prefix, texts, vocab_size, model_type)
+    tok = cls(model_file)
+    if (tok.vocab_size, tok.model_type) != (vocab_size, model_type):
+      raise ValueError(
+          f'{model_file} is a {tok.model_type} model of {tok.vocab_size} pieces, but '
+          f'{model_type} with {vocab_size} was asked for: delete it or use another prefix')
+    return tok
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray(self._sp.encode(text, out_type=int), np.int32)
+
+  def decode(self, ids) -> str:
+    return self._sp.decode(_text_ids(ids, self.vocab_size).tolist())
+
+
+def _train_sentencepiece(path_prefix: str, texts: Iterable[str], vocab_size: int,
+                         model_type: str):
+  """Writes `<path_prefix>.vocab` and then `<path_prefix>.model`, each atomically."""
+  model = io.BytesIO()
+  # Training from an iterator into memory keeps file paths out of the model
+  # proto, so equal texts give byte-identical files wherever they are trained;
+  # all sentences in order, no sampling, fixed threads: deterministic. Each
+  # line is a sentence, as in a training file (long documents are not skipped).
+  lines = (line for text in texts for line in text.splitlines() if line.strip())
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=model, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=1.0, pad_id=PAD_ID, bos_id=BOS_ID,
+        eos_id=EOS_ID, unk_id=FIRST_ID, input_sentence_size=0, shuffle_input_sentence=False,
+        num_threads=2, minloglevel=2)
+  except RuntimeError as e:  # e.g. too few texts for vocab_size pieces
+    raise ValueError(f'training a {model_type} sentencepiece model of {vocab_size} pieces '
+                     f'for {path_prefix} failed: {e}') from e
+  proto = sentencepiece_model_pb2.ModelProto.FromString(model.getvalue())
+  vocab = ''.join(f'{p.piece}\t{p.score:g}\n' for p in proto.pieces)
+  _atomic_write(path_prefix + '.vocab', vocab.encode('utf-8'))
+  _atomic_write(path_prefix + '.model', model.getvalue())
+
+
+def create(kind: str, *, cache_prefix: str, texts_fn: Callable[[], Iterable[str]],
+           vocab_size: int, model_type: str = 'unigram') -> Tokenizer:
+  """The tokenizer `kind`, cached under `cache_prefix`; texts_fn() only if needed.
+
+  'char' caches its characters in `<cache_prefix>.chars.json`; 'sentencepiece'
+  its model in `<cache_prefix>.model`; vocab_size and model_type are for
+  sentencepiece only.
+  """
+  if kind == 'byte':
+    return ByteTokenizer()
+  if kind == 'char':
+    path = cache_prefix + '.chars.json'
+    if os.path.exists(path):
+      with open(path, encoding='utf-8') as f:
+        return CharTokenizer(json.load(f)['chars'])
+    tok = CharTokenizer.from_text(texts_fn())
+    _atomic_write(path, json.dumps({'chars': tok.chars}, ensure_ascii=False).encode('utf-8'))
+    return tok
+  if kind == 'sentencepiece':
+    def lazy_texts():
+      yield from texts_fn()
+    return SentencePieceTokenizer.train_or_load(cache_prefix, lazy_texts(), vocab_size, model_type)
+  raise ValueError(f'unknown tokenizer kind {kind!r}; valid kinds: {TOKENIZERS}')
