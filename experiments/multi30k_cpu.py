@@ -3,17 +3,20 @@
   ./launch.sh experiments/multi30k_cpu.py --config.data.manual_dir=../shared/data/multi30k
 
 Data: Multi30k task 1 (29,000 / 1,014 / 1,000 pairs; test = test2016), raw
-cased text, a joint En+De sentencepiece vocabulary trained on the training
-split once and cached next to the prepared data. Batches of sentences of
-similar length, ~4k tokens per side each.
-Model: encoder-decoder, 3+3 pre-LN layers, d=128, 4 heads, ff 512, shared
-embeddings. Adam with warmup and cosine decay.
+cased text, a joint En+De 4k unigram sentencepiece vocabulary trained on the
+training split once and cached next to the prepared data. Batches of
+sentences of similar length, ~4k tokens (padding included) each.
+Model: encoder-decoder, 3+3 pre-LN layers, d=128, 4 heads, ff 512, dropout
+0.1, shared embeddings (1.9M parameters). 2000 steps (~13 epochs) of Adam,
+lr 2e-3, 300 warmup steps, cosine decay to 0, label smoothing 0.1.
 Evaluation: greedy-decoded validation BLEU at every eval, beam search
 (beam 4, GNMT alpha 0.6) on test2016 at the end; sacreBLEU (13a, cased) of
 the detokenized output against the raw references.
 Raw data: data.manual_dir (train/val/test_2016_flickr .en/.de, .gz or plain),
 else downloaded from github.com/multi30k/dataset.
-Expected: work in progress (recipe being tuned; see the README results).
+Expected: test2016 BLEU 33.9 (beam 4; validation, greedy: 32.5) after 19m40s
+of training on 2 CPU cores, 20m11s for the whole run (data prepared; a first
+run adds about 30 s to prepare it and train the tokenizer).
 """
 from flaxformer_lite import config as config_lib
 
@@ -29,7 +32,7 @@ def get_config():
   config.model.dropout_rate = 0.1
   config.model.max_len = 256
 
-  config.train.num_steps = 3000
+  config.train.num_steps = 2000
   config.train.batch_tokens = 4096
   config.train.schedule = 'warmup_cosine'
   config.train.learning_rate = 2e-3
@@ -43,7 +46,7 @@ def get_config():
   config.data.source_lang = 'en'
   config.data.target_lang = 'de'
   config.data.tokenizer = 'sentencepiece'
-  config.data.vocab_size = 8000
+  config.data.vocab_size = 4000
   config.data.spm_model_type = 'unigram'
   config.data.max_len = 64
   config.eval.batch_size = 200

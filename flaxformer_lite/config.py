@@ -26,7 +26,7 @@ RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',
                      'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite',
                      'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
-                     'eval.max_decode_len', 'data.manual_dir')
+                     'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir')
 
 
 class ConfigError(ValueError):
@@ -60,6 +60,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.pre_ln = True  # False: post-LN as in the 2017 paper
   m.activation = 'relu'  # relu | gelu
   m.dtype = 'float32'  # float32 | bfloat16 (compute; params stay float32)
+  # Transformer initialisation: 'default' (flax's, embeddings scaled by sqrt(d))
+  # | 'gpt2' (N(0, 0.02), residual outputs / sqrt(2L), unscaled embeddings).
+  m.init = 'default'
   # model.type=rnn_seq2seq (layers/rnn.py): the cell, and Luong's input feeding
   # (the previous attentional state joins the next decoder input).
   m.rnn_cell = 'lstm'  # lstm | gru
@@ -116,6 +119,7 @@ def base_config() -> ml_collections.ConfigDict:
   e.batch_size = 250
   e.num_examples_to_log = 3
   e.final_test = True  # evaluate 'test' (and 'test_long') after training
+  e.max_examples = 0  # > 0: evaluate only the first max_examples of each split (quick looks)
   e.beam_size = 1  # the final test's decoding: 1 = greedy (periodic evals are greedy)
   e.beam_alpha = 0.6  # GNMT length penalty
   e.max_decode_len = 0  # 0: target width (token tasks), 1.5 x source + 10 (text)
@@ -158,6 +162,7 @@ def validate(config) -> None:
   _check(m.positions != 'sinusoidal' or m.d_model % 2 == 0,
          f'sinusoidal positions need an even model.d_model, got {m.d_model}')
   _choice('model.activation', m.activation, tuple(transformer.ACTIVATIONS))
+  _choice('model.init', m.init, transformer.INITS)
   _choice('model.dtype', m.dtype, tuple(models.DTYPES))
   for key in ('dropout_rate', 'attention_dropout_rate'):
     _check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')
@@ -226,6 +231,7 @@ def validate(config) -> None:
   e = config.eval
   _check(e.batch_size > 0 and e.batch_size % n == 0,
          f'eval.batch_size={e.batch_size} must be > 0 and divisible by the {n} devices')
+  _check(e.max_examples >= 0, f'eval.max_examples={e.max_examples} must be >= 0 (0 = all)')
   _check(e.beam_size >= 1, f'eval.beam_size={e.beam_size} must be >= 1 (1 = greedy)')
   _check(e.max_decode_len >= 0, f'eval.max_decode_len={e.max_decode_len} must be >= 0')
 

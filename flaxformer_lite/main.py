@@ -28,6 +28,9 @@ flags.DEFINE_string('workdir', None,
                     'Checkpoints, metrics.jsonl, TensorBoard events, config.json. '
                     'Default: workdirs/<experiment name>. Re-running on it resumes.')
 flags.DEFINE_bool('list_attention', False, 'List attention variants and exit.')
+flags.DEFINE_bool('allow_config_change', False,
+                  'Resume a workdir whose config.json differs from this config in values '
+                  'that change the model or data (the differences are logged).')
 
 
 def _fail(message: str, code: int = 2):
@@ -117,7 +120,7 @@ def main(argv):
   try:
     config_lib.validate(config)
     std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(workdir))
-    loop.train_and_evaluate(config, workdir)
+    loop.train_and_evaluate(config, workdir, allow_config_change=FLAGS.allow_config_change)
   except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError) as e:
     _fail(str(e), 2)
   except loop.NonFiniteLossError as e:

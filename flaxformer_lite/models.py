@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
                                     RNNEncoder, TransformerConfig)
-from flaxformer_lite.layers.transformer import ACTIVATIONS
+from flaxformer_lite.layers.transformer import ACTIVATIONS, embed_kwargs
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 MODEL_TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only', 'rnn_seq2seq')
@@ -36,7 +36,8 @@ class EncoderDecoder(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed')
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed',
+                       **embed_kwargs(cfg))
     self.encoder = Encoder(cfg, self.embed, name='encoder')
     self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, name='decoder')
 
@@ -75,7 +76,8 @@ class DecoderOnly(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed')
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed',
+                       **embed_kwargs(cfg))
     self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, name='decoder')
 
   def __call__(self, ids, *, deterministic=True):
@@ -101,7 +103,8 @@ class EncoderOnly(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed')
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed',
+                       **embed_kwargs(cfg))
     self.encoder = Encoder(cfg, self.embed, name='encoder')
     self.mlm_dense = nn.Dense(cfg.d_model, dtype=cfg.dtype, name='mlm_dense')
     self.mlm_norm = nn.LayerNorm(dtype=cfg.dtype, name='mlm_norm')
@@ -166,7 +169,7 @@ def transformer_config(model_config: Mapping[str, Any], *, decode=False,
       attention=c['attention'], attention_kwargs=_attention_kwargs(c),
       positions=c['positions'], max_len=c['max_len'], pre_ln=c['pre_ln'],
       activation=c['activation'], dtype=DTYPES[c['dtype']], decode=decode,
-      sow_weights=sow_weights)
+      sow_weights=sow_weights, init=c.get('init', 'default'))
 
 
 def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:

@@ -19,6 +19,24 @@ def compilation_cache(tmp_path_factory):
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 
+SHARED_DATA = os.environ.get('FFL_SHARED_DATA') or os.path.join(os.path.dirname(REPO), 'shared',
+                                                                  'data')
+
+
+@pytest.fixture(scope='session')
+def shared_data():
+  """../shared/data (or $FFL_SHARED_DATA): the real corpora. Tests that need
+  them skip when it is missing, except on CI (CI=true), where they fail."""
+  if not (os.path.isdir(os.path.join(SHARED_DATA, 'multi30k'))
+          and os.path.isdir(os.path.join(SHARED_DATA, 'tiny_shakespeare'))):
+    message = (f'shared data not found at {SHARED_DATA} (set FFL_SHARED_DATA to the folder '
+               'holding multi30k/ and tiny_shakespeare/)')
+    if os.environ.get('CI') == 'true':
+      pytest.fail(message)
+    pytest.skip(message)
+  return SHARED_DATA
+
+
 @pytest.fixture(scope='session')
 def tfds_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp('tfds'))

@@ -256,3 +256,25 @@ def test_every_variant_decodes_with_the_cache_like_the_full_pass(attention):
     got.append(logits)
   np.testing.assert_allclose(np.asarray(jnp.concatenate(got, 1)), np.asarray(want),
                              atol=2e-4, rtol=2e-4)
+
+
+def test_gpt2_init_draws_the_published_scales():
+  """GPT-2 (Radford et al. 2019, sec. 2.3) / nanoGPT: N(0, 0.02) everywhere,
+  residual output projections N(0, 0.02 / sqrt(2 * layers)), no input scale."""
+  cfg = dict(BASE, type='decoder_only', vocab_size=500, d_model=64, num_heads=4, mlp_dim=256,
+             num_decoder_layers=8, init='gpt2')
+  model = models.build(cfg)
+  params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params']
+  out_std = 0.02 / np.sqrt(16)
+  layer = params['decoder']['layer_3']
+  for leaf, std in ((params['embed']['embedding'], 0.02),
+                    (layer['self_attention']['query']['kernel'], 0.02),
+                    (layer['mlp']['wi']['kernel'], 0.02),
+                    (layer['self_attention']['out']['kernel'], out_std),
+                    (layer['mlp']['wo']['kernel'], out_std)):
+    assert float(np.std(leaf)) == pytest.approx(std, rel=0.1)
+  # the input embedding is the table row itself (the default scales it by sqrt(d))
+  table = np.asarray(params['embed']['embedding'])
+  embed = models.Embed(500, 64, stddev=0.02, scale=False)
+  got = embed.apply({'params': {'embedding': table}}, jnp.array([[7]]))
+  np.testing.assert_allclose(got[0, 0], table[7])

@@ -121,13 +121,19 @@ def _encode(tokenizer, text: str, max_len: int | None, overlong: str):
   return np.append(ids, EOS_ID).astype(np.int32), long
 
 
+def _splits(builder) -> list[str]:
+  """The builder's splits among train/validation/test. (Under
+  tfds.testing.mock_data a builder has no split metadata: all three.)"""
+  known = set(builder.info.splits) or {'train', 'validation', 'test'}
+  return [s for s in ('train', 'validation', 'test') if s in known]
+
+
 def _load_translation(d, builder, bad) -> Dataset:
   """Sentence pairs -> padded id arrays. Training pairs longer than
   data.max_len tokens (+ EOS) are dropped or truncated (data.overlong) and
   counted; evaluation splits keep every pair at its full length."""
   src, tgt = d['source_lang'], d['target_lang']
-  text = {split: corpora.read_pairs(builder, split, src, tgt)
-          for split in ('train', 'validation', 'test') if split in builder.info.splits}
+  text = {split: corpora.read_pairs(builder, split, src, tgt) for split in _splits(builder)}
   if 'validation' not in text or 'test' not in text:  # e.g. lm1b-like catalogs
     raise DataError(f'{builder.name} has splits {sorted(builder.info.splits)}; a translation '
                     f'task needs train, validation and test')
@@ -135,13 +141,14 @@ def _load_translation(d, builder, bad) -> Dataset:
   splits, dropped, references = {}, {}, {}
   for split, (sources, targets) in text.items():
     train = split == 'train'
-    examples, long = [], 0
+    examples, kept, long = [], [], 0
     for s, t in zip(sources, targets):
       (x, lx), (y, ly) = [_encode(tokenizer, v, d['max_len'] if train else None,
                                   d['overlong']) for v in (s, t)]
       long += lx or ly
       if not (train and (lx or ly) and d['overlong'] == 'drop'):
         examples.append({'inputs': x, 'targets': y})
+        kept.append(t)
     width = max(max(len(e['inputs']), len(e['targets'])) for e in examples)
     splits[split], _ = pipeline.pad_examples(examples, {'inputs': width, 'targets': width})
     dropped[split] = long
@@ -149,17 +156,19 @@ def _load_translation(d, builder, bad) -> Dataset:
       log.warning('%s %s: %d pairs longer than data.max_len=%d tokens were %s',
                   builder.name, split, long, d['max_len'],
                   'dropped' if d['overlong'] == 'drop' else 'truncated')
-    references[split] = list(targets)
+    references[split] = kept
   return Dataset(tokenizer.vocab_size, splits, dropped, 'seq2seq', tokenizer, references, bad)
 
 
 def _load_lm(d, builder, bad) -> Dataset:
   """Texts -> one token stream per split (EOS between documents)."""
-  text = {split: corpora.read_text(builder, split)
-          for split in ('train', 'validation', 'test') if split in builder.info.splits}
-  if 'validation' not in text:
-    raise DataError(f'{builder.name} has splits {sorted(text)}; language modelling needs '
-                    'train and validation')
+  text = {split: corpora.read_text(builder, split) for split in _splits(builder)}
+  if 'validation' not in text and 'test' in text:  # lm1b: train and test only
+    log.warning('%s has no validation split; evaluating on test', builder.name)
+    text['validation'] = text.pop('test')
+  if 'train' not in text or 'validation' not in text:
+    raise DataError(f'{builder.name} has splits {sorted(builder.info.splits)}; language '
+                    'modelling needs train and validation (or test)')
   # A char vocabulary covers every split (as nanoGPT's); subwords learn from train only.
   texts_fn = (lambda: [t for v in text.values() for t in v]) if d['tokenizer'] == 'char' \
       else (lambda: text['train'])

@@ -55,6 +55,7 @@ class MultiHeadAttention(nn.Module):
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal()
+  out_kernel_init: Any = None  # the output projection's; None: kernel_init
   bias_init: Any = nn.initializers.zeros
   use_bias: bool = True
   decode: bool = False
@@ -122,7 +123,7 @@ class MultiHeadAttention(nn.Module):
     out = nn.DenseGeneral(
         features=self.out_features or features, axis=(-2, -1),
         dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init, bias_init=self.bias_init,
+        kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
         use_bias=self.use_bias, name='out')(x)
     return (out, weights) if return_weights else out
 

@@ -67,21 +67,24 @@ class Embed(nn.Module):
 
   `__call__`: ids [b, n] -> [b, n, f], scaled by sqrt(f).
   `attend`: [b, n, f] -> logits [b, n, vocab] with the same (unscaled) table.
-  Initialised with stddev f^-0.5, so the scaled embedding has unit variance.
+  Initialised with stddev f^-0.5, so the scaled embedding has unit variance
+  (or `stddev`, and `scale=False`, as GPT-2).
   """
   vocab_size: int
   features: int
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  stddev: float | None = None  # None: features ** -0.5
+  scale: bool = True  # False: no sqrt(f) on the way in (GPT-2)
 
   def setup(self):
-    self.embedding = self.param(
-        'embedding', nn.initializers.normal(stddev=self.features ** -0.5),
-        (self.vocab_size, self.features), self.param_dtype)
+    stddev = self.features ** -0.5 if self.stddev is None else self.stddev
+    self.embedding = self.param('embedding', nn.initializers.normal(stddev=stddev),
+                                (self.vocab_size, self.features), self.param_dtype)
 
   def __call__(self, ids):
     x = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
-    return x * jnp.sqrt(self.features).astype(self.dtype)
+    return x * jnp.sqrt(self.features).astype(self.dtype) if self.scale else x
 
   def attend(self, x):
     return jnp.einsum('bnf,vf->bnv', x, self.embedding.astype(self.dtype))

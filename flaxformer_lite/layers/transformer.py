@@ -38,6 +38,27 @@ class TransformerConfig:
   dtype: Any = jnp.float32
   decode: bool = False
   sow_weights: bool = False  # attention weights -> 'intermediates' (plots)
+  # 'default': flax's lecun_normal kernels, embeddings N(0, 1/d) scaled by
+  # sqrt(d) on the way in (Vaswani et al.). 'gpt2': every kernel and
+  # embedding N(0, 0.02), residual output projections N(0, 0.02/sqrt(2L)),
+  # no embedding scale (GPT-2 / nanoGPT).
+  init: str = 'default'
+
+
+INITS = ('default', 'gpt2')
+
+
+def kernel_inits(cfg: TransformerConfig, num_layers: int) -> dict:
+  """{'kernel_init', 'out_kernel_init'} for a stack of num_layers blocks."""
+  if cfg.init == 'gpt2':
+    return {'kernel_init': nn.initializers.normal(0.02),
+            'out_kernel_init': nn.initializers.normal(0.02 / (2 * max(num_layers, 1)) ** 0.5)}
+  return {'kernel_init': nn.initializers.lecun_normal(), 'out_kernel_init': None}
+
+
+def embed_kwargs(cfg: TransformerConfig) -> dict:
+  """Embed's stddev and input scaling for cfg.init."""
+  return {'stddev': 0.02, 'scale': False} if cfg.init == 'gpt2' else {}
 
 
 class MlpBlock(nn.Module):
@@ -46,14 +67,17 @@ class MlpBlock(nn.Module):
   activation: str = 'relu'
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+  out_kernel_init: Any = None  # None: kernel_init
 
   @nn.compact
   def __call__(self, x, *, deterministic=True):
     d = x.shape[-1]
-    x = nn.Dense(self.mlp_dim, dtype=self.dtype, name='wi')(x)
+    x = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=self.kernel_init, name='wi')(x)
     x = ACTIVATIONS[self.activation](x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    return nn.Dense(d, dtype=self.dtype, name='wo')(x)
+    return nn.Dense(d, dtype=self.dtype, kernel_init=self.out_kernel_init or self.kernel_init,
+                    name='wo')(x)
 
 
 class _Residual(nn.Module):
@@ -69,7 +93,8 @@ class _Residual(nn.Module):
     return x + y if cfg.pre_ln else norm(x + y)
 
 
-def _attention(cfg: TransformerConfig, name: str, decode: bool = False, cross: bool = False):
+def _attention(cfg: TransformerConfig, name: str, num_layers: int, decode: bool = False,
+               cross: bool = False):
   """Self-attention uses the configured variant. Cross-attention does too,
   unless the variant is about positions: decoder and encoder positions are
   not on one axis, so relative schemes there fall back to dot_product."""
@@ -79,7 +104,12 @@ def _attention(cfg: TransformerConfig, name: str, decode: bool = False, cross: b
   return MultiHeadAttention(
       num_heads=cfg.num_heads, attention=attention, attention_kwargs=kwargs,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, decode=decode,
-      sow_weights=cfg.sow_weights, name=name)
+      sow_weights=cfg.sow_weights, name=name, **kernel_inits(cfg, num_layers))
+
+
+def _mlp(cfg: TransformerConfig, num_layers: int):
+  return MlpBlock(cfg.mlp_dim, cfg.activation, cfg.dropout_rate, cfg.dtype, name='mlp',
+                  **kernel_inits(cfg, num_layers))
 
 
 class EncoderLayer(nn.Module):
@@ -88,11 +118,11 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x, *, mask, deterministic=True):
     cfg = self.cfg
-    attn = _attention(cfg, 'self_attention')
+    attn = _attention(cfg, 'self_attention', cfg.num_encoder_layers)
     x = _Residual(cfg, name='attention_block')(
         x, lambda y: attn(y, mask=mask, deterministic=deterministic),
         deterministic=deterministic)
-    mlp = MlpBlock(cfg.mlp_dim, cfg.activation, cfg.dropout_rate, cfg.dtype, name='mlp')
+    mlp = _mlp(cfg, cfg.num_encoder_layers)
     return _Residual(cfg, name='mlp_block')(
         x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
 
@@ -108,17 +138,18 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, encoded=None, *, self_mask, cross_mask=None,
                deterministic=True):
     cfg = self.cfg
-    self_attn = _attention(cfg, 'self_attention', decode=cfg.decode)
+    layers = cfg.num_decoder_layers
+    self_attn = _attention(cfg, 'self_attention', layers, decode=cfg.decode)
     x = _Residual(cfg, name='self_attention_block')(
         x, lambda y: self_attn(y, mask=self_mask, deterministic=deterministic),
         deterministic=deterministic)
     if encoded is not None:
-      cross_attn = _attention(cfg, 'cross_attention', cross=True)
+      cross_attn = _attention(cfg, 'cross_attention', layers, cross=True)
       x = _Residual(cfg, name='cross_attention_block')(
           x, lambda y: cross_attn(y, encoded, mask=cross_mask,
                                   deterministic=deterministic),
           deterministic=deterministic)
-    mlp = MlpBlock(cfg.mlp_dim, cfg.activation, cfg.dropout_rate, cfg.dtype, name='mlp')
+    mlp = _mlp(cfg, layers)
     return _Residual(cfg, name='mlp_block')(
         x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
 

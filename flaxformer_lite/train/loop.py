@@ -68,8 +68,9 @@ def _fmt_time(seconds: float) -> str:
       f'{seconds // 60}m{seconds % 60:02d}s'
 
 
-def _prepare_workdir(config, workdir):
-  """Writes config.json; a resumed run must match the saved one (exit 2 if not)."""
+def _prepare_workdir(config, workdir, allow_config_change=False):
+  """Writes config.json; a resumed run must match the saved one (exit 2 if
+  not, unless allow_config_change: then the differences are logged)."""
   path = os.path.join(workdir, 'config.json')
   try:  # before any compilation: a workdir that cannot be written fails now, not at the first save
     os.makedirs(workdir, exist_ok=True)
@@ -84,11 +85,15 @@ def _prepare_workdir(config, workdir):
     with open(path) as f:
       saved = config_lib.from_json(f.read())
     diffs = config_lib.differences(saved, config)
-    if diffs:
+    if diffs and allow_config_change:
+      log.warning('Resuming %s with a changed config (--allow_config_change): %s', workdir,
+                  '; '.join(diffs))
+    elif diffs:
       raise config_lib.ConfigError(
           f'workdir {workdir} holds a run with a different config; resuming it '
           f'would mix two experiments. Differences (saved -> new): {"; ".join(diffs)}. '
-          'Use another --workdir, or the saved values.')
+          'Use another --workdir, or the saved values (or --allow_config_change to '
+          'resume anyway).')
   if jax.process_index() == 0:
     with open(path + '.tmp', 'w') as f:
       f.write(config_lib.to_json(config))
@@ -125,6 +130,8 @@ class Evaluator:
       values = self.dataset.splits[split]
       if self.dataset.kind == 'lm':
         values = data.lm_eval_arrays(values, self.config.data.max_len)
+      if self.config.eval.max_examples:
+        values = {k: v[:self.config.eval.max_examples] for k, v in values.items()}
       self._arrays[split] = values
     return self._arrays[split]
 
@@ -185,7 +192,7 @@ class Evaluator:
                  _tokens(targets[i]), _tokens(predicted[i]))
       return {'sequence_accuracy': float(np.mean(same))}
     hypotheses = [tokenizer.decode(row) for row in predicted]
-    references = self.dataset.references[split]
+    references = self.dataset.references[split][:num]
     for i in range(log_examples):
       log.info('  source    %s\n  reference %s\n  decoded   %s',
                tokenizer.decode(arrays['inputs'][i]), references[i], hypotheses[i])
@@ -211,9 +218,10 @@ def _tokens(ids) -> str:
   return ' '.join(str(int(t)) for t in ids if t != models.PAD_ID)
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains config.train.num_steps steps (resuming from the newest checkpoint
-  in workdir), evaluates, and returns the final metrics by split."""
+  in workdir), evaluates, and returns the final metrics by split.
+  allow_config_change: resume a workdir whose config.json differs (logged)."""
   config_lib.validate(config)
   dataset = data.load(config.data)
   objective = steps.OBJECTIVES[config.model.type]
@@ -227,7 +235,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     raise config_lib.ConfigError(
         f'model.vocab_size={config.model.vocab_size} is smaller than the dataset '
         f'vocabulary ({needed}); use 0 (automatic) or >= {needed}')
-  _prepare_workdir(config, workdir)
+  _prepare_workdir(config, workdir, allow_config_change)
 
   mesh = jax.make_mesh((jax.device_count(),), ('data',),
                        axis_types=(jax.sharding.AxisType.Auto,))

@@ -67,3 +67,18 @@ def test_resume_with_a_different_model_is_refused(tiny_config, tmp_path):
     raise AssertionError('expected ConfigError')
   with open(os.path.join(workdir, 'config.json')) as f:
     assert json.load(f)['model']['d_model'] == 32  # the saved run is untouched
+
+
+def test_allow_config_change_resumes_with_the_new_values(tiny_config, tmp_path, caplog):
+  workdir = str(tmp_path / 'w')
+  tiny_config.train.num_steps = 10
+  loop.train_and_evaluate(tiny_config, workdir)
+  other = config_lib.from_json(config_lib.to_json(tiny_config))
+  other.train.learning_rate, other.train.num_steps = 0.5, 20
+  with caplog.at_level('WARNING', logger='flaxformer_lite'):
+    results = loop.train_and_evaluate(other, workdir, allow_config_change=True)
+  assert 'train.learning_rate: 2.0 -> 0.5' in caplog.text
+  steps = [r['step'] for r in metrics.read(workdir) if r['split'] == 'train']
+  assert steps == [10, 20] and np.isfinite(results['eval']['loss'])  # resumed at 10
+  with open(os.path.join(workdir, 'config.json')) as f:
+    assert json.load(f)['train']['learning_rate'] == 0.5
