@@ -110,3 +110,43 @@ def test_cli_list_attention(run_main):
   by_name = {line.split('\t')[0]: line for line in lines}
   assert "implementation='auto'" in by_name['dot_product']
   assert 'max_distance=16' in by_name['shaw'] and 'encoder_decoder' in by_name['shaw']
+
+
+REAL_BAD = [
+    ('data.tokenizer', 'wordpiece', 'sentencepiece'),
+    ('data.spm_model_type', 'wordpiece', 'unigram'),
+    ('data.overlong', 'wrap', 'truncate'),
+    ('data.vocab_size', 4, '>= 16'),
+    ('data.mlm_rate', 1.5, '(0, 1)'),
+    ('train.batch_tokens', -1, '>= 0'),
+    ('eval.beam_size', 0, 'greedy'),
+    ('model.init', 'xavier', 'gpt2'),
+]
+
+
+@pytest.mark.parametrize('key,value,expected', REAL_BAD)
+def test_validate_real_data_keys(key, value, expected):
+  c = config_lib.base_config()
+  c.data.task = 'multi30k'
+  section, name = key.split('.')
+  c[section][name] = value
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert key in str(e.value) and expected in str(e.value)
+
+
+@pytest.mark.parametrize('model_type,task', [('decoder_only', 'multi30k'),
+                                             ('encoder_only', 'reverse'),
+                                             ('encoder_decoder', 'tiny_shakespeare')])
+def test_model_type_must_fit_the_data(model_type, task):
+  c = config_lib.base_config()
+  c.model.type, c.data.task = model_type, task
+  with pytest.raises(config_lib.ConfigError, match=f"model.type='{model_type}'.*data.task='{task}'"):
+    config_lib.validate(c)
+
+
+def test_tfds_task_needs_a_name():
+  c = config_lib.base_config()
+  c.data.task = 'tfds'
+  with pytest.raises(config_lib.ConfigError, match='data.tfds_name'):
+    config_lib.validate(c)
