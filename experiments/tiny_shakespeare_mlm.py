@@ -11,7 +11,10 @@ a random character, 10% stay; the loss is on the selected positions only.
 Same optimiser and budget as the causal LM (2000 steps of 12 windows).
 Eval: loss, accuracy and perplexity at the selected positions, for one fixed
 draw of masks over every validation window (not comparable with the causal
-LM's numbers: the encoder sees both sides).
+LM's numbers: the encoder sees both sides, but only 15% of the characters
+carry a loss, so it learns from ~7x fewer targets per step).
+Expected: masked-character loss 2.42 (accuracy 0.335, perplexity 11.3) after
+2000 steps; 1m26s of training on 2 CPU cores, 90 s wall.
 """
 from flaxformer_lite import config as config_lib
 
