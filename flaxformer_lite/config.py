@@ -20,7 +20,7 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import embeddings, rnn, transformer
 from flaxformer_lite.train import schedules
 
-PARALLEL_MODES = ('jit',)
+PARALLEL_MODES = ('jit', 'pmap')  # train/partitioning.py
 # Keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',
@@ -74,6 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
   # > 0: seq2seq batches of rows of similar length, about this many tokens
   # (padding included) per batch instead of batch_size rows (data/pipeline.py).
   t.batch_tokens = 0
+  # Gradient accumulation: the global batch is split into this many
+  # microbatches, one forward/backward each, one update (same result).
+  t.grad_accum_steps = 1
   t.schedule = 'rsqrt'  # schedules.SCHEDULES
   # 'rsqrt': factor on the paper's d^-0.5 * min(s^-0.5, s * warmup^-1.5);
   # the other schedules: the peak learning rate.
@@ -186,9 +189,12 @@ def validate(config) -> None:
     _check(t[key] > 0, f'train.{key}={t[key]} must be > 0')
   _choice('train.parallel', t.parallel, PARALLEL_MODES)
   n = jax.device_count()
-  _check(t.batch_size % n == 0,
+  _check(t.grad_accum_steps >= 1, f'train.grad_accum_steps={t.grad_accum_steps} must be >= 1')
+  k = n * t.grad_accum_steps
+  _check(t.batch_size % k == 0,
          f'train.batch_size={t.batch_size} is global and must be divisible by the '
-         f'{n} devices; e.g. {n * max(1, t.batch_size // n)}')
+         f'{n} devices x train.grad_accum_steps={t.grad_accum_steps}; e.g. '
+         f'{k * max(1, t.batch_size // k)}')
 
   _choice('data.task', d.task, data.TASKS)
   _check(d.max_len >= 1, f'data.max_len={d.max_len} must be >= 1')

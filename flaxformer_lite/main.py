@@ -28,6 +28,12 @@ flags.DEFINE_string('workdir', None,
                     'Checkpoints, metrics.jsonl, TensorBoard events, config.json. '
                     'Default: workdirs/<experiment name>. Re-running on it resumes.')
 flags.DEFINE_bool('list_attention', False, 'List attention variants and exit.')
+flags.DEFINE_integer('local_processes', 0,
+                     'Run as this many JAX processes on 127.0.0.1 (a multi-host job on one '
+                     'machine; train/multihost.py).')
+flags.DEFINE_bool('multihost', False,
+                  'Call jax.distributed.initialize() first, letting JAX detect the cluster '
+                  '(TPU pod slice with --worker=all, SLURM).')
 flags.DEFINE_bool('allow_config_change', False,
                   'Resume a workdir whose config.json differs from this config in values '
                   'that change the model or data (the differences are logged).')
@@ -92,20 +98,30 @@ def parse_flags(argv):
   return rest
 
 
-def _setup_logging():
-  """Our progress at INFO on stderr; other libraries (orbax, tfds) at WARNING."""
+def _setup_logging(process_index: int = 0):
+  """Our progress at INFO on stderr (process 0; the others warn only); other
+  libraries (orbax, tfds) at WARNING."""
   logging.set_verbosity(logging.WARNING)
   log = std_logging.getLogger('flaxformer_lite')
   handler = std_logging.StreamHandler(sys.stderr)
-  handler.setFormatter(std_logging.Formatter('%(asctime)s %(message)s', '%H:%M:%S'))
+  prefix = f'[{process_index}] ' if process_index else ''
+  handler.setFormatter(std_logging.Formatter(f'%(asctime)s {prefix}%(message)s', '%H:%M:%S'))
   log.addHandler(handler)
-  log.setLevel(std_logging.INFO)
+  log.setLevel(std_logging.INFO if process_index == 0 else std_logging.WARNING)
   log.propagate = False
 
 
 def main(argv):
   del argv
-  _setup_logging()
+  from flaxformer_lite.train import multihost
+  if FLAGS.local_processes > 1 and not os.environ.get('FFL_PROCESS_ID'):
+    sys.exit(multihost.launch_local(
+        FLAGS.local_processes,
+        [a for a in sys.argv[1:] if not a.startswith('--local_processes')]))
+  if not FLAGS.list_attention:
+    multihost.initialize(auto=FLAGS.multihost)
+  import jax
+  _setup_logging(jax.process_index() if not FLAGS.list_attention else 0)
   if FLAGS.list_attention:
     for name in registry.names():
       print(registry.describe(registry.get(name)))

@@ -20,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import jax
+import jax.numpy as jnp
+
 from flaxformer_lite.attention.dot_product import dot_product_attention
 
 TRANSFORMER_MODELS = ('encoder_decoder', 'decoder_only', 'encoder_only')
@@ -117,13 +120,31 @@ def _validate_dot_product(kwargs):
   if kwargs['implementation'] not in ('auto', 'reference', 'xla', 'cudnn'):
     raise ValueError(f"attention_kwargs.implementation={kwargs['implementation']!r}; "
                      "valid: 'auto', 'reference', 'xla', 'cudnn'")
+  if kwargs['implementation'] == 'cudnn' and jax.default_backend() != 'gpu':
+    raise ValueError(
+        "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
+        f"JAX backend is {jax.default_backend()!r}; use 'auto' (picks cuDNN where it can "
+        "run) or 'reference'/'xla'")
+
+
+def cudnn_fits(query, key, *, dropout_rate=0.0, deterministic=True, return_weights=False,
+               dtype=None) -> bool:
+  """Whether 'auto' takes cuDNN's fused kernel: a GPU backend, 16-bit compute,
+  head size a multiple of 8 up to 128, no attention dropout, no weights asked
+  for, and more than one query (not a cached decoding step)."""
+  dtype = jnp.dtype(dtype or query.dtype)
+  d = query.shape[-1]
+  return (jax.default_backend() == 'gpu' and dtype in (jnp.bfloat16, jnp.float16)
+          and d % 8 == 0 and d <= 128 and (deterministic or dropout_rate == 0.0)
+          and not return_weights and query.shape[1] > 1 and key.shape[1] > 1)
 
 
 def _dot_product(query, key, value, *, implementation='auto', **common):
-  return dot_product_attention(
-      query, key, value,
-      implementation=None if implementation == 'auto' else implementation,
-      **common)
+  if implementation == 'auto':  # the explicit path, unless cuDNN's kernel fits
+    fits = cudnn_fits(query, key, **{k: common[k] for k in (
+        'dropout_rate', 'deterministic', 'return_weights', 'dtype') if k in common})
+    implementation = 'cudnn' if fits else None
+  return dot_product_attention(query, key, value, implementation=implementation, **common)
 
 
 register(AttentionVariant(

@@ -9,12 +9,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, decoding, models
 from flaxformer_lite.data import tokenizers
-from flaxformer_lite.train import checkpoints, metrics as metrics_lib, preemption, schedules, steps
+from flaxformer_lite.train import (checkpoints, metrics as metrics_lib, multihost,
+                                   partitioning, preemption, schedules, steps)
 from flaxformer_lite.train import state as state_lib
 
 
@@ -58,7 +58,8 @@ def _train_batches(config, dataset):
     return data.LMWindows(train, config.data.max_len, t.batch_size, seed=config.seed, **where)
   if t.batch_tokens:
     return data.BucketedBatches(train, t.batch_tokens, seed=config.seed,
-                                row_multiple=jax.local_device_count(), **where)
+                                row_multiple=jax.local_device_count() * t.grad_accum_steps,
+                                **where)
   return data.Batches(train, t.batch_size, seed=config.seed, **where)
 
 
@@ -74,9 +75,10 @@ def _prepare_workdir(config, workdir, allow_config_change=False):
   path = os.path.join(workdir, 'config.json')
   try:  # before any compilation: a workdir that cannot be written fails now, not at the first save
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, '.write_test'), 'w') as f:
+    probe = os.path.join(workdir, f'.write_test.{jax.process_index()}')
+    with open(probe, 'w') as f:
       f.write('ok')
-    os.remove(os.path.join(workdir, '.write_test'))
+    os.remove(probe)
   except OSError as e:
     raise config_lib.ConfigError(
         f'workdir {workdir} cannot be written ({type(e).__name__}: {e}); '
@@ -112,8 +114,9 @@ class Evaluator:
     key, so every evaluation scores the same ones.
   """
 
-  def __init__(self, config, model, dataset, batch_sharding):
-    self.config, self.dataset, self.batch_sharding = config, dataset, batch_sharding
+  def __init__(self, config, model, dataset, place_batch=None):
+    self.config, self.dataset = config, dataset
+    self.place_batch = place_batch or (lambda batch: batch)  # DataParallel.place_eval_batch
     self.objective = steps.OBJECTIVES[config.model.type]
     self.metrics_step = jax.jit(functools.partial(
         steps.eval_step, apply_fn=model.apply, label_smoothing=config.train.label_smoothing,
@@ -163,11 +166,11 @@ class Evaluator:
     decoder = self._decoder(max_len, beam_size) if decode else None
     predicted = []
     for i, batch in enumerate(data.eval_batches(arrays, self.config.eval.batch_size)):
-      batch = jax.device_put(batch, self.batch_sharding)
+      batch = self.place_batch(batch)
       s = self.metrics_step(params, batch, jax.random.fold_in(eval_rng, i))
       sums = s if sums is None else _add(sums, s)
       if decode:
-        predicted.append(np.asarray(decoder(params, batch['inputs'])))
+        predicted.append(partitioning.to_host(decoder(params, batch['inputs'])))
     out = _summarise(sums)
     if self.objective == 'lm':
       out['bits_per_token'] = out['nll'] / np.log(2.0)
@@ -237,17 +240,14 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         f'vocabulary ({needed}); use 0 (automatic) or >= {needed}')
   _prepare_workdir(config, workdir, allow_config_change)
 
-  mesh = jax.make_mesh((jax.device_count(),), ('data',),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  batch_sharding = NamedSharding(mesh, P('data'))
-  replicated = NamedSharding(mesh, P())
+  parallel = partitioning.DataParallel(config.train.parallel)
 
   t = config.train
   model = models.build(config.model)
   train_iter = _train_batches(config, dataset)
   init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
   example = {k: v[:1] for k, v in next(_train_batches(config, dataset)).items()}
-  state = jax.device_put(state_lib.create(model, config, example, init_rng), replicated)
+  state = jax.device_put(state_lib.create(model, config, example, init_rng), parallel.replicated)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
 
   ckpt = checkpoints.Checkpointer(workdir, t.keep_checkpoints)
@@ -261,14 +261,14 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     train_iter.set_state(data_state)
     start = int(state.step)
     log.info('Resumed from %s at step %d', ckpt.directory, start)
+  state = parallel.place_state(state)
   writer = metrics_lib.MetricWriter(workdir, start)
-  evaluate = Evaluator(config, model, dataset, batch_sharding)
+  evaluate = Evaluator(config, model, dataset, parallel.place_eval_batch)
 
-  train_step = jax.jit(
-      functools.partial(steps.train_step, label_smoothing=t.label_smoothing,
-                        skip_nonfinite=t.skip_nonfinite, objective=objective,
-                        mlm_rate=config.data.mlm_rate, vocab_size=config.model.vocab_size),
-      donate_argnums=(0,))
+  train_step = parallel.compile_step(
+      steps.train_step, label_smoothing=t.label_smoothing, skip_nonfinite=t.skip_nonfinite,
+      objective=objective, mlm_rate=config.data.mlm_rate, vocab_size=config.model.vocab_size,
+      grad_accum_steps=t.grad_accum_steps)
   schedule = schedules.create(t, config.model.d_model)
   log.info('Model %s, %s parameters, attention=%s; training steps %d..%d, '
            'batch %s on %d device(s)', config.model.type, f'{num_params:,}',
@@ -279,8 +279,8 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   train_start, eval_seconds, results = time.time(), 0.0, {}
   with preemption.Preemption() as preempt:
     for step in range(start, t.num_steps):
-      batch = jax.make_array_from_process_local_data(batch_sharding, next(train_iter))
-      state, sums = train_step(state, batch, dropout_rng)
+      state, sums = train_step(state, parallel.place_batch(next(train_iter)), dropout_rng)
+      sums = parallel.unplace_sums(sums)
       window = sums if window is None else _add(window, sums)
       window_steps += 1
       done = step + 1
@@ -304,35 +304,35 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         window, window_start, window_steps = None, time.time(), 0
       if done % t.eval_every == 0 or done == t.num_steps:
         eval_start = time.time()
-        results['eval'] = evaluate(state.params, 'validation',
+        results['eval'] = evaluate(parallel.unplace_state(state).params, 'validation',
                                    log_examples=config.eval.num_examples_to_log)
         writer.write(done, 'eval', results['eval'])
         log.info('eval at step %d (%.1fs): %s', done, time.time() - eval_start,
                  _fmt_metrics(results['eval']))
         window_start += time.time() - eval_start
         eval_seconds += time.time() - eval_start
-      if (done % t.checkpoint_every == 0 or done == t.num_steps
-          or preempt.requested):
+      stop = multihost.any_process(preempt.requested is not None)  # all stop at one step
+      if done % t.checkpoint_every == 0 or done == t.num_steps or stop:
         if window is not None:  # steps since the last log: never save a non-finite state
           _check_finite(_summarise(window)['loss'], done, ckpt)
-        ckpt.save(done, state, train_iter.get_state())
-      if preempt.requested:
+        ckpt.save(done, parallel.unplace_state(state), train_iter.get_state())
+      if stop:
+        reason = preempt.requested or 'a signal to another process'
         ckpt.close()
         writer.close()
         log.warning('Stopped on %s at step %d of %d; checkpoint saved in %s. Re-run the '
-                    'same command to resume.', preempt.requested, done, t.num_steps,
-                    ckpt.directory)
-        return {'preempted': preempt.requested, 'step': done, **results}
+                    'same command to resume.', reason, done, t.num_steps, ckpt.directory)
+        return {'preempted': reason, 'step': done, **results}
 
   train_time = time.time() - train_start
   if 'eval' not in results:  # resumed a finished run
-    results['eval'] = evaluate(state.params, 'validation')
+    results['eval'] = evaluate(parallel.unplace_state(state).params, 'validation')
   if config.eval.final_test and 'test' in dataset.splits:
     test_start = time.time()
-    results['test'] = evaluate(state.params, 'test', beam_size=config.eval.beam_size,
+    results['test'] = evaluate(parallel.unplace_state(state).params, 'test', beam_size=config.eval.beam_size,
                                log_examples=config.eval.num_examples_to_log)
     if 'test_long' in dataset.splits:
-      long = evaluate(state.params, 'test_long', beam_size=config.eval.beam_size)
+      long = evaluate(parallel.unplace_state(state).params, 'test_long', beam_size=config.eval.beam_size)
       results['test'].update({f'long_{k}': v for k, v in long.items()})
     writer.write(t.num_steps, 'test', results['test'])
     log.info('test (%.1fs, beam %d): %s', time.time() - test_start, config.eval.beam_size,

@@ -46,24 +46,56 @@ def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = Tr
 
 
 def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: bool = False,
-               objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0):
-  """One optimizer update. Dropout (and mlm masks) draw from fold_in(rng, step),
-  so a resumed run draws the same numbers as an uninterrupted one.
+               objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
+               grad_accum_steps: int = 1, axis_name: str | None = None):
+  """One optimizer update on the global batch.
+
+  The gradient is that of (sum of token losses) / (number of tokens) over the
+  whole global batch, however it is split:
+    grad_accum_steps k > 1: k microbatches in a lax.scan (rows j, j+k, ...
+      form microbatch j, so each device keeps its own rows), their gradient
+      and metric sums added, then divided once by the total token count;
+    axis_name (jax.pmap): the sums are psum-med over devices before that
+      division (a pmean of per-device means would weigh devices with fewer
+      tokens too much).
+  Dropout (and mlm masks) draw from fold_in(rng, step), then per microbatch
+  and per device, so a resumed run draws the same numbers as an
+  uninterrupted one.
 
   skip_nonfinite: when the loss or any gradient is NaN/inf, keep params and
   optimizer state as they were (the step counter still advances: the batch
   is consumed), zero this step's metric sums and count it in sums['skipped'].
   """
   step_rng = jax.random.fold_in(rng, state.step)
+  if axis_name is not None:
+    step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
 
-  def loss_fn(params):
-    logits, targets, weights = forward(
-        state.apply_fn, params, batch, objective=objective, deterministic=False,
-        rng=step_rng, mlm_rate=mlm_rate, vocab_size=vocab_size)
-    sums = losses.token_metrics(logits, targets, weights, label_smoothing)
-    return sums['loss'] / jnp.maximum(sums['tokens'], 1.0), sums
+  def grads_and_sums(params, batch, rng):
+    def loss_fn(params):
+      logits, targets, weights = forward(
+          state.apply_fn, params, batch, objective=objective, deterministic=False,
+          rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size)
+      sums = losses.token_metrics(logits, targets, weights, label_smoothing)
+      return sums['loss'], sums
+    return jax.grad(loss_fn, has_aux=True)(params)
 
-  grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+  if grad_accum_steps == 1:
+    grads, sums = grads_and_sums(state.params, batch, step_rng)
+  else:
+    k = grad_accum_steps
+    micro = jax.tree.map(lambda x: x.reshape((-1, k) + x.shape[1:]).swapaxes(0, 1), batch)
+
+    def accumulate(total, i_and_batch):
+      i, mb = i_and_batch
+      g, s = grads_and_sums(state.params, mb, jax.random.fold_in(step_rng, i))
+      return jax.tree.map(jnp.add, total, (g, s)), None
+
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+        grads_and_sums, state.params, jax.tree.map(lambda x: x[0], micro), step_rng))
+    (grads, sums), _ = jax.lax.scan(accumulate, zero, (jnp.arange(k), micro))
+  if axis_name is not None:
+    grads, sums = jax.lax.psum((grads, sums), axis_name)
+  grads = jax.tree.map(lambda g: g / jnp.maximum(sums['tokens'], 1.0), grads)
   new_state = state.apply_gradients(grads=grads)
   sums['grad_norm'] = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
   if skip_nonfinite:

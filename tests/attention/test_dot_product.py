@@ -309,3 +309,30 @@ def test_resolve_kwargs_validates_values():
 def test_resolve_kwargs_unknown_variant():
   with pytest.raises(ValueError, match='nope'):
     registry.resolve_kwargs('nope', {})
+
+
+ON_GPU = jax.default_backend() == 'gpu'
+
+
+@pytest.mark.skipif(ON_GPU, reason='checks the CPU/TPU error; on a GPU cuDNN is valid')
+def test_cudnn_without_a_gpu_is_a_config_error_naming_the_backend():
+  from flaxformer_lite import config as config_lib
+  c = config_lib.base_config()
+  c.model.attention_kwargs.implementation = 'cudnn'
+  with pytest.raises(config_lib.ConfigError, match="'cudnn' needs an NVIDIA GPU.*'cpu'"):
+    config_lib.validate(c)
+  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+  assert not registry.cudnn_fits(q, q)  # 'auto' keeps the explicit path here
+
+
+@pytest.mark.skipif(not ON_GPU, reason=f'cuDNN attention needs an NVIDIA GPU; the JAX '
+                    f'backend here is {jax.default_backend()!r}')
+def test_cudnn_matches_the_reference_on_gpu():
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 128, 4, 64)), jnp.bfloat16) for _ in range(3))
+  mask = jnp.tril(jnp.ones((128, 128), bool))[None, None]
+  assert registry.cudnn_fits(q, k)
+  fused = registry.get('dot_product').fn(q, k, v, mask=mask, implementation='cudnn')
+  reference = registry.get('dot_product').fn(q, k, v, mask=mask, implementation='reference')
+  np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(reference, np.float32),
+                             atol=2e-2)

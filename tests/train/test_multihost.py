@@ -1,0 +1,85 @@
+"""Multi-host through jax.distributed, as real processes on 127.0.0.1:
+2 processes = 1 process with the same 2 devices; a dead process stops the job."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.model.mlp_dim=32',
+        '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
+        '--config.model.dropout_rate=0.0', '--config.data.max_len=5',
+        '--config.data.num_train=256', '--config.data.num_eval=20',
+        '--config.train.batch_size=8', '--config.eval.batch_size=10',
+        '--config.eval.final_test=False', '--config.train.log_every=5',
+        '--config.train.eval_every=20', '--config.train.checkpoint_every=10']
+
+
+def _command(workdir, tfds_dir, *extra):
+  return [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
+          f'--config.data.data_dir={tfds_dir}', *TINY, *extra]
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return {r['step']: r['loss'] for r in map(json.loads, f) if r['split'] == 'train'}
+
+
+def _env(**extra):
+  env = {k: v for k, v in os.environ.items() if not k.startswith('FFL_')}
+  env.update(JAX_PLATFORMS='cpu', **extra)
+  return env
+
+
+def test_two_processes_give_the_curve_of_one_process_with_two_devices(tfds_dir, tmp_path):
+  one = str(tmp_path / 'one')
+  done = subprocess.run(_command(one, tfds_dir, '--config.train.num_steps=20'), cwd=REPO,
+                        env=_env(XLA_FLAGS='--xla_force_host_platform_device_count=2'),
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  two = str(tmp_path / 'two')
+  done = subprocess.run(_command(two, tfds_dir, '--config.train.num_steps=20',
+                                 '--local_processes=2'),
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert len(re.findall(r'launch: process \d of 2 is pid', done.stderr)) == 2
+  a, b = _losses(one), _losses(two)
+  assert sorted(a) == sorted(b) == [5, 10, 15, 20]
+  for step in a:
+    assert b[step] == pytest.approx(a[step], rel=2e-5)
+  # checkpoints were written collectively, once
+  assert sorted(os.listdir(os.path.join(two, 'checkpoints'))) == ['10', '20']
+
+
+def test_a_dead_process_stops_the_others_with_an_error(tfds_dir, tmp_path):
+  workdir = str(tmp_path / 'w')
+  log = tmp_path / 'stderr.txt'
+  with open(log, 'w') as err_file:  # a file, not a pipe: nobody blocks on a full buffer
+    proc = subprocess.Popen(_command(workdir, tfds_dir, '--config.train.num_steps=100000',
+                                     '--config.train.checkpoint_every=100000',
+                                     '--local_processes=2'),
+                            cwd=REPO, env=_env(), stderr=err_file, text=True)
+  deadline = time.time() + 240
+  while time.time() < deadline and not os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
+    time.sleep(0.5)
+  assert os.path.exists(os.path.join(workdir, 'metrics.jsonl')), log.read_text()[-3000:]
+  pids = [int(p) for p in re.findall(r'launch: process \d of 2 is pid (\d+)', log.read_text())]
+  assert len(pids) == 2
+  os.kill(pids[1], signal.SIGKILL)
+  start = time.time()
+  try:
+    proc.wait(timeout=60)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    raise AssertionError('the job hung after one of its processes died')
+  err = log.read_text()
+  assert proc.returncode == 128 + signal.SIGKILL
+  assert 'process 1 exited with code 137; stopping the others' in err
+  assert time.time() - start < 60
+  with pytest.raises(ProcessLookupError):  # the survivor is gone too
+    os.kill(pids[0], 0)
