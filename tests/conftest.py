@@ -13,10 +13,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope='session', autouse=True)
 def compilation_cache(tmp_path_factory):
-  """Tests that train the same tiny model several times compile it once."""
-  jax.config.update('jax_compilation_cache_dir', str(tmp_path_factory.mktemp('jax_cache')))
+  """Tests that train the same tiny model several times compile it once,
+  subprocesses (the CLI and fault tests) included: they inherit the cache
+  through the environment."""
+  cache = str(tmp_path_factory.mktemp('jax_cache'))
+  jax.config.update('jax_compilation_cache_dir', cache)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=cache,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 
 
 SHARED_DATA = os.environ.get('FFL_SHARED_DATA') or os.path.join(os.path.dirname(REPO), 'shared',

@@ -13,6 +13,7 @@ BAD = [
     ('model.dropout_rate', 1.0, '[0, 1)'),
     ('train.schedule', 'cosine', 'warmup_cosine'),
     ('train.parallel', 'magic', 'jit'),
+    ('train.grad_accum_steps', 3, 'must be divisible by the 1 devices x'),
     ('train.num_steps', 0, 'num_steps'),
     ('data.task', 'unsort', 'reverse'),
     ('data.min_len', 20, 'min_len <= max_len'),

@@ -36,7 +36,7 @@ def _tiny(tfds_dir, shared_data, task, model_type):
   else:
     c.data.vocab_size, c.data.max_len = 300, 40
     c.train.batch_tokens, c.eval.batch_size = 1024, 64
-    c.eval.max_examples, c.eval.beam_size = 64, 2
+    c.eval.max_examples, c.eval.beam_size = 32, 2
   return c
 
 

@@ -17,7 +17,7 @@ TINY = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.mod
         '--config.data.num_train=256', '--config.data.num_eval=20',
         '--config.train.batch_size=8', '--config.eval.batch_size=10',
         '--config.eval.final_test=False', '--config.train.log_every=5',
-        '--config.train.eval_every=20', '--config.train.checkpoint_every=10']
+        '--config.train.eval_every=10', '--config.train.checkpoint_every=10']
 
 
 def _command(workdir, tfds_dir, *extra):
@@ -38,22 +38,22 @@ def _env(**extra):
 
 def test_two_processes_give_the_curve_of_one_process_with_two_devices(tfds_dir, tmp_path):
   one = str(tmp_path / 'one')
-  done = subprocess.run(_command(one, tfds_dir, '--config.train.num_steps=20'), cwd=REPO,
+  done = subprocess.run(_command(one, tfds_dir, '--config.train.num_steps=10'), cwd=REPO,
                         env=_env(XLA_FLAGS='--xla_force_host_platform_device_count=2'),
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   two = str(tmp_path / 'two')
-  done = subprocess.run(_command(two, tfds_dir, '--config.train.num_steps=20',
+  done = subprocess.run(_command(two, tfds_dir, '--config.train.num_steps=10',
                                  '--local_processes=2'),
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   assert len(re.findall(r'launch: process \d of 2 is pid', done.stderr)) == 2
   a, b = _losses(one), _losses(two)
-  assert sorted(a) == sorted(b) == [5, 10, 15, 20]
+  assert sorted(a) == sorted(b) == [5, 10]
   for step in a:
     assert b[step] == pytest.approx(a[step], rel=2e-5)
   # checkpoints were written collectively, once
-  assert sorted(os.listdir(os.path.join(two, 'checkpoints'))) == ['10', '20']
+  assert sorted(os.listdir(os.path.join(two, 'checkpoints'))) == ['10']
 
 
 def test_a_dead_process_stops_the_others_with_an_error(tfds_dir, tmp_path):

@@ -1,5 +1,5 @@
-"""Data parallelism: 1 device = 4 devices (jit) = 4 devices (pmap); gradient
-accumulation = the large batch; a 4-device checkpoint resumes on 1 device;
+"""Data parallelism: 1 device = 4 devices (jit) = 4 devices (pmap), and a
+4-device checkpoint resumes on 1 device; gradient accumulation = the large batch;
 the train step compiles once; bf16 trains.
 
 Several devices on CPU come from --xla_force_host_platform_device_count, which
@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -57,7 +58,7 @@ def _parallel_config(tiny_config):
   return c
 
 
-def test_one_device_equals_four_devices_jit_and_pmap(tiny_config, tmp_path):
+def test_one_device_equals_four_devices_jit_and_pmap_and_resumes_on_one(tiny_config, tmp_path):
   c = _parallel_config(tiny_config)
   loop.train_and_evaluate(c, str(tmp_path / 'one'))
   curves = {'one': _curve(str(tmp_path / 'one'))}
@@ -72,20 +73,15 @@ def test_one_device_equals_four_devices_jit_and_pmap(tiny_config, tmp_path):
   norms = [_curve(str(tmp_path / m), 'grad_norm')[20] for m in ('one', 'jit', 'pmap')]
   np.testing.assert_allclose(norms, norms[0], rtol=1e-4)
 
-
-def test_a_four_device_checkpoint_resumes_on_one_device(tiny_config, tmp_path):
-  c = _parallel_config(tiny_config)
-  whole = str(tmp_path / 'whole')
-  loop.train_and_evaluate(c, whole)
-  parts = str(tmp_path / 'parts')
-  c.train.num_steps = 10
-  _on_4_devices(c, parts, tmp_path)  # steps 1..10 on 4 devices, checkpoint at 10
-  c.train.num_steps = 20
-  loop.train_and_evaluate(c, parts)  # steps 11..20 here, on 1 device
-  a, b = _curve(whole), _curve(parts)
-  assert sorted(b) == [5, 10, 15, 20]
+  # The 4-device run's checkpoint at step 10 resumes here, on 1 device (orbax
+  # restores onto this process's abstract target).
+  parts = str(tmp_path / 'jit')
+  shutil.rmtree(os.path.join(parts, 'checkpoints', '20'))
+  c.train.parallel = 'jit'
+  loop.train_and_evaluate(c, parts)
+  resumed = _curve(parts)
   for step in (15, 20):
-    assert b[step] == pytest.approx(a[step], rel=2e-5)
+    assert resumed[step] == pytest.approx(curves['one'][step], rel=2e-5)
 
 
 def _tiny_state(vocab=11, seed=0):
@@ -109,7 +105,7 @@ def test_gradient_accumulation_equals_the_large_batch():
   state, batch = _tiny_state()
   step = functools.partial(steps.train_step, label_smoothing=0.1)
   big, big_sums = jax.jit(step)(state, batch, jax.random.key(1))
-  for k in (2, 4):
+  for k in (4,):
     acc, acc_sums = jax.jit(functools.partial(step, grad_accum_steps=k))(
         state, batch, jax.random.key(1))
     for x, y in zip(jax.tree.leaves(acc.params), jax.tree.leaves(big.params)):
@@ -139,11 +135,11 @@ def test_the_train_step_compiles_once(tiny_config, tmp_path, caplog):
 def test_bfloat16_compute_trains_with_float32_params_and_loss(tiny_config, tmp_path):
   c = tiny_config
   c.model.dtype = 'bfloat16'
-  c.train.num_steps, c.train.log_every = 40, 10
+  c.train.num_steps, c.train.log_every, c.train.eval_every = 30, 10, 30
   c.eval.final_test = False
   loop.train_and_evaluate(c, str(tmp_path / 'bf16'))
   curve = _curve(str(tmp_path / 'bf16'))
-  assert curve[40] < 0.9 * curve[10]
+  assert curve[30] < 0.9 * curve[10]
   model = models.build(dict(c.model, vocab_size=9))
   ids = jnp.ones((2, 5), jnp.int32)
   variables = model.init(jax.random.key(0), ids, ids)
