@@ -34,8 +34,9 @@ def _tiny(tfds_dir, shared_data, task, model_type):
     c.train.batch_size, c.eval.batch_size = 16, 64
     c.train.label_smoothing = 0.0
   else:
-    c.data.vocab_size, c.data.max_len = 300, 40
-    c.train.batch_tokens, c.eval.batch_size = 1024, 64
+    c.data.vocab_size, c.data.max_len = 300, 24  # few buckets: few compilations
+    c.train.batch_tokens, c.eval.batch_size = 1024, 32
+    c.train.num_steps = c.train.eval_every = c.train.checkpoint_every = 10
     c.eval.max_examples, c.eval.beam_size = 32, 2
   return c
 

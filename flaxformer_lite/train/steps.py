@@ -123,18 +123,3 @@ def decode_step(params, inputs, *, model, decode_model, max_len: int, beam_size:
     return decoding.greedy_translate(model, decode_model, params, inputs, max_len)
   return decoding.beam_translate(model, decode_model, params, inputs, max_len,
                                  beam_size=beam_size, alpha=alpha)
-
-
-def eval_and_predict_step(params, batch, *, model, decode_model, label_smoothing: float):
-  """Teacher-forced sums plus greedy decoding of the batch (seq2seq).
-
-  Returns (sums with 'decoded_correct' = exactly decoded sequences,
-  predicted tokens [b, n] with n the target length).
-  """
-  sums = eval_step(params, batch, apply_fn=model.apply, label_smoothing=label_smoothing)
-  targets = batch['targets']
-  predicted = decoding.greedy_translate(model, decode_model, params, batch['inputs'],
-                                        targets.shape[1])
-  real = jnp.any(targets != PAD_ID, axis=-1)
-  sums['decoded_correct'] = jnp.sum(jnp.all(predicted == targets, axis=-1) & real)
-  return sums, predicted

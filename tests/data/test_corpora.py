@@ -27,8 +27,8 @@ def _shared():
 
 
 @pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('corpora_tfds'))
+def data_dir(tfds_dir):
+  return tfds_dir  # the session's: tests/test_real_data.py reuses what is prepared here
 
 
 def _lines(path):
