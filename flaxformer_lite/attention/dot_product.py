@@ -26,6 +26,28 @@ def masked_logits(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
   return jnp.where(mask.astype(bool), logits, big_neg)
 
 
+@jax.custom_jvp
+def _softmax(z):
+  """softmax over the last axis of float32 z [..., m].
+
+  The derivative is written out, dw = w * (dz - sum(w * dz)), so that the
+  backward pass needs the weights only. With jax.nn.softmax instead (the
+  same formula behind its `where`/`initial` handling) forward+backward of
+  MultiHeadAttention, b=4, n=256, d_model=512, took about 25% more time and
+  38% more XLA temp memory on CPU (benchmarks/attention.py). A JVP rule, not
+  a VJP, so forward mode (jax.jvp, jax.linearize) works too.
+  """
+  e = jnp.exp(z - jnp.max(z, -1, keepdims=True))
+  return e / jnp.sum(e, -1, keepdims=True)
+
+
+@_softmax.defjvp
+def _softmax_jvp(primals, tangents):
+  (z,), (dz,) = primals, tangents
+  w = _softmax(z)
+  return w, w * (dz - jnp.sum(w * dz, -1, keepdims=True))
+
+
 def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
                     deterministic=True, dtype=None):
   """Masked float32 softmax over the last axis, then dropout.
@@ -35,8 +57,7 @@ def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
   rest by 1/(1-rate), as in the paper's attention dropout.
   """
   dtype = dtype or logits.dtype
-  logits = masked_logits(logits.astype(jnp.float32), mask)
-  weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
+  weights = _softmax(masked_logits(logits.astype(jnp.float32), mask)).astype(dtype)
   if not deterministic and dropout_rate > 0.0:
     if dropout_rng is None:
       raise ValueError('attention dropout needs dropout_rng when deterministic=False')
