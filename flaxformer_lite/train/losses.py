@@ -1,23 +1,52 @@
 """Token-level losses and metrics; padding (weight 0) is excluded."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
-def _per_token(logits, targets, label_smoothing: float):
-  """(smoothed loss, nll), each [b, n], from one log-softmax.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _token_losses(logits, targets, label_smoothing: float):
+  """(smoothed loss, nll), each [...], of float32 logits [..., V] and int targets [...].
 
-  The smoothed target puts 1 - label_smoothing on the true token and spreads
-  label_smoothing uniformly over all V tokens (Szegedy et al. 2016; what
-  optax.smooth_labels builds), so its cross-entropy is
-  (1 - ls) * nll + ls * mean_v(-log p_v): no [b, n, V] one-hot is built.
+  The smoothed target puts 1 - ls on the true token and spreads ls uniformly
+  over all V tokens (Szegedy et al. 2016; what optax.smooth_labels builds),
+  so with lse = logsumexp(logits):
+    nll  = lse - logits[target],
+    loss = (1 - ls) * nll + ls * mean_v(-log p_v) = lse - (1 - ls) * logits[target] - ls * mean(logits).
+  No [..., V] one-hot or log-probabilities are built. The derivative is
+  written out (below): d loss / d logits = softmax - smoothed target, one
+  pass over [..., V] in the backward step. Left to autodiff (through
+  jax.nn.log_softmax) the Transformer-base train step spent ~0.3 s of 3.5 s
+  on the [2048, 32000] gradient on CPU (benchmarks/train_throughput.py).
   """
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-  nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = lse - target_logit
   if not label_smoothing:
     return nll, nll
-  return (1.0 - label_smoothing) * nll - label_smoothing * jnp.mean(logp, axis=-1), nll
+  return lse - (1.0 - label_smoothing) * target_logit - label_smoothing * jnp.mean(logits, -1), nll
+
+
+@_token_losses.defjvp
+def _token_losses_jvp(label_smoothing, primals, tangents):
+  logits, targets = primals
+  dlogits, _ = tangents
+  loss, nll = _token_losses(logits, targets, label_smoothing)
+  p = jnp.exp(logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))  # softmax
+  is_target = jnp.arange(logits.shape[-1]) == targets[..., None]  # [..., V], fused, not stored
+  d_nll = jnp.sum(jnp.where(is_target, p - 1.0, p) * dlogits, -1)
+  smooth = label_smoothing / logits.shape[-1]
+  d_loss = jnp.sum((jnp.where(is_target, p - (1.0 - label_smoothing), p) - smooth) * dlogits, -1)
+  return (loss, nll), (d_loss, d_nll)
+
+
+def _per_token(logits, targets, label_smoothing: float):
+  """(smoothed loss, nll), each [b, n]; see _token_losses."""
+  return _token_losses(logits.astype(jnp.float32), targets.astype(jnp.int32),
+                       float(label_smoothing))
 
 
 def cross_entropy(logits, targets, weights, label_smoothing: float = 0.0):
@@ -32,9 +61,16 @@ def cross_entropy(logits, targets, weights, label_smoothing: float = 0.0):
 
 def token_metrics(logits, targets, weights, label_smoothing: float = 0.0):
   """Sums for loss (smoothed), nll (unsmoothed), correct tokens, tokens,
-  correct sequences, sequences. Divide sums at logging time."""
+  correct sequences, sequences. Divide sums at logging time.
+
+  A token is correct when its target's logit is the largest (>= every other):
+  argmax's answer except on exact ties, without argmax's second pass over
+  [b, n, V] (0.14 s per Transformer-base step on CPU).
+  """
   loss, nll = _per_token(logits, targets, label_smoothing)
-  correct = (jnp.argmax(logits, -1) == targets) * weights
+  logits = jax.lax.stop_gradient(logits)
+  target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), -1)[..., 0]
+  correct = (target_logit >= jnp.max(logits, -1)) * weights
   has_tokens = jnp.sum(weights, -1) > 0
   seq_correct = jnp.all((correct > 0) | (weights == 0), axis=-1) & has_tokens
   return {'loss': jnp.sum(loss * weights), 'nll': jnp.sum(nll * weights),
