@@ -43,6 +43,8 @@ def main():
   p.add_argument('--head_dim', type=int, default=64)
   p.add_argument('--max_distance', type=int, default=16)
   p.add_argument('--repeats', type=int, default=10)
+  p.add_argument('--variants', nargs='+', default=None,
+                 help='subset of: dot_product shaw/naive shaw/matmul shaw/banded t5_bias')
   a = p.parse_args()
   d_model = a.heads * a.head_dim
   print(f'b={a.batch} h={a.heads} d={a.head_dim} (d_model={d_model}) k={a.max_distance} '
@@ -53,7 +55,9 @@ def main():
     x = jax.random.normal(jax.random.key(0), (a.batch, n, d_model))  # [b, n, f]
     mask = nn.make_causal_mask(jnp.ones((1, n)), dtype=jnp.bool_)  # [1, 1, n, n]
     fns, mem = {}, {}
-    for name, (attention, kwargs) in variants(a.max_distance).items():
+    chosen = {k: v for k, v in variants(a.max_distance).items()
+              if a.variants is None or k in a.variants or k == 'dot_product'}
+    for name, (attention, kwargs) in chosen.items():
       layer = MultiHeadAttention(num_heads=a.heads, attention=attention, attention_kwargs=kwargs)
       params = layer.init(jax.random.key(1), x[:1, :8])
       fns[name] = (grad_fn(layer, mask), (params, x))
