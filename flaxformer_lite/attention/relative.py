@@ -30,9 +30,10 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.attention.dot_product import masked_logits, softmax_weights
 
 FORMS = ('auto', 'naive', 'matmul', 'banded')
-# 'auto' switches to 'banded' when a materialised [n, m, d] table would exceed
-# this: on CPU the two forms tie at n = m = 64, d = 64 inside MultiHeadAttention
-# and banded wins from there on (benchmarks/relative_attention.py).
+# 'auto' picks 'banded' once a materialised [n, m, d] table would have this many
+# elements: inside MultiHeadAttention on CPU (d = 64, k = 16) matmul was faster
+# at n = m = 32 (1.10x vs 1.16x dot_product) and banded from n = m = 64 on
+# (1.14x vs 1.21x; benchmarks/relative_attention.py).
 _AUTO_TABLE_ELEMENTS = 2 ** 18
 
 
@@ -271,7 +272,7 @@ def choose_form(form: str, n: int, m: int, d: int) -> str:
     raise ValueError(f'shaw form={form!r}; valid: {", ".join(FORMS)}')
   if form != 'auto':
     return form
-  return 'matmul' if n * m * d <= _AUTO_TABLE_ELEMENTS else 'banded'
+  return 'matmul' if n * m * d < _AUTO_TABLE_ELEMENTS else 'banded'
 
 
 def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, *,

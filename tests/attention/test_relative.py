@@ -277,3 +277,22 @@ def test_values_only_layer_has_no_key_table():
                              attention_kwargs={'relative_keys': False, 'max_distance': 1})
   params = layer.init(jax.random.key(0), jnp.ones((1, 3, 4)))['params']
   assert params['rel_value_table'].shape == (3, 2) and 'rel_key_table' not in params
+
+
+def test_banded_bfloat16_close_to_float32_forward_and_gradient():
+  q, kk, v, tk, tv = _arrays(9, n=12, m=40, k=3)
+  causal = jnp.tril(jnp.ones((12, 40), bool), 28)[None, None]
+
+  def run(dtype):
+    def f(q, tk, tv):
+      out = relative.shaw_attention(*(jnp.asarray(x, dtype) for x in (q, kk, v)), tk, tv,
+                                    mask=causal, form='banded', dtype=dtype)
+      return jnp.sum(out.astype(jnp.float32) ** 2), out
+    return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(jnp.asarray(q), jnp.asarray(tk),
+                                                          jnp.asarray(tv))
+  (g16, out16), (g32, out32) = run(jnp.bfloat16), run(jnp.float32)
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out16, np.float32), np.asarray(out32), atol=0.05, rtol=0.05)
+  for a, b in zip(g16, g32):
+    scale = float(jnp.abs(b).max())
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=0.03 * scale)
