@@ -20,7 +20,7 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import embeddings, rnn, transformer
 from flaxformer_lite.train import schedules
 
-PARALLEL_MODES = ('jit', 'pmap')  # train/partitioning.py
+PARALLEL_MODES = ('jit', 'pmap', 'fsdp')  # train/partitioning.py
 # Keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',

@@ -1,13 +1,18 @@
-"""Data parallelism: one jit over a device mesh (default) or jax.pmap.
+"""Data parallelism: one jit over a device mesh (default), FSDP, or jax.pmap.
 
 'jit': the train state is replicated and the global batch sharded over the
   'data' axis of a Mesh of every device (all hosts); XLA inserts the
-  gradient all-reduce. The mesh has one axis today; a model/FSDP axis would
-  be a second one here.
+  gradient all-reduce.
+'fsdp': as 'jit', and each parameter and optimizer-state array is also
+  sharded over the 'data' axis, along its largest dimension that the device
+  count divides (replicated if none does): ZeRO-3 / FSDP, with XLA inserting
+  the all-gathers before use and the reduce-scatter of the gradients. Each
+  device then holds 1/N of the state.
 'pmap': the legacy API, kept as a tested compatibility mode: the state
   carries a leading local-device axis and the step psums its gradient sums
   over the 'data' axis name (steps.train_step).
-Both give the same updates for the same global batch.
+All three give the same updates for the same global batch. A separate
+model (tensor-parallel) axis is not implemented.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-MODES = ('jit', 'pmap')
+MODES = ('jit', 'pmap', 'fsdp')
 
 
 class DataParallel:
@@ -32,11 +37,29 @@ class DataParallel:
     self.batch_sharding = NamedSharding(self.mesh, P('data'))
     self.replicated = NamedSharding(self.mesh, P())
 
+  def fsdp_sharding(self, x) -> NamedSharding:
+    """x's sharding under 'fsdp': its largest dimension that the device count
+    divides goes over 'data' (the first such on ties); none: replicated."""
+    n, shape = self.mesh.size, np.shape(x)
+    dims = [i for i, size in enumerate(shape) if size % n == 0 and size >= n]
+    if n == 1 or not dims:
+      return self.replicated
+    axis = max(dims, key=lambda i: shape[i])
+    return NamedSharding(self.mesh, P(*[('data' if i == axis else None)
+                                       for i in range(len(shape))]))
+
   def compile_step(self, step_fn, **kwargs):
     """step_fn(state, batch, rng, **kwargs) -> (state, sums), compiled once;
     the state's buffers are donated."""
     if self.mode == 'jit':
       return jax.jit(functools.partial(step_fn, **kwargs), donate_argnums=(0,))
+    if self.mode == 'fsdp':
+      def sharded_step(state, batch, rng):
+        state, sums = step_fn(state, batch, rng, **kwargs)
+        # keep the new state in the layout the old one had
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, self.fsdp_sharding(x)), state), sums
+      return jax.jit(sharded_step, donate_argnums=(0,))
     return jax.pmap(functools.partial(step_fn, axis_name='data', **kwargs), axis_name='data',
                     in_axes=(0, 0, None), donate_argnums=(0,))
 
@@ -44,18 +67,21 @@ class DataParallel:
     """A state on one device (or replicated on the mesh) -> this mode's layout."""
     if self.mode == 'jit':
       return jax.device_put(state, self.replicated)
+    if self.mode == 'fsdp':
+      return jax.tree.map(lambda x: jax.device_put(x, self.fsdp_sharding(x)), state)
     n = jax.local_device_count()  # host copies: pmap shards them at the first call
     return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + x.shape), state)
 
   def unplace_state(self, state):
-    """This mode's layout -> one copy (for evaluation and checkpoints)."""
-    if self.mode == 'jit':
+    """This mode's layout -> one copy (for evaluation and checkpoints); jit
+    and fsdp states are global arrays already, whatever their sharding."""
+    if self.mode in ('jit', 'fsdp'):
       return state
     return jax.device_put(jax.tree.map(lambda x: x[0], state), self.replicated)
 
   def place_batch(self, batch: dict):
     """This process's rows {k: [rows, ...]} -> the step's input."""
-    if self.mode == 'jit':
+    if self.mode != 'pmap':
       return jax.make_array_from_process_local_data(self.batch_sharding, batch)
     n = jax.local_device_count()
     return {k: np.reshape(v, (n, -1) + v.shape[1:]) for k, v in batch.items()}
@@ -70,7 +96,7 @@ class DataParallel:
 
   def unplace_sums(self, sums):
     """The step's metric sums -> one copy (pmap: identical on every device)."""
-    return sums if self.mode == 'jit' else jax.tree.map(lambda x: x[0], sums)
+    return jax.tree.map(lambda x: x[0], sums) if self.mode == 'pmap' else sums
 
 
 def to_host(x) -> np.ndarray:

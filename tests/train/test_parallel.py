@@ -1,6 +1,7 @@
-"""Data parallelism: 1 device = 4 devices (jit) = 4 devices (pmap), and a
-4-device checkpoint resumes on 1 device; gradient accumulation = the large batch;
-the train step compiles once; bf16 trains.
+"""Data parallelism: 1 device = 4 devices (jit) = 4 devices (pmap) = 4 devices
+(fsdp, the state sharded), and a 4-device checkpoint resumes on 1 device;
+gradient accumulation = the large batch; the train step compiles once; bf16
+trains.
 
 Several devices on CPU come from --xla_force_host_platform_device_count, which
 must be set before jax starts: those runs are subprocesses.
@@ -58,19 +59,19 @@ def _parallel_config(tiny_config):
   return c
 
 
-def test_one_device_equals_four_devices_jit_and_pmap_and_resumes_on_one(tiny_config, tmp_path):
+def test_one_device_equals_four_devices_jit_pmap_fsdp_and_resumes_on_one(tiny_config, tmp_path):
   c = _parallel_config(tiny_config)
   loop.train_and_evaluate(c, str(tmp_path / 'one'))
   curves = {'one': _curve(str(tmp_path / 'one'))}
-  for mode in ('jit', 'pmap'):
+  for mode in ('jit', 'pmap', 'fsdp'):
     c.train.parallel = mode
     _on_4_devices(c, str(tmp_path / mode), tmp_path)
     curves[mode] = _curve(str(tmp_path / mode))
   assert sorted(curves['one']) == [5, 10, 15, 20]
-  for mode in ('jit', 'pmap'):
+  for mode in ('jit', 'pmap', 'fsdp'):
     for step, loss in curves['one'].items():
       assert curves[mode][step] == pytest.approx(loss, rel=2e-5), (mode, step)
-  norms = [_curve(str(tmp_path / m), 'grad_norm')[20] for m in ('one', 'jit', 'pmap')]
+  norms = [_curve(str(tmp_path / m), 'grad_norm')[20] for m in ('one', 'jit', 'pmap', 'fsdp')]
   np.testing.assert_allclose(norms, norms[0], rtol=1e-4)
 
   # The 4-device run's checkpoint at step 10 resumes here, on 1 device (orbax
@@ -145,3 +146,45 @@ def test_bfloat16_compute_trains_with_float32_params_and_loss(tiny_config, tmp_p
   variables = model.init(jax.random.key(0), ids, ids)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables))
   assert model.apply(variables, ids, ids).dtype == jnp.float32
+
+
+FSDP_LAYOUT = '''
+import functools, json
+import jax, numpy as np
+from flaxformer_lite import config as config_lib, models
+from flaxformer_lite.train import partitioning, state as state_lib, steps
+assert jax.device_count() == 4
+cfg = config_lib.base_config()
+cfg.model.update(vocab_size=12, d_model=16, num_heads=2, mlp_dim=32, dropout_rate=0.0,
+                 num_encoder_layers=1, num_decoder_layers=1)
+batch = {k: np.full((8, 5), 3, np.int32) for k in ('inputs', 'targets')}
+state = state_lib.create(models.build(cfg.model), cfg, batch, jax.random.key(0))
+parallel = partitioning.DataParallel('fsdp')
+state = parallel.place_state(state)
+step = parallel.compile_step(steps.train_step, label_smoothing=0.0)
+def shards(tree):
+  return {jax.tree_util.keystr(k): [list(x.shape), list(x.addressable_shards[0].data.shape)]
+          for k, x in jax.tree_util.tree_leaves_with_path(tree)}
+before = shards(state.params)
+new, _ = step(state, parallel.place_batch(batch), jax.random.key(1))  # donates state
+print(json.dumps({'before': before, 'after': shards(new.params), 'mu': shards(new.opt_state)}))
+'''
+
+
+def test_fsdp_shards_params_and_optimizer_state_and_keeps_them_sharded():
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+             JAX_PLATFORMS='cpu')
+  done = subprocess.run([sys.executable, '-c', FSDP_LAYOUT], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  got = json.loads(done.stdout.strip().splitlines()[-1])
+  for which in ('before', 'after', 'mu'):
+    for path, (shape, shard) in got[which].items():
+      divisible = [s for s in shape if s % 4 == 0 and s >= 4]
+      if divisible:  # the largest divisible dimension is split 4 ways
+        assert np.prod(shard) * 4 == np.prod(shape), (which, path, shape, shard)
+        assert shape[[a // b if b else 0 for a, b in zip(shape, shard)].index(4)] == max(divisible)
+      else:
+        assert shard == shape, (which, path, shape, shard)
+  # the embedding [12, 16] splits its 16 features; a [16] bias splits too
+  assert got['after']["['embed']['embedding']"] == [[12, 16], [12, 4]]
