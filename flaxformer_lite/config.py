@@ -94,7 +94,7 @@ def base_config() -> ml_collections.ConfigDict:
   t.eval_every = 500
   t.checkpoint_every = 500
   t.keep_checkpoints = 3
-  t.parallel = 'jit'
+  t.parallel = 'jit'  # jit (data parallel) | fsdp (+ sharded state) | pmap; train/partitioning.py
 
   c.data = d = ml_collections.ConfigDict()
   d.task = 'reverse'  # data.TASKS: synthetic (reverse, copy, sort), multi30k, tiny_shakespeare, tfds
