@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import MultiHeadAttention
-from timing import interleaved_times, median, memory
+from timing import interleaved_times, median, memory, page_faults
 
 
 def variants(k):
@@ -63,7 +63,8 @@ def main():
     print(f'b={a.batch} h={a.heads} d={a.head_dim} (d_model={d_model}) k={a.max_distance} '
           f'causal float32 fwd+bwd, repeats={a.repeats}, backend={jax.default_backend()}, '
           f'jax={jax.__version__}')
-    print(f'{"n":>5} {"variant":<12}{"ms":>10}{"x dot":>8}{"temp MiB":>11}{"x dot":>8}')
+    print(f'{"n":>5} {"variant":<12}{"ms":>10}{"x dot":>8}{"temp MiB":>11}{"x dot":>8}'
+          f'{"faults":>9}')
   for n in a.lengths:
     x = jax.random.normal(jax.random.key(0), (a.batch, n, d_model))  # [b, n, f]
     mask = nn.make_causal_mask(jnp.ones((1, n)), dtype=jnp.bool_)  # [1, 1, n, n]
@@ -76,6 +77,7 @@ def main():
       fns[name] = (grad_fn(layer, mask), (params, x))
       mem[name] = memory(*fns[name])['temp']
     rounds = interleaved_times(fns, a.repeats)
+    faults = {name: page_faults(*fns[name]) for name in fns}
     for name in fns:
       # the ratio is the median over rounds of this round's time / dot_product's
       # (each round times every variant once, back to back): steadier than a
@@ -83,10 +85,16 @@ def main():
       ratio = median([t / d for t, d in zip(rounds[name], rounds['dot_product'])])
       if a.json:
         print(json.dumps({'n': n, 'variant': name, 'ms': median(rounds[name]), 'ratio': ratio,
-                          'temp': mem[name], 'temp_ratio': mem[name] / mem['dot_product']}))
+                          'temp': mem[name], 'temp_ratio': mem[name] / mem['dot_product'],
+                          'faults': faults[name]}))
       else:
         print(f'{n:>5} {name:<12}{median(rounds[name]):>10.1f}{ratio:>8.2f}'
-              f'{mem[name]:>11.1f}{mem[name] / mem["dot_product"]:>8.2f}')
+              f'{mem[name]:>11.1f}{mem[name] / mem["dot_product"]:>8.2f}'
+              f'{_faults(faults[name]):>9}')
+
+
+def _faults(x):
+  return '-' if x is None else f'{x:.0f}'
 
 
 def trials(a):
@@ -106,11 +114,13 @@ def trials(a):
   print(f'b={a.batch} h={a.heads} d={a.head_dim} k={a.max_distance} causal float32 fwd+bwd, '
         f'{a.trials} processes x {a.repeats} rounds, backend={jax.default_backend()}, '
         f'jax={jax.__version__}')
-  print(f'{"n":>5} {"variant":<12}{"ms":>10}{"x dot":>8}{"range":>13}{"temp MiB":>11}{"x dot":>8}')
+  print(f'{"n":>5} {"variant":<12}{"ms":>10}{"x dot":>8}{"range":>13}{"temp MiB":>11}{"x dot":>8}'
+        f'{"faults":>9}')
   for (n, name), rs in rows.items():
     ratios = sorted(r['ratio'] for r in rs)
     print(f'{n:>5} {name:<12}{median([r["ms"] for r in rs]):>10.1f}{median(ratios):>8.2f}'
-          f'{ratios[0]:>7.2f}-{ratios[-1]:<5.2f}{rs[0]["temp"]:>11.1f}{rs[0]["temp_ratio"]:>8.2f}')
+          f'{ratios[0]:>7.2f}-{ratios[-1]:<5.2f}{rs[0]["temp"]:>11.1f}{rs[0]["temp_ratio"]:>8.2f}'
+          f'{_faults(median([r["faults"] for r in rs]) if rs[0]["faults"] is not None else None):>9}')
 
 
 if __name__ == '__main__':

@@ -32,4 +32,22 @@ def interleaved_times(fns, repeats):
   return times
 
 
+def page_faults(fn, args, calls=5):
+  """Minor page faults per call of jitted fn(*args), or None without getrusage.
+
+  XLA:CPU mallocs each call's temp buffer. glibc serves a request above its
+  mmap threshold (at most 32 MiB, see mallopt(3)) with fresh pages, so such a
+  call faults in about one page per 4 KiB of temp memory, every call.
+  """
+  try:
+    import resource
+  except ImportError:  # not on Windows
+    return None
+  jax.block_until_ready(fn(*args))
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  for _ in range(calls):
+    jax.block_until_ready(fn(*args))
+  return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
 median = statistics.median
