@@ -4,6 +4,7 @@
 #   ./launch.sh test [PYTEST_ARGS...]            the test suite
 #   ./launch.sh EXPERIMENT.py [--workdir=DIR] [--config.a.b=value ...]
 #   ./launch.sh --list_attention                 the attention variants and their kwargs
+#   ./launch.sh run SCRIPT.py [ARGS...]          any script (e.g. benchmarks/) with this setup
 # The first call creates .venv from pyproject.toml; an edited pyproject.toml re-installs it.
 # FFL_EXTRAS=cuda (or tpu) adds the accelerator build of jax.
 set -euo pipefail
@@ -43,9 +44,25 @@ setup_venv() {
 setup_venv
 PY="$VENV/bin/python"
 
+# glibc malloc (Linux): XLA:CPU mallocs each call's temp buffer. A block above
+# glibc's mmap threshold (32 MiB at most by default) is mapped afresh on every
+# call and faulted in page by page: a Transformer-base train step ran 16% slower
+# (README, "CPU allocator"). One arena with high mmap and trim thresholds keeps
+# such blocks in the heap. Variables already set win; FFL_SYSTEM_MALLOC=1 skips.
+if [ "$(uname -s)" = Linux ] && [ -z "${FFL_SYSTEM_MALLOC:-}" ]; then
+  export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-1}"
+  export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-4294967296}"
+  export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-8589934592}"
+fi
+
 if [ "${1:-}" = "test" ]; then
   shift
   exec "$PY" -m pytest "$@"
+fi
+if [ "${1:-}" = "run" ]; then
+  shift
+  [ $# -gt 0 ] || { echo "launch.sh: run needs a script, e.g. ./launch.sh run benchmarks/attention.py" >&2; exit 2; }
+  exec "$PY" "$@"
 fi
 
 EXPERIMENT=experiments/reverse.py
