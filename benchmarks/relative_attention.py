@@ -7,6 +7,9 @@ reshape-and-matmul, banded without [n, m, d] tables) and t5_bias (if
 registered); causal self-attention, float32. Ratios are to dot_product: for
 time, the median over rounds of the per-round ratio. --variants times a subset
 (beside dot_product): the slow naive/matmul forms disturb the others' timings.
+'faults' is minor page faults per call: a temp buffer above glibc's mmap
+threshold is faulted in afresh every call unless the malloc settings of
+./launch.sh apply (./launch.sh run benchmarks/relative_attention.py ...).
 
   .venv/bin/python benchmarks/relative_attention.py                  # CPU: ~3 min
   .venv/bin/python benchmarks/relative_attention.py --lengths 128 256 512 1024 2048
