@@ -20,8 +20,9 @@ nanoGPT reports validation loss 1.88 after 2000 steps; eval loss here is over
 every character of the validation split (non-overlapping 64-character
 windows), where nanoGPT averages 20 random batches.
 Raw data: data.manual_dir (input.txt), else downloaded from karpathy/char-rnn.
-Expected: validation loss 1.769 (bpc 2.55) after 2000 steps; about 1.5
-minutes of training on 2 CPU cores (see the README for the measured wall time).
+Expected: validation loss 1.769 (bpc 2.55) after 2000 steps; about 1 minute
+of training on 2 CPU cores under ./launch.sh (1.4 minutes without its malloc
+settings; see the README for the measured wall time).
 """
 from flaxformer_lite import config as config_lib
 
