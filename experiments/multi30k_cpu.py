@@ -14,9 +14,10 @@ Evaluation: greedy-decoded validation BLEU at every eval, beam search
 the detokenized output against the raw references.
 Raw data: data.manual_dir (train/val/test_2016_flickr .en/.de, .gz or plain),
 else downloaded from github.com/multi30k/dataset.
-Expected: test2016 BLEU 34.2 (beam 4; validation, greedy: 32.6) after 16m25s
-of training on 2 CPU cores; 17m03s for the whole run from raw files (data
-preparation, tokenizer training and evaluation included).
+Expected: test2016 BLEU 34.2 (beam 4; validation, greedy: 32.6) after 11m14s
+of training on 2 CPU cores; 11m53s for the whole run from raw files (data
+preparation, tokenizer training and evaluation included). Without
+./launch.sh's malloc settings (README, "CPU allocator"): 16m25s / 17m03s.
 """
 from flaxformer_lite import config as config_lib
 
