@@ -8,9 +8,11 @@ farther offsets share the last bucket. The bucketing is mesh-tensorflow's
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
@@ -73,6 +75,18 @@ def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, bidirectional=True,
   return jnp.transpose(values, (2, 0, 1))[None]  # [1, h, n, m]
 
 
+def broadcast_batch(x, batch: int):
+  """[1, ...] -> [batch, ...] as `batch` copies, so that its transpose sums
+  the gradient over the batch by adds of slices.
+
+  Autodiff of jnp.broadcast_to would reduce the logits' gradient over its
+  leading axis, and XLA:CPU's reduction over a leading axis ran 20-40x slower
+  than the same sum as adds: 41 of t5_bias's 103 ms forward+backward in
+  MultiHeadAttention at n=512 (README, issue 3's benchmark).
+  """
+  return jnp.concatenate([x] * batch, axis=0)
+
+
 def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
                       q_offset=0, bidirectional=True, num_buckets=32,
                       max_distance=128, dropout_rate=0.0, dropout_rng=None,
@@ -96,6 +110,8 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
       rel_embedding.astype(jnp.float32), query.shape[1], key.shape[1],
       q_offset=q_offset, bidirectional=bidirectional, num_buckets=num_buckets,
       max_distance=max_distance)  # [1, h, n, m]
+  if query.shape[0] > 1:
+    position_bias = broadcast_batch(position_bias, query.shape[0])  # [b, h, n, m]
   if bias is not None:
     position_bias = position_bias + bias
   return dot_product_attention(

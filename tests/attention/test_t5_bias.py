@@ -125,6 +125,48 @@ def test_attention_matches_loop(bidirectional, n, m, q_offset, loop_attention):
                              atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize('b', [1, 3, 4])
+def test_table_and_query_gradients_match_finite_differences_of_loop(b, loop_attention):
+  """d/d(table, query) of sum(out * w) against central differences of the
+  float64 loop reference, for odd and even batches (the bias is broadcast to
+  the batch as copies, whose transpose sums over the batch)."""
+  n, m, nb, md, eps = 4, 5, 8, 5, 1e-4
+  q, k, v = _qkv(5, b=b, n=n, m=m)
+  table = np.random.default_rng(6).normal(size=(nb, 2)).astype(np.float32)
+  w = np.random.default_rng(7).normal(size=(b, n, 2, 4))
+  mask = np.random.default_rng(8).random((b, 1, n, m)) < 0.7
+  mask[..., 0] = True
+
+  def loss(q, table):
+    out = _attention(q, jnp.asarray(k), jnp.asarray(v), table, mask=jnp.asarray(mask),
+                     q_offset=1, num_buckets=nb, max_distance=md)
+    return jnp.sum(out * w)
+
+  k64, v64 = k.astype(np.float64), v.astype(np.float64)  # float64 all through
+
+  def loop_loss(q, table):
+    bias_fn = lambda h, i, j: table[_ref_bucket(j - 1 - i, True, nb, md), h]
+    return float(np.sum(loop_attention(q, k64, v64, bias_fn, mask) * w))
+
+  g_q, g_table = jax.grad(loss, argnums=(0, 1))(jnp.asarray(q), jnp.asarray(table))
+  q64, t64 = q.astype(np.float64), table.astype(np.float64)
+  fd_table = np.zeros_like(t64)
+  for idx in np.ndindex(*t64.shape):
+    up, down = t64.copy(), t64.copy()
+    up[idx] += eps
+    down[idx] -= eps
+    fd_table[idx] = (loop_loss(q64, up) - loop_loss(q64, down)) / (2 * eps)
+  np.testing.assert_allclose(np.asarray(g_table), fd_table, atol=2e-4, rtol=1e-3)
+  assert np.abs(fd_table).max() > 1e-2  # the buckets that occur get gradient
+  fd_q = np.zeros_like(q64)
+  for idx in [(0, 0, 0, 0), (b - 1, n - 1, 1, 3), (b // 2, 2, 0, 1)]:
+    up, down = q64.copy(), q64.copy()
+    up[idx] += eps
+    down[idx] -= eps
+    fd_q[idx] = (loop_loss(up, t64) - loop_loss(down, t64)) / (2 * eps)
+    np.testing.assert_allclose(float(g_q[idx]), fd_q[idx], atol=2e-4, rtol=1e-3)
+
+
 def test_decoding_rows_equal_full_causal_pass():
   # The cached decoder's call: keys 0..n-1, queries t.. at q_offset=t (traced).
   n = 5
