@@ -8,11 +8,9 @@ farther offsets share the last bucket. The bucketing is mesh-tensorflow's
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
