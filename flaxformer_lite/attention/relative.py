@@ -32,8 +32,9 @@ from flaxformer_lite.attention.dot_product import masked_logits, softmax_weights
 FORMS = ('auto', 'naive', 'matmul', 'banded')
 # 'auto' picks 'banded' once a materialised [n, m, d] table would have this many
 # elements: inside MultiHeadAttention on CPU (d = 64, k = 16) matmul was faster
-# at n = m = 32 (1.10x vs 1.16x dot_product) and banded from n = m = 64 on
-# (1.14x vs 1.21x; benchmarks/relative_attention.py).
+# at n = m = 32 (1.10x vs 1.12x dot_product) and banded from n = m = 64 on
+# (1.13x vs 1.15x; 128: 1.13x vs 1.33x; benchmarks/relative_attention.py
+# --lengths 32 64 128 --variants shaw/matmul shaw/banded, 2026-11-22).
 _AUTO_TABLE_ELEMENTS = 2 ** 18
 
 
