@@ -7,6 +7,7 @@ experiment file; options that the chosen variant does not take are errors.
 """
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
@@ -138,8 +139,33 @@ def _choice(name: str, value: Any, valid):
   _check(value in valid, f'{name}={value!r} is not valid; valid: {", ".join(map(str, valid))}')
 
 
+def check_keys(config) -> None:
+  """Every key of `config` is one that base_config() declares: a typo in an
+  experiment file (`config.model.d_modle = 256`) would otherwise add a key
+  and train the default. Raises ConfigError naming the key and the nearest
+  valid one."""
+  valid = flatten(base_config())
+  parents = {k.rsplit('.', 1)[0] for k in valid if '.' in k}
+  for key in sorted(flatten(config)):
+    if key in valid:
+      continue
+    parent, _, leaf = key.rpartition('.')
+    while parent and parent not in parents:  # a typo in a section name: 'modle.d_model'
+      parent, _, leaf = parent.rpartition('.')
+    siblings = sorted({k[len(parent) + 1:].split('.')[0] if parent else k.split('.')[0]
+                       for k in valid if not parent or k.startswith(parent + '.')})
+    near = difflib.get_close_matches(leaf, siblings, n=1)
+    where = parent or 'the config'
+    hint = f' Did you mean {".".join(filter(None, (parent, near[0])))!r}?' if near else ''
+    raise ConfigError(f'unknown config key {key!r} (no {leaf!r} in {where}).{hint} '
+                      f'Valid keys in {where}: {", ".join(siblings)}')
+
+
 def validate(config) -> None:
-  """Raises ConfigError naming the bad value and what is valid. No compilation."""
+  """Raises ConfigError naming the bad value and what is valid. No compilation.
+  Batch sizes need no arithmetic for the device count: a batch that does not
+  split over the devices is padded with weight-0 rows (train/loop.py)."""
+  check_keys(config)
   m, t, d = config.model, config.train, config.data
   _choice('model.type', m.type, models.MODEL_TYPES)
   _choice('model.attention', m.attention, registry.names())
@@ -188,13 +214,11 @@ def validate(config) -> None:
   for key in ('log_every', 'eval_every', 'checkpoint_every', 'keep_checkpoints'):
     _check(t[key] > 0, f'train.{key}={t[key]} must be > 0')
   _choice('train.parallel', t.parallel, PARALLEL_MODES)
-  n = jax.device_count()
   _check(t.grad_accum_steps >= 1, f'train.grad_accum_steps={t.grad_accum_steps} must be >= 1')
-  k = n * t.grad_accum_steps
-  _check(t.batch_size % k == 0,
-         f'train.batch_size={t.batch_size} is global and must be divisible by the '
-         f'{n} devices x train.grad_accum_steps={t.grad_accum_steps}; e.g. '
-         f'{k * max(1, t.batch_size // k)}')
+  hosts = jax.process_count()  # each process reads batch_size / hosts rows
+  _check(t.batch_size % hosts == 0,
+         f'train.batch_size={t.batch_size} is global and must be divisible by the {hosts} '
+         f'processes (hosts); e.g. {hosts * max(1, t.batch_size // hosts)}')
 
   _choice('data.task', d.task, data.TASKS)
   _check(d.max_len >= 1, f'data.max_len={d.max_len} must be >= 1')
@@ -235,8 +259,7 @@ def validate(config) -> None:
            f'model.max_len={m.max_len} is shorter than the longest sequence ({longest}, '
            f'data.max_len={d.max_len} doubled for test_long, + EOS); set model.max_len >= {longest}')
   e = config.eval
-  _check(e.batch_size > 0 and e.batch_size % n == 0,
-         f'eval.batch_size={e.batch_size} must be > 0 and divisible by the {n} devices')
+  _check(e.batch_size > 0, f'eval.batch_size={e.batch_size} must be > 0')
   _check(e.max_examples >= 0, f'eval.max_examples={e.max_examples} must be >= 0 (0 = all)')
   _check(e.beam_size >= 1, f'eval.beam_size={e.beam_size} must be >= 1 (1 = greedy)')
   _check(e.max_decode_len >= 0, f'eval.max_decode_len={e.max_decode_len} must be >= 0')

@@ -75,10 +75,26 @@ def _explain_override(argv) -> str | None:
   return None
 
 
+def _join_config_path(argv) -> list[str]:
+  """`--config PATH` (absl accepts a space) -> `--config=PATH`, the form the
+  rest of this module reads."""
+  out, i = [argv[0]], 1
+  while i < len(argv):
+    if argv[i] == '--config' and i + 1 < len(argv):
+      out.append(f'--config={argv[i + 1]}')
+      i += 2
+    else:
+      out.append(argv[i])
+      i += 1
+  return out
+
+
 def parse_flags(argv):
   """absl flag parsing that reports every bad flag as one message and exit 2."""
+  argv = _join_config_path(argv)
   if not any(a.startswith('--config=') for a in argv[1:]):
     argv = [argv[0], f'--config={DEFAULT_EXPERIMENT}', *argv[1:]]
+  sys.argv[:] = argv  # main() and the local multi-process launcher read it
   experiment = _experiment_path(argv)
   if not os.path.isfile(experiment):
     _fail(f'experiment file {experiment!r} not found; experiments: '

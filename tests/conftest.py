@@ -25,22 +25,70 @@ def compilation_cache(tmp_path_factory):
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 
 
-SHARED_DATA = os.environ.get('FFL_SHARED_DATA') or os.path.join(os.path.dirname(REPO), 'shared',
-                                                                  'data')
+def _origin_checkout() -> str | None:
+  """The repository this checkout was cloned from, when it is a local folder
+  (a fresh `git clone /path/to/flaxformer_lite` keeps the corpora next to it)."""
+  try:
+    url = subprocess.run(['git', 'remote', 'get-url', 'origin'], cwd=REPO, capture_output=True,
+                         text=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  url = url[len('file://'):] if url.startswith('file://') else url
+  return url if url and os.path.isdir(url) else None
 
 
-@pytest.fixture(scope='session')
-def shared_data():
-  """../shared/data (or $FFL_SHARED_DATA): the real corpora. Tests that need
-  them skip when it is missing, except on CI (CI=true), where they fail."""
-  if not (os.path.isdir(os.path.join(SHARED_DATA, 'multi30k'))
-          and os.path.isdir(os.path.join(SHARED_DATA, 'tiny_shakespeare'))):
-    message = (f'shared data not found at {SHARED_DATA} (set FFL_SHARED_DATA to the folder '
-               'holding multi30k/ and tiny_shakespeare/)')
+def find_shared_data() -> tuple[str | None, list[str]]:
+  """(the folder holding multi30k/ and tiny_shakespeare/, or None; the places looked at).
+  Looked for in $FFL_SHARED_DATA, then ../shared/data next to this checkout,
+  then next to the checkout it was cloned from."""
+  if os.environ.get('FFL_SHARED_DATA'):
+    candidates = [os.environ['FFL_SHARED_DATA']]
+  else:
+    candidates = [os.path.join(os.path.dirname(REPO), 'shared', 'data')]
+    origin = _origin_checkout()
+    if origin:
+      candidates.append(os.path.join(os.path.dirname(os.path.abspath(origin)), 'shared', 'data'))
+  for path in candidates:
+    if all(os.path.isdir(os.path.join(path, corpus)) for corpus in ('multi30k', 'tiny_shakespeare')):
+      return os.path.abspath(path), candidates
+  return None, candidates
+
+
+SHARED_DATA, _LOOKED_AT = find_shared_data()
+_SKIPPED_FOR_DATA: list[str] = []
+_NOT_FOUND = 'the real corpora (multi30k/, tiny_shakespeare/) were not found'
+
+
+def require_shared_data() -> str:
+  """The shared corpora folder. Missing: the test skips (one summary line at
+  the end names the skipped tests and where the data was looked for), and on
+  CI (CI=true) it fails instead."""
+  if SHARED_DATA is None:
+    message = (f'{_NOT_FOUND} in {" or ".join(_LOOKED_AT)}; set FFL_SHARED_DATA to the '
+               'folder holding them')
     if os.environ.get('CI') == 'true':
       pytest.fail(message)
     pytest.skip(message)
   return SHARED_DATA
+
+
+@pytest.fixture(scope='session')
+def shared_data():
+  """../shared/data (or $FFL_SHARED_DATA): the real corpora (require_shared_data)."""
+  return require_shared_data()
+
+
+def pytest_runtest_logreport(report):
+  if report.skipped and _NOT_FOUND in str(report.longrepr):
+    _SKIPPED_FOR_DATA.append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _SKIPPED_FOR_DATA:
+    terminalreporter.write_line(
+        f'SKIPPED {len(_SKIPPED_FOR_DATA)} tests that need the real corpora: not found in '
+        f'{" or ".join(_LOOKED_AT)}; set FFL_SHARED_DATA=/path/to/shared/data to run them '
+        f'(CI=true makes them fail instead).', yellow=True, bold=True)
 
 
 @pytest.fixture(scope='session')

@@ -13,7 +13,7 @@ BAD = [
     ('model.dropout_rate', 1.0, '[0, 1)'),
     ('train.schedule', 'cosine', 'warmup_cosine'),
     ('train.parallel', 'magic', 'jit'),
-    ('train.grad_accum_steps', 3, 'must be divisible by the 1 devices x'),
+    ('train.grad_accum_steps', 0, 'must be >= 1'),
     ('train.num_steps', 0, 'num_steps'),
     ('data.task', 'unsort', 'reverse'),
     ('data.min_len', 20, 'min_len <= max_len'),
@@ -151,3 +151,46 @@ def test_tfds_task_needs_a_name():
   c.data.task = 'tfds'
   with pytest.raises(config_lib.ConfigError, match='data.tfds_name'):
     config_lib.validate(c)
+
+
+TYPO_EXPERIMENT = '''
+from flaxformer_lite import config as config_lib
+
+
+def get_config():
+  config = config_lib.base_config()
+  config.model.d_modle = 256
+  return config
+'''
+
+
+def test_unknown_key_is_named_with_the_nearest_valid_one():
+  c = config_lib.base_config()
+  c.model.d_modle = 256  # an experiment file's typo: base_config() is not locked
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"unknown config key 'model.d_modle'.*Did you mean 'model.d_model'"):
+    config_lib.validate(c)
+  c = config_lib.base_config()
+  c.trian = {'num_steps': 3}
+  with pytest.raises(config_lib.ConfigError, match=r"'trian.num_steps'.*Did you mean 'train'"):
+    config_lib.validate(c)
+
+
+@pytest.mark.parametrize('space', [False, True], ids=['--config=PATH', '--config PATH'])
+def test_cli_typo_in_experiment_file_exits_2_either_flag_form(space, tmp_path, run_main):
+  path = tmp_path / 'typo.py'
+  path.write_text(TYPO_EXPERIMENT)
+  flag = ['--config', str(path)] if space else [f'--config={path}']
+  proc = run_main(*flag, '--config.train.num_steps=3', f'--workdir={tmp_path}/w')
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "unknown config key 'model.d_modle'" in proc.stderr
+  assert "Did you mean 'model.d_model'" in proc.stderr
+  assert 'Traceback' not in proc.stderr and 'defined twice' not in proc.stderr
+  assert not (tmp_path / 'w').exists()
+
+
+def test_cli_space_separated_config_path_takes_overrides(tmp_path, run_main):
+  proc = run_main('--config', 'experiments/reverse.py', '--config.model.num_heads=5',
+                  f'--workdir={tmp_path}/w')
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert 'model.num_heads=5' in proc.stderr and 'defined twice' not in proc.stderr

@@ -194,18 +194,30 @@ def lm_eval_arrays(stream, context: int) -> dict:
   return {'inputs': inputs.reshape(n, context), 'targets': targets.reshape(n, context)}
 
 
-def eval_batches(arrays, batch_size: int):
-  """Every example once, in order; the last batch is padded with PAD rows.
+def pad_rows(batch: dict, rows: int) -> dict:
+  """{feature: [r, ...]} -> {feature: [rows, ...]}, rows r.. filled with PAD.
 
-  Yields {feature: [batch_size, L]}; PAD rows have zero weight everywhere.
+  An all-PAD row has no target tokens, so it weighs nothing in the loss, the
+  metrics or the gradient: padding a batch to a multiple of the device count
+  leaves its update exactly the one of the unpadded batch.
   """
+  out = {}
+  for k, v in batch.items():
+    if len(v) > rows:
+      raise ValueError(f'pad_rows: a batch of {len(v)} rows does not fit in {rows}')
+    out[k] = np.concatenate([v, np.full((rows - len(v),) + v.shape[1:], PAD_ID, v.dtype)])
+  return out
+
+
+def eval_batches(arrays, batch_size: int, *, rows: int | None = None):
+  """Every example once, in order, `batch_size` examples per batch (the last
+  holds the rest), each batch padded with PAD rows to `rows` (default
+  batch_size; a multiple of the device count to split over devices).
+
+  Yields {feature: [rows, L]}; PAD rows have zero weight everywhere, so the
+  metrics do not depend on `rows`.
+  """
+  rows = rows or batch_size
   num = len(next(iter(arrays.values())))
   for start in range(0, num, batch_size):
-    batch = {}
-    for k, v in arrays.items():
-      chunk = v[start:start + batch_size]
-      if len(chunk) < batch_size:
-        chunk = np.concatenate(
-            [chunk, np.full((batch_size - len(chunk), v.shape[1]), PAD_ID, v.dtype)])
-      batch[k] = chunk
-    yield batch
+    yield pad_rows({k: v[start:start + batch_size] for k, v in arrays.items()}, rows)

@@ -9,6 +9,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, decoding, models
@@ -43,6 +44,25 @@ def _summarise(sums) -> dict:
   if 'grad_norm' in sums:
     out['grad_norm'] = float(sums['grad_norm'])
   return out
+
+
+def _applied_learning_rate(schedule, opt_state) -> float:
+  """The learning rate of the last update: the schedule at the optimizer's
+  own count, which stays behind state.step by the steps skipped as non-finite
+  (train.skip_nonfinite keeps the optimizer state as it was)."""
+  found = optax.tree_utils.tree_get_all_with_path(opt_state, 'count')
+  counts = [c for path, c in found if 'Schedule' in str(path[-1])] or [c for _, c in found]
+  count = int(np.asarray(counts[0]).reshape(-1)[0]) if counts else 1  # pmap: [devices]
+  return float(schedule(max(count - 1, 0)))
+
+
+def _recorded_results(workdir, step) -> dict:
+  """{split: metrics} that metrics.jsonl holds for `step` (eval and test)."""
+  if not os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
+    return {}
+  return {r['split']: {k: v for k, v in r.items() if k not in ('step', 'split')}
+          for r in metrics_lib.read(workdir)
+          if r['step'] == step and r['split'] in ('eval', 'test')}
 
 
 def _fmt_metrics(m: dict) -> str:
@@ -118,10 +138,13 @@ class Evaluator:
     self.config, self.dataset = config, dataset
     self.place_batch = place_batch or (lambda batch: batch)  # DataParallel.place_eval_batch
     self.objective = steps.OBJECTIVES[config.model.type]
+    # Each batch of eval.batch_size examples is padded with weight-0 rows to
+    # split over the devices: the metrics do not depend on the device count.
+    self.rows = partitioning.padded_rows(config.eval.batch_size, jax.device_count())
     self.metrics_step = jax.jit(functools.partial(
         steps.eval_step, apply_fn=model.apply, label_smoothing=config.train.label_smoothing,
         objective=self.objective, mlm_rate=config.data.mlm_rate,
-        vocab_size=config.model.vocab_size))
+        vocab_size=config.model.vocab_size, data_vocab_size=dataset.vocab_size))
     self.model, self.decode_model = model, None
     if self.objective != 'mlm':
       self.decode_model = models.build(config.model, decode=True)
@@ -164,13 +187,14 @@ class Evaluator:
     decode = self.objective == 'seq2seq'
     max_len = self.decode_len(arrays) if decode else 0
     decoder = self._decoder(max_len, beam_size) if decode else None
-    predicted = []
-    for i, batch in enumerate(data.eval_batches(arrays, self.config.eval.batch_size)):
+    predicted, size = [], self.config.eval.batch_size
+    for i, batch in enumerate(data.eval_batches(arrays, size, rows=self.rows)):
       batch = self.place_batch(batch)
       s = self.metrics_step(params, batch, jax.random.fold_in(eval_rng, i))
       sums = s if sums is None else _add(sums, s)
       if decode:
-        predicted.append(partitioning.to_host(decoder(params, batch['inputs'])))
+        real = min(size, len(arrays['inputs']) - i * size)
+        predicted.append(partitioning.to_host(decoder(params, batch['inputs']))[:real])
     out = _summarise(sums)
     if self.objective == 'lm':
       out['bits_per_token'] = out['nll'] / np.log(2.0)
@@ -184,7 +208,6 @@ class Evaluator:
 
   def _score(self, split, arrays, predicted, log_examples) -> dict:
     num = len(arrays['inputs'])
-    predicted = predicted[:num]
     tokenizer = self.dataset.tokenizer
     if tokenizer is None:  # token tasks: exact match of the whole sequence
       targets = arrays['targets']
@@ -268,34 +291,52 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   train_step = parallel.compile_step(
       steps.train_step, label_smoothing=t.label_smoothing, skip_nonfinite=t.skip_nonfinite,
       objective=objective, mlm_rate=config.data.mlm_rate, vocab_size=config.model.vocab_size,
-      grad_accum_steps=t.grad_accum_steps)
+      data_vocab_size=dataset.vocab_size, grad_accum_steps=t.grad_accum_steps)
   schedule = schedules.create(t, config.model.d_model)
   log.info('Model %s, %s parameters, attention=%s; training steps %d..%d, '
            'batch %s on %d device(s)', config.model.type, f'{num_params:,}',
            config.model.attention, start, t.num_steps,
            f'~{t.batch_tokens} tokens' if t.batch_tokens else t.batch_size, jax.device_count())
+  # A batch that does not split over the devices (x accumulation steps) gets
+  # all-PAD rows, which weigh nothing: the update is the unpadded batch's.
+  row_multiple = jax.local_device_count() * t.grad_accum_steps
+  if not t.batch_tokens:
+    padded = partitioning.padded_rows(t.batch_size // jax.process_count(),
+                                      row_multiple) * jax.process_count()
+    log.info('Train batch: %d rows + %d padding rows (weight 0) = %d, over %d device(s) x %d '
+             'accumulation step(s)', t.batch_size, padded - t.batch_size, padded,
+             jax.device_count(), t.grad_accum_steps)
+  log.info('Eval batches: %d examples + %d padding rows (weight 0) = %d, over %d device(s)',
+           config.eval.batch_size, evaluate.rows - config.eval.batch_size, evaluate.rows,
+           jax.device_count())
 
   window, window_start, window_steps = None, time.time(), 0
   train_start, eval_seconds, results = time.time(), 0.0, {}
   with preemption.Preemption() as preempt:
     for step in range(start, t.num_steps):
-      state, sums = train_step(state, parallel.place_batch(next(train_iter)), dropout_rng)
+      batch = next(train_iter)
+      batch = data.pad_rows(batch, partitioning.padded_rows(len(batch['inputs']), row_multiple))
+      state, sums = train_step(state, parallel.place_batch(batch), dropout_rng)
       sums = parallel.unplace_sums(sums)
       window = sums if window is None else _add(window, sums)
       window_steps += 1
       done = step + 1
       if done % t.log_every == 0 or done == t.num_steps:
         m = _summarise(window)
-        m['grad_norm'] /= window_steps
+        skipped = int(window['skipped']) if 'skipped' in window else 0
+        if window_steps > skipped:  # the mean over the steps that updated
+          m['grad_norm'] /= window_steps - skipped
+        else:
+          del m['grad_norm']
         _check_finite(m['loss'], done, ckpt)
         if 'skipped' in window:
-          m['skipped_steps'] = int(window['skipped'])
-          if m['skipped_steps']:
+          m['skipped_steps'] = skipped
+          if skipped:
             log.warning('skipped %d of the last %d steps: non-finite loss or gradients',
-                        m['skipped_steps'], window_steps)
+                        skipped, window_steps)
         elapsed = time.time() - window_start
         m['steps_per_sec'] = window_steps / elapsed
-        m['learning_rate'] = float(schedule(step))
+        m['learning_rate'] = _applied_learning_rate(schedule, state.opt_state)
         writer.write(done, 'train', m)
         eta = (t.num_steps - done) / m['steps_per_sec']
         log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %.1f steps/s  ETA %s',
@@ -325,9 +366,14 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         return {'preempted': reason, 'step': done, **results}
 
   train_time = time.time() - train_start
+  recorded = _recorded_results(workdir, t.num_steps) if start == t.num_steps else {}
   if 'eval' not in results:  # resumed a finished run
-    results['eval'] = evaluate(parallel.unplace_state(state).params, 'validation')
-  if config.eval.final_test and 'test' in dataset.splits:
+    results['eval'] = recorded.get('eval') or evaluate(parallel.unplace_state(state).params,
+                                                       'validation')
+  if 'test' in recorded:  # a finished run re-run: its test record stands, written once
+    results['test'] = recorded['test']
+    log.info('test (recorded): %s', _fmt_metrics(results['test']))
+  elif config.eval.final_test and 'test' in dataset.splits:
     test_start = time.time()
     results['test'] = evaluate(parallel.unplace_state(state).params, 'test', beam_size=config.eval.beam_size,
                                log_examples=config.eval.num_examples_to_log)

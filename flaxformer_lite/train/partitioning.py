@@ -25,6 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 MODES = ('jit', 'pmap', 'fsdp')
 
 
+def padded_rows(rows: int, multiple: int) -> int:
+  """The smallest multiple of `multiple` >= rows: a batch's rows after
+  padding with weight-0 rows so that it splits evenly (over devices, and
+  over gradient-accumulation microbatches)."""
+  return -(-rows // multiple) * multiple
+
+
 class DataParallel:
   """Where the state and batches live, and how the step is compiled."""
 

@@ -21,17 +21,20 @@ OBJECTIVES = {'encoder_decoder': 'seq2seq', 'rnn_seq2seq': 'seq2seq',
 
 
 def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = True,
-            rng=None, mlm_rate: float = 0.15, vocab_size: int = 0):
+            rng=None, mlm_rate: float = 0.15, vocab_size: int = 0, data_vocab_size: int = 0):
   """-> (logits [b, n, V], targets [b, n], weights [b, n] float, 0 = not scored).
 
   rng: dropout (when not deterministic) and, for mlm, the masks.
   vocab_size: mlm only, the model's vocabulary (the last id is [MASK]).
+  data_vocab_size: mlm only, the ids the data uses (random replacements are
+    drawn from them); 0 = every id below [MASK]. A model.vocab_size set
+    larger than the data's leaves ids no data token has.
   """
   rngs = None if deterministic else {'dropout': jax.random.fold_in(rng, 0)}
   if objective == 'mlm':
-    data_vocab, mask_id = vocab_size - 1, vocab_size - 1
+    mask_id = vocab_size - 1
     inputs, targets, weights = masking.mask_tokens(
-        jax.random.fold_in(rng, 1), batch['inputs'], vocab_size=data_vocab,
+        jax.random.fold_in(rng, 1), batch['inputs'], vocab_size=data_vocab_size or mask_id,
         mask_id=mask_id, rate=mlm_rate)
     logits = apply_fn({'params': params}, inputs, deterministic=deterministic, rngs=rngs)
     return logits, targets, weights.astype(jnp.float32)
@@ -47,7 +50,8 @@ def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = Tr
 
 def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: bool = False,
                objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
-               grad_accum_steps: int = 1, axis_name: str | None = None):
+               data_vocab_size: int = 0, grad_accum_steps: int = 1,
+               axis_name: str | None = None):
   """One optimizer update on the global batch.
 
   The gradient is that of (sum of token losses) / (number of tokens) over the
@@ -74,7 +78,7 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
     def loss_fn(params):
       logits, targets, weights = forward(
           state.apply_fn, params, batch, objective=objective, deterministic=False,
-          rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size)
+          rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size, data_vocab_size=data_vocab_size)
       sums = losses.token_metrics(logits, targets, weights, label_smoothing)
       return sums['loss'], sums
     return jax.grad(loss_fn, has_aux=True)(params)
@@ -108,11 +112,13 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
 
 
 def eval_step(params, batch, rng=None, *, apply_fn, label_smoothing: float,
-              objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0):
+              objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
+              data_vocab_size: int = 0):
   """Teacher-forced metric sums on one batch (PAD rows weigh nothing).
   rng: the mlm masks (fixed per batch, so every eval scores the same masks)."""
   logits, targets, weights = forward(apply_fn, params, batch, objective=objective,
-                                     rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size)
+                                     rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size,
+                                     data_vocab_size=data_vocab_size)
   return losses.token_metrics(logits, targets, weights, label_smoothing)
 
 

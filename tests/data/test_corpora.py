@@ -9,21 +9,8 @@ import tensorflow_datasets as tfds
 
 from flaxformer_lite.data import corpora
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SHARED = pathlib.Path(os.environ.get('FFL_SHARED_DATA') or REPO.parent / 'shared' / 'data')
 MULTI30K = {'train': ('train', 29000), 'validation': ('val', 1014),
             'test': ('test_2016_flickr', 1000)}
-
-
-def _shared():
-  """The shared data folder; skips when it is missing, but fails on CI (CI=true)."""
-  if not (SHARED / 'multi30k').is_dir() or not (SHARED / 'tiny_shakespeare').is_dir():
-    message = (f'shared data not found at {SHARED} (set FFL_SHARED_DATA to the folder holding '
-               f'multi30k/ and tiny_shakespeare/)')
-    if os.environ.get('CI') == 'true':
-      pytest.fail(message)
-    pytest.skip(message)
-  return SHARED
 
 
 @pytest.fixture(scope='module')
@@ -48,8 +35,8 @@ def _write(path, lines, gz):
     path.write_bytes(data)
 
 
-def test_multi30k_equals_raw_files(data_dir):
-  shared = _shared()
+def test_multi30k_equals_raw_files(data_dir, shared_data):
+  shared = pathlib.Path(shared_data)
   builder = corpora.multi30k(data_dir, str(shared / 'multi30k'))
   for split, (stem, rows) in MULTI30K.items():
     en, de = corpora.read_pairs(builder, split, 'en', 'de')
@@ -67,8 +54,8 @@ def test_multi30k_equals_raw_files(data_dir):
     corpora.read_pairs(builder, 'train', 'fr', 'de')
 
 
-def test_tiny_shakespeare_equals_raw_file(data_dir):
-  shared = _shared()
+def test_tiny_shakespeare_equals_raw_file(data_dir, shared_data):
+  shared = pathlib.Path(shared_data)
   builder = corpora.tiny_shakespeare(data_dir, str(shared / 'tiny_shakespeare'))
   (train,) = corpora.read_text(builder, 'train')
   (validation,) = corpora.read_text(builder, 'validation')

@@ -11,8 +11,6 @@ import pytest
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.models import BOS_ID, EOS_ID, PAD_ID
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARED_DATA = os.environ.get('FFL_SHARED_DATA') or os.path.join(REPO, '..', 'shared', 'data')
 NUM_TRAIN, NUM_HELD_OUT, VOCAB = 3000, 200, 500
 UNICODE = 'Grüße aus Köln — 東京, naïve café ☕ 🚀!\n\ttab'
 
@@ -23,14 +21,9 @@ def _never_iterated():
 
 
 @pytest.fixture(scope='module')
-def corpus():
+def corpus(shared_data):
   """(train, held_out): the first Multi30k train sentences, English + German."""
-  paths = [os.path.join(SHARED_DATA, 'multi30k', f'train.{lang}.gz') for lang in ('en', 'de')]
-  if not all(os.path.exists(p) for p in paths):
-    message = f'Multi30k not found at {paths} (set FFL_SHARED_DATA)'
-    if os.environ.get('CI') == 'true':
-      pytest.fail(message)
-    pytest.skip(message)
+  paths = [os.path.join(shared_data, 'multi30k', f'train.{lang}.gz') for lang in ('en', 'de')]
   train, held_out = [], []
   for path in paths:
     with gzip.open(path, 'rt', encoding='utf-8') as f:
