@@ -3,7 +3,8 @@
 Shapes follow `jax.nn.dot_product_attention`:
   query [b, n, h, d], key/value [b, m, h, d]; weights and logits [b, h, n, m].
   `mask` is boolean (True = may attend), broadcastable to [b, h, n, m];
-  `bias` is added to the scaled logits, broadcastable to [b, h, n, m].
+  `bias` is added to the scaled logits, broadcastable to [b, h, n, m], in
+  float32 (at least) whatever the compute dtype, except by cuDNN's kernel.
 
 A query row whose keys are all masked gets uniform weights over the keys (the
 same rule as `jax.nn.dot_product_attention` and flax): finite, never NaN.
@@ -86,7 +87,9 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
   logits = jnp.einsum('bnhd,bmhd->bhnm', query, key.astype(dtype),
                       preferred_element_type=jnp.promote_types(dtype, jnp.float32))
   if bias is not None:
-    logits = logits + bias.astype(dtype)
+    # In float32, not `dtype`: bfloat16 keeps 8 significant bits, so a bias
+    # near 100 (ALiBi's -slope*|j-i| at long range) would move by up to 0.25.
+    logits = logits + bias.astype(logits.dtype)
   return softmax_weights(logits, mask, dropout_rate=dropout_rate,
                          dropout_rng=dropout_rng, deterministic=deterministic,
                          dtype=dtype)
@@ -137,6 +140,10 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     mask = jnp.broadcast_to(mask.astype(bool), jnp.broadcast_shapes(mask.shape, (1, 1, n, m)))
   if bias is not None:
     bias = jnp.broadcast_to(bias, jnp.broadcast_shapes(bias.shape, (1, 1, n, m)))
-    bias = bias.astype(dtype)
+    # XLA adds the bias to its float32 logits, so it gets the bias in float32.
+    # cuDNN's kernel takes it in the compute dtype: with a float32 bias its
+    # gradients came out NaN (jax-ml/jax#32242).
+    bias = bias.astype(jnp.promote_types(dtype, jnp.float32) if implementation == 'xla'
+                       else dtype)
   return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
                                       implementation=implementation)

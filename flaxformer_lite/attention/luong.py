@@ -14,8 +14,9 @@ no noise is needed to break symmetry, the heads' query/key projections
 already differ.
 
 Key positions are 0-based. Local attention uses a window of half-width D
-(`window`): query i sees keys |j - p_i| <= D, 2D + 1 at most (local.py's
-`local` uses a different convention, see there).
+(the option `half_window`): query i sees keys |j - p_i| <= D, 2D + 1 at most.
+local.py's `window` is another quantity (|j - p| < window there), hence
+another name.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
 from flaxformer_lite.attention.dot_product import softmax_weights
-from flaxformer_lite.attention.local import validate_window, window_softmax
+from flaxformer_lite.attention.local import window_softmax
 
 
 def attend(logits, value, *, mask=None, bias=None, dropout_rate=0.0, dropout_rng=None,
@@ -81,8 +82,8 @@ def visible_keys(mask, m):
   return jnp.sum(mask, axis=-1, keepdims=True, dtype=jnp.float32)
 
 
-def _window_weights(logits, positions, window, *, mask, bias, dtype, **drop):
-  """Softmax of logits [b, h, n, m] over the visible keys |j - p| <= window.
+def _window_weights(logits, positions, half_window, *, mask, bias, dtype, **drop):
+  """Softmax of logits [b, h, n, m] over the visible keys |j - p| <= half_window.
 
   positions: p, float32 broadcastable to [b, h, n, 1]. Returns (weights
   [b, h, n, m] in `dtype`, offsets j - p float32).
@@ -90,12 +91,13 @@ def _window_weights(logits, positions, window, *, mask, bias, dtype, **drop):
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   offsets = jnp.arange(logits.shape[-1], dtype=jnp.float32) - positions  # [.., n, m]
-  weights = window_softmax(logits, jnp.abs(offsets) <= window, mask, dtype=dtype, **drop)
+  weights = window_softmax(logits, jnp.abs(offsets) <= half_window, mask, dtype=dtype,
+                           **drop)
   return weights, offsets
 
 
 def luong_local_p_attention(query, key, value, general_w, local_wp, local_vp, *,
-                            window=8, mask=None, bias=None, dtype=None,
+                            half_window=8, mask=None, bias=None, dtype=None,
                             return_weights=False, **drop):
   """Local-p (eq. 9-10): a predicted window position, general score, Gaussian.
 
@@ -108,7 +110,7 @@ def luong_local_p_attention(query, key, value, general_w, local_wp, local_vp, *,
   Args:
     query: [b, n, h, d]; key, value: [b, m, h, d].
     general_w, local_wp: [h, d, d]; local_vp: [h, d].
-    window: D >= 1.
+    half_window: D >= 1.
   Returns:
     [b, n, h, d] in `dtype`; with return_weights, (that, weights [b, h, n, m]).
   """
@@ -118,14 +120,15 @@ def luong_local_p_attention(query, key, value, general_w, local_wp, local_vp, *,
   positions = visible_keys(mask, key.shape[1]) * gate[..., None]  # [b, h, n, 1]
   dtype = dtype or query.dtype
   weights, offsets = _window_weights(general_logits(query, key, general_w), positions,
-                                     window, mask=mask, bias=bias, dtype=dtype, **drop)
-  sigma = window / 2
+                                     half_window, mask=mask, bias=bias, dtype=dtype,
+                                     **drop)
+  sigma = half_window / 2
   weights = (weights * jnp.exp(-offsets ** 2 / (2 * sigma ** 2))).astype(dtype)
   out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
   return (out, weights) if return_weights else out
 
 
-def luong_local_m_attention(query, key, value, general_w, *, window=8, q_offset=0,
+def luong_local_m_attention(query, key, value, general_w, *, half_window=8, q_offset=0,
                             mask=None, bias=None, dtype=None, return_weights=False, **drop):
   """Local-m: a monotonic window around p_i = q_offset + i, general score, no Gaussian.
 
@@ -137,7 +140,7 @@ def luong_local_m_attention(query, key, value, general_w, *, window=8, q_offset=
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
     general_w: [h, d, d].
-    window: D >= 1.
+    half_window: D >= 1.
   Returns:
     [b, n, h, d] in `dtype`; with return_weights, (that, weights [b, h, n, m]).
   """
@@ -145,8 +148,8 @@ def luong_local_m_attention(query, key, value, general_w, *, window=8, q_offset=
   last = jnp.maximum(visible_keys(mask, m) - 1, 0)
   positions = jnp.minimum((q_offset + jnp.arange(n, dtype=jnp.float32))[:, None], last)
   dtype = dtype or query.dtype
-  weights, _ = _window_weights(general_logits(query, key, general_w), positions, window,
-                               mask=mask, bias=bias, dtype=dtype, **drop)
+  weights, _ = _window_weights(general_logits(query, key, general_w), positions,
+                               half_window, mask=mask, bias=bias, dtype=dtype, **drop)
   out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
   return (out, weights) if return_weights else out
 
@@ -174,6 +177,13 @@ def _local_p_params(num_heads, head_dim, kwargs):
           'local_vp': ((num_heads, head_dim), jax.nn.initializers.normal(head_dim ** -0.5))}
 
 
+def _validate(kwargs):
+  d = kwargs['half_window']
+  if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+    raise ValueError(f'attention_kwargs.half_window={d!r}; must be an int >= 1 '
+                     '(D: query i sees the keys |j - p_i| <= D)')
+
+
 registry.register(registry.AttentionVariant(
     name='luong_dot',
     fn=luong_dot_attention,
@@ -189,19 +199,19 @@ registry.register(registry.AttentionVariant(
 registry.register(registry.AttentionVariant(
     name='luong_local_p',
     fn=luong_local_p_attention,
-    kwargs={'window': 8},
+    kwargs={'half_window': 8},
     params=_local_p_params,
-    validate=validate_window,
-    doc='general score in a window |j-p_i| <= window around a predicted '
-        'p_i = S*sigmoid(vp.tanh(Wp q_i)), times a Gaussian (sigma=window/2); '
+    validate=_validate,
+    doc='general score in a window |j-p_i| <= half_window around a predicted '
+        'p_i = S*sigmoid(vp.tanh(Wp q_i)), times a Gaussian (sigma=half_window/2); '
         'rows sum to < 1 (Luong et al. 2015, local-p)'))
 
 registry.register(registry.AttentionVariant(
     name='luong_local_m',
     fn=luong_local_m_attention,
-    kwargs={'window': 8},
+    kwargs={'half_window': 8},
     params=_general_params,
-    validate=validate_window,
+    validate=_validate,
     uses_positions=True,
-    doc='general score in a window |j-p_i| <= window around p_i = query position '
+    doc='general score in a window |j-p_i| <= half_window around p_i = query position '
         '(clipped to the last visible key) (Luong et al. 2015, local-m)'))

@@ -60,10 +60,40 @@ class AttentionVariant:
 
 _REGISTRY: dict[str, AttentionVariant] = {}
 
+# The option names that several variants take, each with its one meaning. A
+# value in `config.model.attention_kwargs` carries over when the user swaps the
+# variant, so any other name belongs to one variant only (`register` checks).
+SHARED_OPTIONS: dict[str, str] = {
+    'half_window': "Luong's D: query i sees the keys |j - p_i| <= D around its "
+                   'window position p_i',
+}
+
+
+def _check_options(variant: AttentionVariant) -> None:
+  """Raises unless each option of `variant` is new, or shared (SHARED_OPTIONS)
+  with the same default as every variant that already takes it."""
+  for name, default in variant.kwargs.items():
+    for other in _REGISTRY.values():
+      if name not in other.kwargs:
+        continue
+      theirs = other.kwargs[name]
+      if name not in SHARED_OPTIONS:
+        raise ValueError(
+            f'attention option {name!r} of variant {variant.name!r} is already an option '
+            f'of {other.name!r}: a value set for one would carry over to the other. Give '
+            f'it a name of its own, or, if it means the same thing in both, declare it in '
+            f'registry.SHARED_OPTIONS with that meaning and use the same default')
+      if type(default) is not type(theirs) or default != theirs:
+        raise ValueError(
+            f'attention option {name!r} is shared (registry.SHARED_OPTIONS) but defaults '
+            f'to {default!r} in {variant.name!r} and to {theirs!r} in {other.name!r}; a '
+            'shared option has one default: use the same one, or a name of its own')
+
 
 def register(variant: AttentionVariant) -> AttentionVariant:
   if variant.name in _REGISTRY:
     raise ValueError(f'attention variant {variant.name!r} is registered twice')
+  _check_options(variant)
   _REGISTRY[variant.name] = variant
   return variant
 
@@ -79,14 +109,9 @@ def get(name: str) -> AttentionVariant:
 
 
 def all_kwargs() -> dict[str, Any]:
-  """Every option any variant accepts -> its default (one type per name)."""
-  out: dict[str, Any] = {}
-  for v in _REGISTRY.values():
-    for k, default in v.kwargs.items():
-      if k in out and type(out[k]) is not type(default):
-        raise TypeError(f'attention option {k!r} has two types in the registry')
-      out.setdefault(k, default)
-  return out
+  """Every option any variant accepts -> its default (one per name: `register`
+  admits a name twice only when it is shared with the same default)."""
+  return {k: default for v in _REGISTRY.values() for k, default in v.kwargs.items()}
 
 
 def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Each head learns one scalar per relative-position bucket; the scalar for the
 bucket of (key_pos - query_pos) is added to that head's attention logits.
-Buckets are exact for small distances and log-spaced up to `max_distance`;
-farther offsets share the last bucket. The bucketing is mesh-tensorflow's
+Buckets are exact for small distances and log-spaced up to `max_distance`
+(the option `bucket_max_distance`: shaw's `max_distance` is another
+quantity); farther offsets share the last bucket. The bucketing is mesh-tensorflow's
 `_relative_position_bucket`, the function T5 checkpoints were trained with.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def broadcast_batch(x, batch: int):
 
 def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
                       q_offset=0, bidirectional=True, num_buckets=32,
-                      max_distance=128, dropout_rate=0.0, dropout_rng=None,
+                      bucket_max_distance=128, dropout_rate=0.0, dropout_rng=None,
                       deterministic=True, dtype=None, return_weights=False):
   """Dot-product attention with the T5 relative position bias added.
 
@@ -99,6 +100,7 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
     rel_embedding: [num_buckets, h].
+    bucket_max_distance: `t5_relative_position_bucket`'s max_distance.
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the T5 bias.
   Returns:
@@ -107,7 +109,7 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
   position_bias = t5_bias(
       rel_embedding.astype(jnp.float32), query.shape[1], key.shape[1],
       q_offset=q_offset, bidirectional=bidirectional, num_buckets=num_buckets,
-      max_distance=max_distance)  # [1, h, n, m]
+      max_distance=bucket_max_distance)  # [1, h, n, m]
   if query.shape[0] > 1:
     position_bias = broadcast_batch(position_bias, query.shape[0])  # [b, h, n, m]
   if bias is not None:
@@ -121,14 +123,14 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
 
 def _validate(kwargs):
   """num_buckets >= 2 (bidirectional: even and >= 4, so each direction has an
-  exact bucket); max_distance > the number of exact buckets per direction
-  (num_buckets//4 bidirectional, num_buckets//2 otherwise), else the
+  exact bucket); bucket_max_distance > the number of exact buckets per
+  direction (num_buckets//4 bidirectional, num_buckets//2 otherwise), else the
   log-spaced range is empty."""
-  num_buckets, max_distance = kwargs['num_buckets'], kwargs['max_distance']
+  num_buckets, max_distance = kwargs['num_buckets'], kwargs['bucket_max_distance']
   bidirectional = kwargs['bidirectional']
   if not isinstance(bidirectional, bool):
     raise ValueError(f'attention_kwargs.bidirectional={bidirectional!r}; valid: True, False')
-  for name, v in (('num_buckets', num_buckets), ('max_distance', max_distance)):
+  for name, v in (('num_buckets', num_buckets), ('bucket_max_distance', max_distance)):
     if not isinstance(v, int) or isinstance(v, bool):
       raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int')
   if bidirectional and (num_buckets < 4 or num_buckets % 2):
@@ -139,7 +141,7 @@ def _validate(kwargs):
   max_exact = num_buckets // 4 if bidirectional else num_buckets // 2
   if max_distance <= max_exact:
     raise ValueError(
-        f'attention_kwargs.max_distance={max_distance}; must be > {max_exact} '
+        f'attention_kwargs.bucket_max_distance={max_distance}; must be > {max_exact} '
         f'(the exact buckets per direction for num_buckets={num_buckets}, '
         f'bidirectional={bidirectional})')
 
@@ -148,7 +150,7 @@ registry.register(registry.AttentionVariant(
     name='t5_bias',
     models=registry.TRANSFORMER_MODELS,
     fn=t5_bias_attention,
-    kwargs={'num_buckets': 32, 'max_distance': 128, 'bidirectional': True},
+    kwargs={'num_buckets': 32, 'bucket_max_distance': 128, 'bidirectional': True},
     params=lambda num_heads, head_dim, kwargs: {
         'rel_embedding': ((kwargs['num_buckets'], num_heads),
                           nn.initializers.normal(0.02))},

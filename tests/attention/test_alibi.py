@@ -94,6 +94,26 @@ def test_attention_matches_loop(n, m, q_offset, loop_attention):
                              atol=1e-5, rtol=1e-5)
 
 
+def test_bfloat16_attention_adds_the_bias_in_float32(loop_attention):
+  """12 heads: the slopes 2^(-k/2), k odd, are not bfloat16 numbers, and
+  queries at positions near 200 put the bias where bfloat16's spacing is 1.
+  The weights are the float64 loop's with the paper's bias to bfloat16
+  precision, and far from the loop's with the bias rounded to bfloat16.
+  One-hot values make the output the weights."""
+  h, n, m, q_offset = 12, 2, 4, 200
+  q, k, _ = _qkv(20, b=1, n=n, m=m, h=h, d=m)  # d = 4: 1/sqrt(d) exact in bfloat16
+  q, k = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in (q, k))
+  v = np.broadcast_to(np.eye(m)[None, :, None], (1, m, h, m))
+  slopes = _paper_slopes(h)
+  bias_fn = lambda hi, i, j: -slopes[hi] * abs(j - q_offset - i)
+  want = loop_attention(q, k, v, bias_fn)
+  rounded = lambda hi, i, j: float(jnp.asarray(bias_fn(hi, i, j), jnp.bfloat16))
+  assert np.abs(loop_attention(q, k, v, rounded) - want).max() > 0.05
+  got = _attention(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), q_offset=q_offset)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2 ** -8)
+
+
 def test_decoding_rows_equal_full_causal_pass():
   # The cached decoder's call: keys 0..n-1, queries t.. at q_offset=t (traced).
   n = 5

@@ -138,6 +138,32 @@ def test_bias_added_to_scaled_logits(implementation, shape):
 
 
 @pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
+def test_bfloat16_compute_adds_the_bias_in_float32(implementation):
+  """q, k bfloat16 numbers, the bias float32 values near 100 that bfloat16
+  cannot hold (its spacing there is 0.5): the weights are the float64 loop's
+  with the float32 bias to bfloat16 precision, and far from the loop's with
+  the bias rounded to bfloat16. One-hot values make the output the weights."""
+  n, m = 3, 4
+  rng = np.random.default_rng(30)
+  q, k = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+          for x in _qkv(30, n=n, m=m, d=m)[:2])  # d = 4: 1/sqrt(d) exact in bfloat16
+  bias = rng.uniform(100.0, 102.0, size=(1, H, n, m)).astype(np.float32)
+  v = np.broadcast_to(np.eye(m, dtype=np.float32)[None, :, None], (B, m, H, m))
+  want = _loop_weights(q, k, bias=bias)
+  rounded = np.asarray(jnp.asarray(bias, jnp.bfloat16), np.float32)
+  assert np.abs(_loop_weights(q, k, bias=rounded) - want).max() > 0.05
+  bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)
+  got_w = dot_product_attention_weights(bf16(q), bf16(k), bias=jnp.asarray(bias))
+  got = dot_product_attention(bf16(q), bf16(k), bf16(v), bias=jnp.asarray(bias),
+                              implementation=implementation)
+  assert got_w.dtype == got.dtype == jnp.bfloat16
+  # bfloat16 weights: 8 significant bits.
+  np.testing.assert_allclose(np.asarray(got_w, np.float32), want, atol=2 ** -8)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want.transpose(0, 2, 1, 3),
+                             atol=2 ** -8)
+
+
+@pytest.mark.parametrize('implementation', IMPLEMENTATIONS)
 def test_fully_masked_query_row_is_uniform_and_finite(implementation):
   q, k, v = _qkv(9)
   mask = np.ones((B, 1, N, M), bool)

@@ -73,8 +73,10 @@ def _masks(b, n, m):
 
 _dot_attention = jax.jit(luong.luong_dot_attention, static_argnames='return_weights')
 _general_attention = jax.jit(luong.luong_general_attention, static_argnames='return_weights')
-_local_p = jax.jit(luong.luong_local_p_attention, static_argnames=('window', 'return_weights'))
-_local_m = jax.jit(luong.luong_local_m_attention, static_argnames=('window', 'return_weights'))
+_local_p = jax.jit(luong.luong_local_p_attention,
+                   static_argnames=('half_window', 'return_weights'))
+_local_m = jax.jit(luong.luong_local_m_attention,
+                   static_argnames=('half_window', 'return_weights'))
 
 # ---- dot and general -------------------------------------------------------------
 
@@ -125,7 +127,7 @@ def test_general_starts_as_identity_and_equals_dot():
 # ---- local-p ---------------------------------------------------------------------
 
 
-def _local_p_loop(q, k, v, w, wp, vp, window, mask):
+def _local_p_loop(q, k, v, w, wp, vp, half_window, mask):
   b, n, h, d = q.shape
   m = k.shape[1]
   full = np.ones((b, h, n, m), bool) if mask is None else np.broadcast_to(mask, (b, h, n, m))
@@ -136,16 +138,16 @@ def _local_p_loop(q, k, v, w, wp, vp, window, mask):
               for y in range(d)]
     return s / (1 + math.exp(-sum(float(vp[hi, y]) * hidden[y] for y in range(d))))
 
-  sigma = window / 2
+  sigma = half_window / 2
   return _loop(q, k, v, _general(q, k, w), mask,
-               in_window=lambda bi, hi, i, j: abs(j - position(bi, hi, i)) <= window,
+               in_window=lambda bi, hi, i, j: abs(j - position(bi, hi, i)) <= half_window,
                factor=lambda bi, hi, i, j: math.exp(-(j - position(bi, hi, i)) ** 2
                                                     / (2 * sigma ** 2)))
 
 
-@pytest.mark.parametrize('mask_name,window', [('none', 1), ('padding', 2), ('random', 1),
-                                              ('causal', 2)])
-def test_local_p_matches_loop(mask_name, window):
+@pytest.mark.parametrize('mask_name,half_window', [('none', 1), ('padding', 2), ('random', 1),
+                                                   ('causal', 2)])
+def test_local_p_matches_loop(mask_name, half_window):
   n, m = 5, 9
   q, k, v = _qkv(4, n=n, m=m)
   rng = np.random.default_rng(5)
@@ -154,9 +156,9 @@ def test_local_p_matches_loop(mask_name, window):
   vp = rng.normal(size=(2, 4)).astype(np.float32) * 3  # p spread over [0, S]
   mask = (np.tril(np.ones((n, m), bool), k=m - n)[None, None] if mask_name == 'causal'
           else _masks(2, n, m)[mask_name])
-  got, weights = _local_p(q, k, v, w, wp, vp, window=window,
+  got, weights = _local_p(q, k, v, w, wp, vp, half_window=half_window,
                           mask=None if mask is None else jnp.asarray(mask), return_weights=True)
-  want, want_w = _local_p_loop(q, k, v, w, wp, vp, window, mask)
+  want, want_w = _local_p_loop(q, k, v, w, wp, vp, half_window, mask)
   np.testing.assert_allclose(np.asarray(weights), want_w, atol=1e-6)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
@@ -165,13 +167,13 @@ def test_local_p_matches_loop(mask_name, window):
 def test_local_p_window_and_gaussian_closed_form(length):
   # vp = 0: sigmoid(0) = 1/2, p = S/2 with S = length. Zero queries: equal scores,
   # 1/5 on each of the 2D+1 = 5 keys of the window, times exp(-(j-p)^2 / (2 (D/2)^2)).
-  m, window = 8, 2
+  m, half_window = 8, 2
   p = length / 2
   q = np.zeros((1, 1, 1, 4), np.float32)
   k = np.random.default_rng(6).normal(size=(1, m, 1, 4)).astype(np.float32)
   mask = (np.arange(m) < length)[None, None, None]
   _, weights = _local_p(q, k, k, np.ones((1, 4, 4), np.float32), np.ones((1, 4, 4), np.float32),
-                        np.zeros((1, 4), np.float32), window=window, mask=mask,
+                        np.zeros((1, 4), np.float32), half_window=half_window, mask=mask,
                         return_weights=True)
   want = np.zeros(m)
   for offset, gauss in [(-2, math.exp(-2)), (-1, math.exp(-0.5)), (0, 1.0),
@@ -182,13 +184,13 @@ def test_local_p_window_and_gaussian_closed_form(length):
 
 def test_local_p_position_reaches_the_ends():
   # vp . tanh(.) -> +-inf: p -> S or 0, the window's centre follows.
-  m, window = 10, 1
+  m, half_window = 10, 1
   q = np.ones((1, 1, 1, 2), np.float32)
   k = np.zeros((1, m, 1, 2), np.float32)
   eye = np.eye(2, dtype=np.float32)[None]
   for sign, keys in [(1.0, [9]), (-1.0, [0, 1])]:
     _, weights = _local_p(q, k, k, eye, eye * 10, np.full((1, 2), 50.0 * sign, np.float32),
-                          window=window, return_weights=True)
+                          half_window=half_window, return_weights=True)
     assert list(np.flatnonzero(np.asarray(weights)[0, 0, 0])) == keys
 
 
@@ -197,7 +199,7 @@ def test_local_p_position_gets_gradients():
   rng = np.random.default_rng(8)
   w, wp = (rng.normal(size=(2, 4, 4)).astype(np.float32) for _ in range(2))
   vp = rng.normal(size=(2, 4)).astype(np.float32)
-  grads = jax.grad(lambda wp, vp: jnp.sum(_local_p(q, k, v, w, wp, vp, window=2) ** 2),
+  grads = jax.grad(lambda wp, vp: jnp.sum(_local_p(q, k, v, w, wp, vp, half_window=2) ** 2),
                    argnums=(0, 1))(wp, vp)
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g))) and np.abs(np.asarray(g)).max() > 1e-4
@@ -206,24 +208,25 @@ def test_local_p_position_gets_gradients():
 # ---- local-m ---------------------------------------------------------------------
 
 
-def _local_m_loop(q, k, v, w, window, q_offset, mask):
+def _local_m_loop(q, k, v, w, half_window, q_offset, mask):
   b, n, h, _ = q.shape
   m = k.shape[1]
   full = np.ones((b, h, n, m), bool) if mask is None else np.broadcast_to(mask, (b, h, n, m))
   position = lambda bi, hi, i: min(q_offset + i, max(int(full[bi, hi, i].sum()) - 1, 0))
   return _loop(q, k, v, _general(q, k, w), mask,
-               in_window=lambda bi, hi, i, j: abs(j - position(bi, hi, i)) <= window)
+               in_window=lambda bi, hi, i, j: abs(j - position(bi, hi, i)) <= half_window)
 
 
 @pytest.mark.parametrize('mask_name', ['none', 'padding', 'random'])
-@pytest.mark.parametrize('n,m,q_offset,window', [(4, 9, 0, 1), (2, 9, 5, 3), (3, 6, 7, 1)])
-def test_local_m_matches_loop(mask_name, n, m, q_offset, window):
+@pytest.mark.parametrize('n,m,q_offset,half_window',
+                         [(4, 9, 0, 1), (2, 9, 5, 3), (3, 6, 7, 1)])
+def test_local_m_matches_loop(mask_name, n, m, q_offset, half_window):
   q, k, v = _qkv(9, n=n, m=m)
   w = np.random.default_rng(10).normal(size=(2, 4, 4)).astype(np.float32) * 0.5
   mask = _masks(2, n, m)[mask_name]
-  got, weights = _local_m(q, k, v, w, window=window, q_offset=q_offset,
+  got, weights = _local_m(q, k, v, w, half_window=half_window, q_offset=q_offset,
                           mask=None if mask is None else jnp.asarray(mask), return_weights=True)
-  want, want_w = _local_m_loop(q, k, v, w, window, q_offset, mask)
+  want, want_w = _local_m_loop(q, k, v, w, half_window, q_offset, mask)
   np.testing.assert_allclose(np.asarray(weights), want_w, atol=1e-6)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
@@ -234,7 +237,7 @@ def test_local_m_window_by_hand():
   q = np.zeros((1, 2, 1, 2), np.float32)
   k = np.zeros((1, 10, 1, 2), np.float32)
   eye = np.eye(2, dtype=np.float32)[None]
-  rows = lambda **kw: np.asarray(_local_m(q, k, k, eye, window=1, return_weights=True,
+  rows = lambda **kw: np.asarray(_local_m(q, k, k, eye, half_window=1, return_weights=True,
                                           **kw)[1])[0, 0]
   np.testing.assert_allclose(rows(q_offset=3)[0], [0, 0, 1/3, 1/3, 1/3, 0, 0, 0, 0, 0])
   np.testing.assert_allclose(rows(q_offset=3)[1], [0, 0, 0, 1/3, 1/3, 1/3, 0, 0, 0, 0])
@@ -248,18 +251,25 @@ def test_local_m_decoding_rows_equal_full_causal_pass():
   q, k, v = _qkv(12, n=n, m=n)
   w = np.random.default_rng(13).normal(size=(2, 4, 4)).astype(np.float32)
   causal = np.tril(np.ones((n, n), bool))[None, None]
-  full = _local_m(q, k, v, w, window=2, q_offset=0, mask=causal)
+  full = _local_m(q, k, v, w, half_window=2, q_offset=0, mask=causal)
   for t, size in [(0, 1), (2, 3), (5, 1)]:
-    got = _local_m(q[:, t:t + size], k, v, w, window=2, q_offset=jnp.int32(t),
+    got = _local_m(q[:, t:t + size], k, v, w, half_window=2, q_offset=jnp.int32(t),
                    mask=causal[:, :, t:t + size])
     np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, t:t + size]), atol=1e-6)
 
 
 @pytest.mark.parametrize('name', ['luong_local_p', 'luong_local_m'])
-@pytest.mark.parametrize('window', [0, -1, 2.0, True, '3'])
-def test_bad_window_raises_naming_it(name, window):
-  with pytest.raises(ValueError, match='window'):
-    registry.resolve_kwargs(name, {'window': window})
+@pytest.mark.parametrize('half_window', [0, -1, 2.0, True, '3'])
+def test_bad_half_window_raises_naming_it(name, half_window):
+  with pytest.raises(ValueError, match='half_window'):
+    registry.resolve_kwargs(name, {'half_window': half_window})
+
+
+@pytest.mark.parametrize('name', ['luong_local_p', 'luong_local_m'])
+def test_locals_window_is_not_an_option_here(name):
+  # local's window (|j - p| < window) is not Luong's D (|j - p| <= D).
+  with pytest.raises(ValueError, match=r"\['window'\].*half_window=8"):
+    registry.resolve_kwargs(name, {'window': 3})
 
 
 # ---- every classic variant: registry and layer -------------------------------------

@@ -49,7 +49,7 @@ _bucket = jax.jit(t5.t5_relative_position_bucket,
 _bias = jax.jit(t5.t5_bias, static_argnums=(1, 2),
                 static_argnames=('bidirectional', 'num_buckets', 'max_distance'))
 _attention = jax.jit(t5.t5_bias_attention,
-                     static_argnames=('bidirectional', 'num_buckets', 'max_distance'))
+                     static_argnames=('bidirectional', 'num_buckets', 'bucket_max_distance'))
 
 # ---- buckets -------------------------------------------------------------------
 
@@ -118,11 +118,31 @@ def test_attention_matches_loop(bidirectional, n, m, q_offset, loop_attention):
   mask[..., 0] = True
   got = _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
                    mask=jnp.asarray(mask), bias=jnp.asarray(extra), q_offset=q_offset,
-                   bidirectional=bidirectional, num_buckets=nb, max_distance=md)
+                   bidirectional=bidirectional, num_buckets=nb, bucket_max_distance=md)
   bias_fn = lambda h, i, j: (table[_ref_bucket(j - q_offset - i, bidirectional, nb, md), h]
                              + extra[0, h, i, j])
   np.testing.assert_allclose(np.asarray(got), loop_attention(q, k, v, bias_fn, mask),
                              atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_attention_adds_the_bias_in_float32(loop_attention):
+  """Bucket scalars near 100 that bfloat16 cannot hold (its spacing there is
+  0.5): the weights are the float64 loop's with the float32 table to bfloat16
+  precision, and far from the loop's with the table rounded to bfloat16.
+  One-hot values make the output the weights."""
+  n, m, nb, md = 3, 4, 8, 5
+  q, k, _ = _qkv(11, n=n, m=m, d=m)  # d = 4: 1/sqrt(d) exact in bfloat16
+  q, k = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in (q, k))
+  v = np.broadcast_to(np.eye(m)[None, :, None], (2, m, 2, m))
+  table = np.random.default_rng(12).uniform(100.0, 102.0, size=(nb, 2)).astype(np.float32)
+  bias_fn = lambda t: lambda h, i, j: float(t[_ref_bucket(j - i, True, nb, md), h])
+  want = loop_attention(q, k, v, bias_fn(table))
+  rounded = np.asarray(jnp.asarray(table, jnp.bfloat16), np.float32)
+  assert np.abs(loop_attention(q, k, v, bias_fn(rounded)) - want).max() > 0.05
+  got = _attention(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(table),
+                   num_buckets=nb, bucket_max_distance=md)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2 ** -8)
 
 
 @pytest.mark.parametrize('b', [1, 3, 4])
@@ -139,7 +159,7 @@ def test_table_and_query_gradients_match_finite_differences_of_loop(b, loop_atte
 
   def loss(q, table):
     out = _attention(q, jnp.asarray(k), jnp.asarray(v), table, mask=jnp.asarray(mask),
-                     q_offset=1, num_buckets=nb, max_distance=md)
+                     q_offset=1, num_buckets=nb, bucket_max_distance=md)
     return jnp.sum(out * w)
 
   k64, v64 = k.astype(np.float64), v.astype(np.float64)  # float64 all through
@@ -174,7 +194,7 @@ def test_decoding_rows_equal_full_causal_pass():
   table = jnp.asarray(np.random.default_rng(6).normal(size=(8, 2)).astype(np.float32))
   causal = jnp.tril(jnp.ones((n, n), bool))[None, None]
   fn = jax.jit(lambda q, off, mask: t5.t5_bias_attention(
-      q, k, v, table, mask=mask, q_offset=off, num_buckets=8, max_distance=6,
+      q, k, v, table, mask=mask, q_offset=off, num_buckets=8, bucket_max_distance=6,
       bidirectional=False))
   full = fn(q, 0, causal)
   for t, size in [(0, 1), (1, 1), (2, 3), (4, 1)]:
@@ -190,22 +210,26 @@ def test_registered_with_defaults_and_params():
   assert 't5_bias' in registry.names()
   variant = registry.get('t5_bias')
   assert variant.fn is t5.t5_bias_attention
-  assert dict(variant.kwargs) == {'num_buckets': 32, 'max_distance': 128, 'bidirectional': True}
+  assert dict(variant.kwargs) == {'num_buckets': 32, 'bucket_max_distance': 128,
+                                  'bidirectional': True}
   assert variant.uses_positions
-  kwargs = registry.resolve_kwargs('t5_bias', {'num_buckets': 16, 'max_distance': None})
-  assert kwargs == {'num_buckets': 16, 'max_distance': 128, 'bidirectional': True}
+  kwargs = registry.resolve_kwargs('t5_bias', {'num_buckets': 16, 'bucket_max_distance': None})
+  assert kwargs == {'num_buckets': 16, 'bucket_max_distance': 128, 'bidirectional': True}
   shape, init = variant.params(3, 4, kwargs)['rel_embedding']
   assert shape == (16, 3)
   assert init(jax.random.PRNGKey(0), shape).shape == (16, 3)
 
 
 @pytest.mark.parametrize('given,option', [
-    ({'num_buckets': 6, 'bidirectional': True, 'max_distance': 1}, 'max_distance'),
+    ({'num_buckets': 6, 'bidirectional': True, 'bucket_max_distance': 1}, 'bucket_max_distance'),
     ({'num_buckets': 7}, 'num_buckets'),
     ({'num_buckets': 2}, 'num_buckets'),
     ({'num_buckets': 1, 'bidirectional': False}, 'num_buckets'),
-    ({'num_buckets': 32, 'max_distance': 8}, 'max_distance'),
-    ({'num_buckets': 32, 'max_distance': 16, 'bidirectional': False}, 'max_distance'),
+    ({'num_buckets': 32, 'bucket_max_distance': 8}, 'bucket_max_distance'),
+    ({'num_buckets': 32, 'bucket_max_distance': 16, 'bidirectional': False},
+     'bucket_max_distance'),
+    ({'bucket_max_distance': 2.5}, 'bucket_max_distance'),
+    ({'max_distance': 64}, 'max_distance'),  # shaw's option, not this one
     ({'num_buckets': 32.0}, 'num_buckets'),
     ({'bidirectional': 'yes'}, 'bidirectional'),
     ({'window': 3}, 'window'),
@@ -216,8 +240,8 @@ def test_bad_kwargs_raise_naming_option(given, option):
 
 
 def test_smallest_valid_kwargs_are_accepted():
-  registry.resolve_kwargs('t5_bias', {'num_buckets': 4, 'max_distance': 2})
-  registry.resolve_kwargs('t5_bias', {'num_buckets': 2, 'max_distance': 2,
+  registry.resolve_kwargs('t5_bias', {'num_buckets': 4, 'bucket_max_distance': 2})
+  registry.resolve_kwargs('t5_bias', {'num_buckets': 2, 'bucket_max_distance': 2,
                                       'bidirectional': False})
 
 
@@ -226,7 +250,7 @@ def test_layer_forward_and_cached_decode():
   x = jnp.asarray(np.random.default_rng(7).normal(size=(b, n, f)).astype(np.float32))
   causal = jnp.tril(jnp.ones((n, n), bool))[None, None]
   decoder = MultiHeadAttention(num_heads=2, qkv_features=8, attention='t5_bias',
-                               attention_kwargs={'num_buckets': 8, 'max_distance': 4},
+                               attention_kwargs={'num_buckets': 8, 'bucket_max_distance': 4},
                                decode=True)
   variables = jax.jit(decoder.init)(jax.random.PRNGKey(0), x)
   params, cache = variables['params'], variables['cache']

@@ -1,0 +1,99 @@
+"""The registry's option names: one name, one meaning, over every registered variant.
+
+`config.model.attention_kwargs` holds the options of all variants at once, and
+a value set for one variant stays set when the user swaps to another, so a
+name that two variants take must mean the same thing in both: declared in
+`registry.SHARED_OPTIONS`, with one default.
+"""
+import collections
+
+import pytest
+
+from flaxformer_lite.attention import registry
+
+
+def _takers():
+  """option name -> [(variant name, default)] over the live registry."""
+  out = collections.defaultdict(list)
+  for name in registry.names():
+    for option, default in registry.get(name).kwargs.items():
+      out[option].append((name, default))
+  return out
+
+
+def test_every_option_taken_twice_is_declared_shared_with_one_default():
+  for option, takers in _takers().items():
+    if len(takers) < 2:
+      continue
+    assert option in registry.SHARED_OPTIONS, (option, takers)
+    defaults = {(type(d), d) for _, d in takers}
+    assert len(defaults) == 1, (option, takers)
+
+
+def test_every_declared_shared_option_is_taken_by_two_variants_and_explained():
+  takers = _takers()
+  for option, meaning in registry.SHARED_OPTIONS.items():
+    assert len(takers[option]) >= 2, (option, takers[option])
+    assert meaning.strip(), option
+
+
+def test_all_kwargs_holds_each_variants_defaults():
+  everything = registry.all_kwargs()
+  for name in registry.names():
+    for option, default in registry.get(name).kwargs.items():
+      assert everything[option] == default and type(everything[option]) is type(default)
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+  """The live registry's entries in a copy that the test may add to."""
+  monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))
+
+
+def _fake(**kwargs):
+  return registry.AttentionVariant(name='fake', fn=lambda *a, **k: None, kwargs=kwargs)
+
+
+@pytest.mark.parametrize('option,default,other', [
+    ('max_distance', 128, 'shaw'),  # T5's bucket range under shaw's k
+    ('max_distance', 16, 'shaw'),  # same default, but not declared shared
+    ('window', 8, 'local'),
+    ('implementation', 'auto', 'dot_product'),
+])
+def test_register_rejects_an_undeclared_name_another_variant_takes(scratch_registry, option,
+                                                                   default, other):
+  with pytest.raises(ValueError, match='SHARED_OPTIONS') as e:
+    registry.register(_fake(**{option: default}))
+  message = str(e.value)
+  assert repr(option) in message and "'fake'" in message and repr(other) in message
+  assert 'fake' not in registry.names()
+
+
+@pytest.mark.parametrize('default', [4, 8.0, True])
+def test_register_rejects_a_shared_name_with_another_default(scratch_registry, default):
+  with pytest.raises(ValueError, match='half_window') as e:
+    registry.register(_fake(half_window=default))
+  assert "'fake'" in str(e.value) and 'luong_local_' in str(e.value)
+  assert 'fake' not in registry.names()
+
+
+def test_register_accepts_a_shared_name_with_its_default_and_new_names(scratch_registry):
+  registry.register(_fake(half_window=8, fake_only_option=3))
+  assert registry.resolve_kwargs('fake', {'half_window': 2}) == {
+      'half_window': 2, 'fake_only_option': 3}
+
+
+def test_scratch_registry_left_the_live_one_alone():
+  assert 'fake' not in registry.names()
+
+
+@pytest.mark.parametrize('variant,foreign,own', [
+    ('t5_bias', 'max_distance', 'bucket_max_distance=128'),
+    ('shaw', 'bucket_max_distance', 'max_distance=16'),
+    ('luong_local_m', 'window', 'half_window=8'),
+    ('luong_local_p', 'window', 'half_window=8'),
+    ('local', 'half_window', 'window=8'),
+])
+def test_an_option_of_another_variant_is_refused_naming_the_valid_ones(variant, foreign, own):
+  with pytest.raises(ValueError, match=rf"\['{foreign}'\].*{variant!r}.*{own}"):
+    registry.resolve_kwargs(variant, {foreign: 4})
