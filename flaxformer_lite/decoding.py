@@ -62,7 +62,10 @@ def greedy(tokens_to_logits, cache, prompt, max_steps: int, *, eos_id=EOS_ID):
 
 
 def length_penalty(length, alpha: float):
-  """GNMT's ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14)."""
+  """GNMT's ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14).
+
+  length: the generated tokens, EOS included, the prompt not.
+  """
   return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -70,14 +73,19 @@ def beam_search(tokens_to_logits, cache, prompt, max_steps: int, *, beam_size: i
                 alpha: float = 0.6, eos_id=EOS_ID):
   """Beam search with GNMT's length penalty.
 
-  Each step extends every live hypothesis by every token and keeps the
-  `beam_size` most probable extensions; those that end in EOS leave the beam
-  for the finished pool (its best `beam_size`, each keeping its score
-  log p / length_penalty(length, alpha), length counting EOS), the others
-  stay live. The search stops when no live hypothesis can still beat the best
-  finished one (log p only falls as a hypothesis grows), or after `max_steps`
+  Each step extends every live hypothesis by every token and looks at the
+  2 * `beam_size` most probable extensions, as T5X and tensor2tensor do: at
+  most `beam_size` of them end in EOS (one per live hypothesis), so the
+  `beam_size` most probable of the others always fill the beam again, and the
+  ones that end in EOS join the finished pool (its best `beam_size`, each
+  keeping its score log p / length_penalty(length, alpha), length counting
+  EOS). The search stops when the finished pool is full and no live
+  hypothesis can still beat its worst (log p only falls as a hypothesis
+  grows), which leaves the result as if it had run on, or after `max_steps`
   tokens, when the hypotheses still live are scored as they are.
-  beam_size=1 is greedy decoding.
+  beam_size=1 is not greedy decoding: where greedy decoding would pick EOS,
+  that hypothesis is finished and the beam goes on with the likeliest other
+  token, so the result scores at least as high as greedy decoding's.
 
   Args:
     tokens_to_logits: see the module docstring; always called with
@@ -114,15 +122,18 @@ def beam_search(tokens_to_logits, cache, prompt, max_steps: int, *, beam_size: i
     vocab = logits.shape[-1]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, vocab)
     candidates = (live[:, :, None] + logp).reshape(b, k * vocab)
-    live, index = jax.lax.top_k(candidates, k)  # [b, k]
+    grown, index = jax.lax.top_k(candidates, min(2 * k, k * vocab))  # [b, 2k]
     origin, token = index // vocab, (index % vocab).astype(seqs.dtype)
-    seqs = jnp.take_along_axis(seqs, origin[:, :, None], axis=1).at[:, :, i].set(token)
+    grown_seqs = jnp.take_along_axis(seqs, origin[:, :, None], axis=1).at[:, :, i].set(token)
     ended = token == eos_id
-    scores = jnp.where(ended, live / length_penalty(i + 1, alpha), -jnp.inf)
+    scores = jnp.where(ended, grown / length_penalty(i + 1, alpha), -jnp.inf)
     fin_scores, best = jax.lax.top_k(jnp.concatenate([fin_scores, scores], 1), k)
-    fin_seqs = jnp.take_along_axis(jnp.concatenate([fin_seqs, seqs], 1), best[:, :, None],
-                                   axis=1)
-    return origin, token, (seqs, jnp.where(ended, -jnp.inf, live), fin_seqs, fin_scores)
+    fin_seqs = jnp.take_along_axis(jnp.concatenate([fin_seqs, grown_seqs], 1),
+                                   best[:, :, None], axis=1)
+    live, kept = jax.lax.top_k(jnp.where(ended, -jnp.inf, grown), k)  # [b, k]
+    seqs = jnp.take_along_axis(grown_seqs, kept[:, :, None], axis=1)
+    origin, token = (jnp.take_along_axis(x, kept, axis=1) for x in (origin, token))
+    return origin, token, (seqs, live, fin_seqs, fin_scores)
 
   cache = jax.tree.map(tile, cache)
   logits, cache = tokens_to_logits(jnp.repeat(prompt, k, axis=0), cache)
@@ -136,8 +147,9 @@ def beam_search(tokens_to_logits, cache, prompt, max_steps: int, *, beam_size: i
   def cond(loop):
     i, _, _, (_, live, _, fin_scores) = loop
     # With log p <= 0, a live hypothesis scores at most log p / the largest
-    # penalty of any length it can still reach.
-    can_improve = jnp.max(live, axis=1) / penalty_bound(i) > fin_scores[:, 0]
+    # penalty of any length it can still reach; fin_scores[:, -1] is -inf
+    # until the pool holds k.
+    can_improve = jnp.max(live, axis=1) / penalty_bound(i) > fin_scores[:, -1]
     return jnp.logical_and(i < max_steps, jnp.any(can_improve))
 
   def body(loop):

@@ -1,4 +1,5 @@
-"""Beam search against exhaustive enumeration, greedy decoding, and full passes."""
+"""Beam search against exhaustive enumeration, a plain reference search, greedy decoding,
+and full passes."""
 import functools
 import itertools
 
@@ -43,14 +44,31 @@ def _empty_cache(b):
   return {'prev': jnp.full((b,), PAD, jnp.int32), 'step': jnp.array(0, jnp.int32)}
 
 
+def _next_logp(table, prompt, seq):
+  """log p(next token | prompt, seq) [V] under the Markov table (numpy, no cache)."""
+  fed = [PAD] + list(prompt) + list(seq)
+  logits = table[len(fed) - 2, fed[-2], fed[-1]]
+  return logits - np.logaddexp.reduce(logits)
+
+
 def _reference_logp(table, prompt, seq):
   """log p(seq | prompt) under the Markov table (numpy, no cache)."""
-  fed, total = [PAD] + list(prompt), 0.0
-  for token in seq:
-    logits = table[len(fed) - 2, fed[-2], fed[-1]]
-    total += logits[token] - np.logaddexp.reduce(logits)
-    fed.append(token)
-  return total
+  return sum(_next_logp(table, prompt, seq[:n])[token] for n, token in enumerate(seq))
+
+
+def _gnmt_lp(length, alpha):
+  """lp(Y) = (5 + |Y|)^alpha / (5 + 1)^alpha (Wu et al. 2016, eq. 14), written out here
+  rather than taken from `decoding`. |Y| counts the generated tokens, EOS included, the
+  prompt not, as `decoding.beam_search` documents."""
+  return (5.0 + length) ** alpha / (5.0 + 1.0) ** alpha
+
+
+def _score(table, prompt, seq, alpha):
+  """The length-penalised score of seq, a [max_steps] row as beam search returns it."""
+  seq = list(seq)
+  length = seq.index(EOS) + 1 if EOS in seq else len(seq)
+  assert all(t == PAD for t in seq[length:]) and PAD not in seq[:length]
+  return _reference_logp(table, prompt, seq[:length]) / _gnmt_lp(length, alpha)
 
 
 def _brute_force(table, prompt, max_steps, alpha):
@@ -59,9 +77,30 @@ def _brute_force(table, prompt, max_steps, alpha):
   candidates = [body + (EOS,) for n in range(max_steps)
                 for body in itertools.product(CONTENT, repeat=n)]
   candidates += list(itertools.product(CONTENT, repeat=max_steps))
-  score = lambda s: _reference_logp(table, prompt, s) / decoding.length_penalty(len(s), alpha)
+  score = lambda s: _reference_logp(table, prompt, s) / _gnmt_lp(len(s), alpha)
   best = max(candidates, key=score)
   return score(best), list(best) + [PAD] * (max_steps - len(best))
+
+
+def _reference_beam(table, prompt, max_steps, beam_size, alpha):
+  """T5X's beam search as a slow loop over lists, always run to `max_steps`.
+
+  Each step looks at the 2 * beam_size likeliest extensions of the live
+  hypotheses: those ending in EOS join the finished pool (its best beam_size by
+  score), the best beam_size others are the next live ones. Live hypotheses
+  left at the end are scored as they are. Returns the best beam_size
+  (score, sequence padded to max_steps), best first.
+  """
+  live, finished = [(0.0, ())], []
+  for i in range(max_steps):
+    grown = sorted(((logp + _next_logp(table, prompt, seq)[t], seq + (t,))
+                    for logp, seq in live for t in range(V)), reverse=True)[:2 * beam_size]
+    finished += [(logp / _gnmt_lp(i + 1, alpha), seq) for logp, seq in grown if seq[-1] == EOS]
+    finished = sorted(finished, reverse=True)[:beam_size]
+    live = [(logp, seq) for logp, seq in grown if seq[-1] != EOS][:beam_size]
+  final = finished + [(logp / _gnmt_lp(max_steps, alpha), seq) for logp, seq in live]
+  return [(score, list(seq) + [PAD] * (max_steps - len(seq)))
+          for score, seq in sorted(final, reverse=True)[:beam_size]]
 
 
 PROMPTS = np.array([[BOS, 3], [BOS, 5]], np.int32)
@@ -100,11 +139,7 @@ def test_every_returned_hypothesis_carries_its_own_score(beam_size):
   for row, j in itertools.product(range(2), range(beam_size)):
     if not np.isfinite(scores[row, j]):
       continue
-    seq = seqs[row, j].tolist()
-    length = seq.index(EOS) + 1 if EOS in seq else max_steps
-    assert all(t == PAD for t in seq[length:]) and PAD not in seq[:length]
-    want = _reference_logp(table, PROMPTS[row], seq[:length])
-    np.testing.assert_allclose(scores[row, j], want / decoding.length_penalty(length, alpha),
+    np.testing.assert_allclose(scores[row, j], _score(table, PROMPTS[row], seqs[row, j], alpha),
                                rtol=1e-5)
 
 
@@ -118,13 +153,18 @@ def test_beam_finds_what_greedy_misses():
   probs[5, [3, 4, 5, EOS]] = 0.25
   table = np.broadcast_to(np.log(probs), (8, V, V, V))  # [step, prev, current, next]
   prompt, max_steps = jnp.array([[BOS]], jnp.int32), 4
-  greedy = decoding.greedy(_markov_fn(table), _empty_cache(1), prompt, max_steps)
-  seqs, scores = decoding.beam_search(_markov_fn(table), _empty_cache(1), prompt, max_steps,
-                                      beam_size=2)
+  fn = _markov_fn(table)
+  greedy = jax.jit(functools.partial(decoding.greedy, fn, max_steps=max_steps))(
+      _empty_cache(1), prompt)
+  seqs, scores = jax.jit(functools.partial(decoding.beam_search, fn, max_steps=max_steps,
+                                           beam_size=2))(_empty_cache(1), prompt)
   assert np.asarray(greedy[0]).tolist() == [3, 3, 3, 3]
   assert np.asarray(seqs[0, 0]).tolist() == [4, EOS, PAD, PAD]
-  greedy_score = _reference_logp(table, [BOS], [3, 3, 3, 3]) / decoding.length_penalty(4, 0.6)
+  greedy_score = _reference_logp(table, [BOS], [3, 3, 3, 3]) / _gnmt_lp(4, 0.6)
   assert float(scores[0, 0]) > greedy_score + 1.0
+  # By hand: |Y| = 2 counts the EOS, so lp = (5 + 2)^0.6 / 6^0.6.
+  np.testing.assert_allclose(float(scores[0, 0]), np.log(0.45 * 0.9) / (7 / 6) ** 0.6,
+                             rtol=1e-5)
 
 
 def test_cache_leaf_without_batch_dimension_is_an_error():
@@ -134,7 +174,99 @@ def test_cache_leaf_without_batch_dimension_is_an_error():
                          beam_size=2)
 
 
-# ---- real models: greedy equivalence and cache reordering -------------------------
+@functools.partial(jax.jit, static_argnames=('max_steps',))
+def _markov_greedy(table, *, max_steps):
+  return decoding.greedy(_markov_fn(table), _empty_cache(len(PROMPTS)), jnp.asarray(PROMPTS),
+                         max_steps)
+
+
+def test_beam_size_1_scores_at_least_greedy():
+  # Greedy decoding's path stays the live hypothesis until greedy picks EOS, which then
+  # joins the finished pool; the beam may end better, never worse.
+  max_steps, alpha, better = 5, 0.6, 0
+  for seed in range(30):
+    table = _table(200 + seed, PROMPTS.shape[1] + max_steps)
+    greedy = np.asarray(_markov_greedy(table, max_steps=max_steps))
+    _, scores = _markov_search(table, alpha, max_steps=max_steps, beam_size=1)
+    for row in range(len(PROMPTS)):
+      greedy_score = _score(table, PROMPTS[row], greedy[row], alpha)
+      assert float(scores[row, 0]) >= greedy_score - 1e-5, f'seed {200 + seed}'
+      better += float(scores[row, 0]) > greedy_score + 1e-5
+  assert better  # so beam_size=1 is not greedy decoding
+
+
+# ---- EOS among the likeliest extensions -----------------------------------------
+#
+# The first generated token is ranked so that keeping only the beam_size likeliest
+# extensions goes wrong: EOS is among them, so fewer hypotheses stay live and the one
+# that starts the best sequence is dropped; or EOS ranks just below them and never
+# reaches the finished pool.
+
+def _skewed(top, p):
+  """{token: probability}: `top` gets p, the other CONTENT tokens and EOS share 1 - p."""
+  others = [t for t in CONTENT + (EOS,) if t != top]
+  return {top: p, **{t: (1 - p) / len(others) for t in others}}
+
+
+def _probs_table(max_steps, rows):
+  """Uniform over CONTENT and EOS but at rows {(step, previous, current): {token: p}},
+  None standing for any token. With the 2-token PROMPTS, generated token t reads step
+  t + 1."""
+  table = np.zeros((PROMPTS.shape[1] + max_steps, V, V, V))
+  table[..., [PAD, BOS]] = -1e9
+  every = lambda t: slice(None) if t is None else t
+  for (step, prev, current), probs in rows.items():
+    row = np.full(V, -1e9)
+    row[list(probs)] = np.log(list(probs.values()))
+    table[step, every(prev), every(current)] = row
+  return table
+
+
+@pytest.mark.parametrize('alpha', [0.6, 1.0, 2.0])
+@pytest.mark.parametrize('beam_size', [1, 2, 3])
+@pytest.mark.parametrize('trap', ['eos_in_top_k', 'eos_below_top_k'])
+def test_eos_among_the_likeliest_extensions_costs_no_hypothesis(trap, beam_size, alpha):
+  max_steps = 5
+  if trap == 'eos_in_top_k':
+    # EOS is the likeliest first token and content token number beam_size (by rank) starts
+    # a near-certain [good, good, good, EOS], which the length penalty prefers to [EOS].
+    good = CONTENT[beam_size - 1]
+    table = _probs_table(max_steps, {(1, BOS, None): {EOS: .27, 3: .25, 4: .245, 5: .235},
+                                     (2, None, good): _skewed(good, .99),
+                                     (3, good, good): _skewed(good, .99),
+                                     (4, good, good): _skewed(EOS, .99)})
+    intended = [good] * 3 + [EOS, PAD]
+  else:
+    # EOS ranks beam_size + 1 as the first token, below content tokens after which every
+    # token is as likely: [EOS] is the best sequence.
+    first = {1: {3: .3, EOS: .28, 4: .21, 5: .21}, 2: {3: .27, 4: .26, EOS: .25, 5: .22},
+             3: {3: .26, 4: .255, 5: .25, EOS: .235}}[beam_size]
+    table = _probs_table(max_steps, {(1, BOS, None): first})
+    intended = [EOS] + [PAD] * (max_steps - 1)
+  seqs, scores = _markov_search(table, alpha, max_steps=max_steps, beam_size=beam_size)
+  for row in range(len(PROMPTS)):
+    want_score, want_seq = _brute_force(table, PROMPTS[row], max_steps, alpha)
+    assert want_seq == intended  # the trap is set
+    np.testing.assert_allclose(float(scores[row, 0]), want_score, rtol=1e-5)
+    assert np.asarray(seqs[row, 0]).tolist() == want_seq
+
+
+@pytest.mark.parametrize('beam_size', [1, 2, 3])
+def test_random_models_match_the_reference_search(beam_size):
+  """Every returned hypothesis and score equals the plain loop's, on 100 random
+  tables; the loop never stops early, so stopping early must change nothing."""
+  max_steps = 5
+  for seed in range(100):
+    table, alpha = _table(seed, PROMPTS.shape[1] + max_steps), [0.0, 0.6, 1.0, 2.0][seed % 4]
+    seqs, scores = _markov_search(table, alpha, max_steps=max_steps, beam_size=beam_size)
+    for row in range(len(PROMPTS)):
+      want = _reference_beam(table, PROMPTS[row], max_steps, beam_size, alpha)
+      np.testing.assert_allclose(scores[row], [score for score, _ in want], rtol=1e-5,
+                                 err_msg=f'seed {seed}, prompt {row}')
+      assert np.asarray(seqs[row]).tolist() == [seq for _, seq in want], f'seed {seed}'
+
+
+# ---- real models: cache reordering ----------------------------------------------
 
 CFG = dict(vocab_size=11, d_model=16, num_heads=2, num_encoder_layers=1,
            num_decoder_layers=1, mlp_dim=32, dropout_rate=0.0, attention_dropout_rate=0.0,
@@ -165,25 +297,6 @@ def _setup(model_type):
 SEQ2SEQ = ['encoder_decoder', 'rnn_seq2seq']
 
 
-@pytest.mark.parametrize('model_type', SEQ2SEQ)
-def test_beam_size_1_is_greedy_translation(model_type):
-  model, decode_model, params = _setup(model_type)
-  greedy = jax.jit(functools.partial(decoding.greedy_translate, model, decode_model,
-                                     max_len=MAX_LEN))(params, INPUTS)
-  beam = jax.jit(functools.partial(decoding.beam_translate, model, decode_model,
-                                   max_len=MAX_LEN, beam_size=1))(params, INPUTS)
-  np.testing.assert_array_equal(np.asarray(beam), np.asarray(greedy))
-
-
-def test_beam_size_1_is_greedy_generation():
-  _, decode_model, params = _setup('decoder_only')
-  greedy = jax.jit(functools.partial(decoding.greedy_generate, decode_model,
-                                     max_steps=MAX_LEN))(params, PROMPT)
-  beam = jax.jit(functools.partial(decoding.beam_generate, decode_model, max_steps=MAX_LEN,
-                                   beam_size=1))(params, PROMPT)
-  np.testing.assert_array_equal(np.asarray(beam), np.asarray(greedy))
-
-
 def _no_pad_bos(logits):
   # A generated PAD would be read as padding by the full pass: keep both sides real.
   return logits.at[..., PAD].set(-1e9).at[..., BOS].set(-1e9)
@@ -211,8 +324,7 @@ def test_beam_scores_equal_full_pass_scores(model_type):
   seqs, scores = jax.jit(functools.partial(decoding.beam_search, masked_fn, max_steps=MAX_LEN,
                                            beam_size=k, alpha=alpha))(cache, prompt)
   scores = np.asarray(scores).reshape(-1)
-  found = np.isfinite(scores)  # early stopping may leave slots empty
-  assert found.reshape(b, k)[:, 0].all()
+  assert np.isfinite(scores).all()  # an early stop leaves a full finished pool
   seqs = np.asarray(seqs).reshape(b * k, MAX_LEN)
   full = np.concatenate([np.repeat(np.asarray(prompt), k, 0), seqs], 1)  # [b*k, P+T]
   apply = jax.jit(model.apply)
@@ -224,5 +336,5 @@ def test_beam_scores_equal_full_pass_scores(model_type):
   token_logp = np.take_along_axis(logp, seqs[..., None], -1)[..., 0]  # [b*k, T]
   lengths = np.array([list(s).index(EOS) + 1 if EOS in s else MAX_LEN for s in seqs])
   keep = np.arange(MAX_LEN)[None] < lengths[:, None]
-  want = (token_logp * keep).sum(1) / decoding.length_penalty(lengths, alpha)
-  np.testing.assert_allclose(scores[found], want[found], rtol=2e-4, atol=2e-4)
+  want = (token_logp * keep).sum(1) / _gnmt_lp(lengths, alpha)
+  np.testing.assert_allclose(scores, want, rtol=2e-4, atol=2e-4)
