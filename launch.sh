@@ -57,7 +57,7 @@ fi
 
 if [ "${1:-}" = "test" ]; then
   shift
-  exec "$PY" -m pytest "$@"
+  exec "$PY" -m pytest --durations=10 "$@"
 fi
 if [ "${1:-}" = "run" ]; then
   shift

@@ -148,3 +148,25 @@ def test_training_on_a_masked_task_reduces_the_loss():
     losses.append(float(loss))
   # Chance is log(7 tokens) ~ 1.9.
   assert losses[0] > 1.5 and np.mean(losses[-5:]) < 0.25 * losses[0], losses
+
+
+def test_mlm_step_draws_replacements_from_the_data_ids_when_the_model_vocab_is_larger():
+  """model.vocab_size may exceed what the data uses (64 rows for a 10-id
+  dataset): random replacements must still be data tokens (3..9), and the
+  mask the model's last id."""
+  from flaxformer_lite.train import steps
+  seen = {}
+
+  def apply_fn(variables, inputs, **kwargs):
+    seen['inputs'] = inputs
+    return jnp.zeros(inputs.shape + (64,))
+
+  ids = jnp.full((64, 32), 5, jnp.int32)
+  logits, targets, weights = steps.forward(
+      apply_fn, {}, {'inputs': ids}, objective='mlm', rng=jax.random.key(0), mlm_rate=1.0,
+      vocab_size=64, data_vocab_size=10)
+  inputs = np.asarray(seen['inputs'])
+  replaced = inputs[(inputs != 5) & (inputs != 63)]
+  assert replaced.size > 50  # ~10% of 2048 selected positions
+  assert replaced.min() >= masking.FIRST_TOKEN_ID and replaced.max() < 10, np.unique(replaced)
+  assert (inputs == 63).mean() == pytest.approx(0.8, abs=0.05)

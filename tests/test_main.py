@@ -3,6 +3,8 @@ import glob
 import json
 import os
 import runpy
+import subprocess
+import sys
 
 import pytest
 
@@ -40,3 +42,55 @@ def test_default_experiment_runs_and_resumes_from_the_command_line(tmp_path, tfd
   steps = [json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()
            if json.loads(line)['split'] == 'train']
   assert steps == [3, 6, 9]
+
+
+START_ON_DEVICES = '''
+import json, runpy, sys
+import jax, numpy as np
+from flaxformer_lite import config as config_lib, data, models
+from flaxformer_lite.train import loop, partitioning, state as state_lib, steps
+n = jax.device_count()
+out = {}
+for path in sys.argv[1:]:
+  config = runpy.run_path(path)['get_config']()
+  config_lib.validate(config)
+  m, t, d = config.model, config.train, config.data
+  objective = steps.OBJECTIVES[m.type]
+  with config.unlocked():
+    m.vocab_size = m.vocab_size or 40  # the data's, once loaded
+  width = d.max_len + (objective == 'seq2seq')  # + EOS
+  rows = t.batch_tokens // width if t.batch_tokens else t.batch_size
+  batch = {k: np.full((rows, width), 5, np.int32) for k in ('inputs', 'targets')}
+  model, parallel = models.build(m), partitioning.DataParallel(t.parallel)
+  train_rows = partitioning.padded_rows(rows, jax.local_device_count() * t.grad_accum_steps)
+  state = jax.eval_shape(lambda: state_lib.create(model, config, batch, jax.random.key(0)))
+  step = parallel.compile_step(
+      steps.train_step, label_smoothing=t.label_smoothing, objective=objective,
+      vocab_size=m.vocab_size, grad_accum_steps=t.grad_accum_steps)
+  step.lower(state, parallel.place_batch(data.pad_rows(batch, train_rows)), jax.random.key(1))
+  eval_rows = partitioning.padded_rows(config.eval.batch_size, n)
+  eval_batch = next(data.eval_batches({k: v[:1] for k, v in batch.items()},
+                                      config.eval.batch_size, rows=eval_rows))
+  parallel.place_eval_batch(eval_batch)
+  out[path] = [rows, train_rows, config.eval.batch_size, eval_rows]
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize('devices', [2, 4, 8])
+def test_every_experiment_starts_unchanged_on_several_devices(devices):
+  """Each experiment file as shipped, on `devices` CPU devices: its config
+  validates, its train batch (padded with weight-0 rows where it does not
+  split) and its eval batch are placed on the mesh, and its train step
+  lowers. (Training on padded batches = unpadded: tests/train/test_parallel.py.)"""
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+             JAX_PLATFORMS='cpu')
+  done = subprocess.run([sys.executable, '-c', START_ON_DEVICES, *EXPERIMENTS], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  plans = json.loads(done.stdout.strip().splitlines()[-1])
+  assert sorted(plans) == EXPERIMENTS
+  for path, (rows, train_rows, eval_size, eval_rows) in plans.items():
+    accum = runpy.run_path(path)['get_config']().train.grad_accum_steps
+    assert train_rows % (devices * accum) == 0 and 0 <= train_rows - rows < devices * accum
+    assert eval_rows % devices == 0 and 0 <= eval_rows - eval_size < devices

@@ -191,9 +191,11 @@ def test_nonfinite_loss_exits_3_naming_the_last_good_checkpoint(tmp_path, tfds_d
 
 
 def test_skip_nonfinite_keeps_training_and_counts_skipped_steps(tiny_config, tmp_path):
+  # rsqrt with factor 1e32: the first update is finite (Adam moves each weight
+  # by ~lr = 5.6e29), every later loss is not, so steps 2..6 are skipped.
   c = tiny_config
   c.train.num_steps, c.train.log_every, c.train.checkpoint_every = 6, 3, 3
-  c.train.schedule, c.train.learning_rate = 'constant', 1e30
+  c.train.schedule, c.train.learning_rate, c.train.warmup_steps = 'rsqrt', 1e32, 10
   c.train.skip_nonfinite = True
   workdir = str(tmp_path / 'w')
   loop.train_and_evaluate(c, workdir)
@@ -201,6 +203,21 @@ def test_skip_nonfinite_keeps_training_and_counts_skipped_steps(tiny_config, tmp
     train = [json.loads(line) for line in f if '"train"' in line]
   assert [r['skipped_steps'] for r in train] == [2, 3]  # step 1 is the only finite one
   assert all(np.isfinite(r['loss']) for r in train)
+  # The learning rate logged is the one applied: one update was made, at the
+  # optimizer's count 0 (Vaswani et al. eq. 3 with s = 1), not the schedule at
+  # the loop's step 3 or 6.
+  d, warmup = c.model.d_model, c.train.warmup_steps
+  applied = 1e32 * d ** -0.5 * min(1.0, 1.0 * warmup ** -1.5)
+  for r in train:
+    assert r['learning_rate'] == pytest.approx(applied, rel=1e-6)
+  # grad_norm is the mean over the steps that updated: step 1's alone, then none.
+  first = config_lib.from_json(config_lib.to_json(c))
+  first.train.num_steps, first.train.log_every = 1, 1
+  loop.train_and_evaluate(first, str(tmp_path / 'one'))
+  with open(os.path.join(str(tmp_path / 'one'), 'metrics.jsonl')) as f:
+    step_1 = [json.loads(line) for line in f if '"train"' in line][0]
+  assert train[0]['grad_norm'] == pytest.approx(step_1['grad_norm'], rel=1e-6)
+  assert 'grad_norm' not in train[1]
 
 
 def test_unwritable_workdir_exits_2_before_training(tmp_path, tfds_dir):

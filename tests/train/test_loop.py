@@ -3,6 +3,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite.train import loop, metrics
@@ -82,3 +83,16 @@ def test_allow_config_change_resumes_with_the_new_values(tiny_config, tmp_path, 
   assert steps == [10, 20] and np.isfinite(results['eval']['loss'])  # resumed at 10
   with open(os.path.join(workdir, 'config.json')) as f:
     assert json.load(f)['train']['learning_rate'] == 0.5
+
+
+def test_rerunning_a_finished_run_writes_no_second_record(tiny_config, tmp_path):
+  c = tiny_config
+  c.train.num_steps = 10
+  workdir = str(tmp_path / 'run')
+  first = loop.train_and_evaluate(c, workdir)
+  records = metrics.read(workdir)
+  again = loop.train_and_evaluate(c, workdir)  # the same command once more
+  assert metrics.read(workdir) == records  # nothing appended: one test record, one eval
+  assert [r['split'] for r in records].count('test') == 1
+  for split in ('eval', 'test'):
+    assert again[split] == pytest.approx(first[split])
