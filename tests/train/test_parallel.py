@@ -1,5 +1,7 @@
-"""Data parallelism: 1 device = 4 devices (jit) = 4 devices (pmap) = 4 devices
-(fsdp, the state sharded), and a 4-device checkpoint resumes on 1 device;
+"""Data parallelism: 1 device = 8 devices (jit) = 4 devices (pmap) = 8 devices
+(fsdp, the state sharded, with gradient accumulation), for a batch that does
+not split over the devices (padded with weight-0 rows), and an 8-device
+checkpoint resumes on 1 device; padding rows leave the update unchanged;
 gradient accumulation = the large batch; the train step compiles once; bf16
 trains.
 
@@ -21,68 +23,111 @@ import optax
 import pytest
 
 from flaxformer_lite import config as config_lib
-from flaxformer_lite import models
+from flaxformer_lite import data, models
 from flaxformer_lite.train import loop, metrics, state as state_lib, steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-RUN_ON_4_DEVICES = '''
-import json, sys
+RUN_ON_DEVICES = '''
+import logging, sys
 from flaxformer_lite import config as config_lib
 from flaxformer_lite.train import loop
 import jax
-assert jax.device_count() == 4, jax.devices()
+assert jax.device_count() == int(sys.argv[3]), jax.devices()
+log = logging.getLogger('flaxformer_lite')
+log.addHandler(logging.StreamHandler())
+log.setLevel(logging.INFO)
 config = config_lib.from_json(open(sys.argv[1]).read())
 loop.train_and_evaluate(config, sys.argv[2])
 '''
 
 
-def _on_4_devices(config, workdir, tmp_path):
+def _on_devices(n, config, workdir, tmp_path) -> str:
+  """Trains `config` in a subprocess with n CPU devices; -> its log."""
   path = tmp_path / 'config.json'
   path.write_text(config_lib.to_json(config))
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
              JAX_PLATFORMS='cpu')
-  done = subprocess.run([sys.executable, '-c', RUN_ON_4_DEVICES, str(path), workdir],
+  done = subprocess.run([sys.executable, '-c', RUN_ON_DEVICES, str(path), workdir, str(n)],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
+  return done.stderr
 
 
-def _curve(workdir, key='loss'):
-  return {r['step']: r[key] for r in metrics.read(workdir) if r['split'] == 'train'}
+def _curve(workdir, key='loss', split='train'):
+  return {r['step']: r[key] for r in metrics.read(workdir) if r['split'] == split}
 
 
 def _parallel_config(tiny_config):
   c = tiny_config
   c.model.dropout_rate = 0.0  # dropout masks are drawn per device in pmap mode
   c.train.num_steps, c.train.log_every, c.train.checkpoint_every = 20, 5, 10
+  c.train.batch_size = 14  # nanoGPT-like: splits over neither 4 nor 8 devices
+  c.eval.batch_size = 18  # neither
   c.eval.final_test = False
   return c
 
 
-def test_one_device_equals_four_devices_jit_pmap_fsdp_and_resumes_on_one(tiny_config, tmp_path):
+def test_one_device_equals_several_for_any_batch_size_and_resumes_on_one(tiny_config, tmp_path):
   c = _parallel_config(tiny_config)
   loop.train_and_evaluate(c, str(tmp_path / 'one'))
   curves = {'one': _curve(str(tmp_path / 'one'))}
-  for mode in ('jit', 'pmap', 'fsdp'):
-    c.train.parallel = mode
-    _on_4_devices(c, str(tmp_path / mode), tmp_path)
+  runs = {'jit': (8, 1), 'pmap': (4, 1), 'fsdp': (8, 2)}  # devices, accumulation steps
+  for mode, (n, accum) in runs.items():
+    c.train.parallel, c.train.grad_accum_steps = mode, accum
+    log = _on_devices(n, c, str(tmp_path / mode), tmp_path)
+    padded = -(-14 // (n * accum)) * n * accum
+    assert (f'Train batch: 14 rows + {padded - 14} padding rows (weight 0) = {padded}, '
+            f'over {n} device(s) x {accum}') in log
+    assert f'Eval batches: 18 examples + {-(-18 // n) * n - 18} padding rows' in log
     curves[mode] = _curve(str(tmp_path / mode))
   assert sorted(curves['one']) == [5, 10, 15, 20]
-  for mode in ('jit', 'pmap', 'fsdp'):
+  for mode in runs:
     for step, loss in curves['one'].items():
       assert curves[mode][step] == pytest.approx(loss, rel=2e-5), (mode, step)
-  norms = [_curve(str(tmp_path / m), 'grad_norm')[20] for m in ('one', 'jit', 'pmap', 'fsdp')]
+  norms = [_curve(str(tmp_path / m), 'grad_norm')[20] for m in ('one', *runs)]
   np.testing.assert_allclose(norms, norms[0], rtol=1e-4)
+  evals = [_curve(str(tmp_path / m), 'loss', 'eval')[20] for m in ('one', *runs)]
+  np.testing.assert_allclose(evals, evals[0], rtol=2e-5)
+  accuracy = [_curve(str(tmp_path / m), 'sequence_accuracy', 'eval')[20] for m in ('one', *runs)]
+  assert accuracy == [accuracy[0]] * 4  # decoding: the padding rows' output is dropped
 
-  # The 4-device run's checkpoint at step 10 resumes here, on 1 device (orbax
+  # The 8-device run's checkpoint at step 10 resumes here, on 1 device (orbax
   # restores onto this process's abstract target).
   parts = str(tmp_path / 'jit')
   shutil.rmtree(os.path.join(parts, 'checkpoints', '20'))
-  c.train.parallel = 'jit'
+  c.train.parallel, c.train.grad_accum_steps = 'jit', 1
   loop.train_and_evaluate(c, parts)
   resumed = _curve(parts)
   for step in (15, 20):
     assert resumed[step] == pytest.approx(curves['one'][step], rel=2e-5)
+
+
+@pytest.mark.parametrize('model_type', ['encoder_decoder', 'decoder_only', 'encoder_only'])
+def test_padding_rows_leave_the_update_unchanged(model_type):
+  """A batch of 6 rows and the same rows + 2 all-PAD rows (data.pad_rows):
+  the same parameters after one step, dropout on (its draws for the real rows
+  do not depend on the rows after them)."""
+  cfg = config_lib.base_config()
+  cfg.model.update(type=model_type, vocab_size=12, d_model=16, num_heads=2, mlp_dim=32,
+                   dropout_rate=0.2, num_encoder_layers=1, num_decoder_layers=1)
+  cfg.train.schedule, cfg.train.learning_rate = 'constant', 1e-2
+  rng = np.random.default_rng(0)
+  batch = {k: rng.integers(3, 12, size=(6, 7)).astype(np.int32) for k in ('inputs', 'targets')}
+  batch['targets'][1, 3:] = batch['inputs'][2, 5:] = 0
+  state = state_lib.create(models.build(cfg.model), cfg, batch, jax.random.key(0))
+  # plain SGD: the update is minus the gradient (Adam's first step is sign(g),
+  # which rounding noise flips where g is ~0, e.g. the key biases)
+  state = state.replace(tx=optax.sgd(1.0), opt_state=optax.sgd(1.0).init(state.params))
+  objective = steps.OBJECTIVES[model_type]
+  step = jax.jit(functools.partial(steps.train_step, label_smoothing=0.1, objective=objective,
+                                   vocab_size=12, data_vocab_size=11))
+  want, want_sums = step(state, batch, jax.random.key(1))
+  got, got_sums = step(state, data.pad_rows(batch, 8), jax.random.key(1))
+  for key in ('loss', 'tokens', 'correct', 'grad_norm'):
+    np.testing.assert_allclose(got_sums[key], want_sums[key], rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
 def _tiny_state(vocab=11, seed=0):
