@@ -1,5 +1,6 @@
 """RNN seq2seq (layers/rnn.py, models.RNNSeq2Seq): cached decoding, padding,
 gradients, training, config checks."""
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -179,6 +180,77 @@ def test_attention_weights_are_sown_per_step():
   assert weights.shape == (2, 2, DEC_INPUTS.shape[1], INPUTS.shape[1])  # [b, h, n, m]
   np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(weights[1, :, :, 2:]), 0.0)  # PAD keys
+
+
+# ---- what the attention function receives: independently captured ----------------
+
+
+@pytest.fixture
+def recording_variant(monkeypatch):
+  """Swaps 'location_sensitive' for a test-only copy that also takes positions
+  and records, per call of the attention function (in call order), the
+  q_offset and prev_alignment [b, h, n, m] it receives. -> that list."""
+  calls = []
+  real = registry.get('location_sensitive')
+
+  def record(q_offset, prev_alignment):
+    calls.append((int(q_offset), np.asarray(prev_alignment)))
+
+  def fn(query, key, value, *args, q_offset, prev_alignment, **kw):
+    jax.debug.callback(record, q_offset, prev_alignment, ordered=True)
+    return real.fn(query, key, value, *args, prev_alignment=prev_alignment, **kw)
+
+  monkeypatch.setitem(registry._REGISTRY, 'location_sensitive',
+                      dataclasses.replace(real, fn=fn, uses_positions=True))
+  return calls
+
+
+def _assert_alignment_and_offsets(calls, weights):
+  """calls: one (q_offset, prev_alignment [b, h, 1, m]) per decoder step;
+  weights: the [b, h, n, m] the decoder sowed over those steps."""
+  assert [q for q, _ in calls] == list(range(weights.shape[2]))
+  running = np.zeros_like(weights[:, :, :1])
+  for t, (_, prev_alignment) in enumerate(calls):
+    np.testing.assert_allclose(prev_alignment, running, atol=1e-6, err_msg=f'step {t}')
+    running = running + weights[:, :, t:t + 1]
+  assert np.all(running[1, ..., 2:] == 0) and np.any(running > 0.5)  # PAD keys; not all zero
+
+
+def test_alignment_and_query_position_received_by_attention(recording_variant):
+  """The attention function gets, at decoder step t, q_offset = t and
+  prev_alignment = the sum of the weights the decoder sowed at steps < t
+  (zeros at t = 0): teacher-forced, one token at a time, and in chunks."""
+  calls = recording_variant
+  cfg = _cfg('gru', 'location_sensitive', num_decoder_layers=1,
+             attention_kwargs={'location_kernel': 3, 'location_channels': 2})
+  model, decode_model = models.build(cfg), models.build(cfg, decode=True)
+  params = _random_params(cfg)
+  apply = jax.jit(functools.partial(model.apply, mutable=['intermediates']))
+  _, state = apply({'params': params}, INPUTS, DEC_INPUTS)
+  jax.effects_barrier()
+  (weights,) = state['intermediates']['decoder']['attention_weights']
+  weights = np.asarray(weights)  # [b, h, n, m]
+  _assert_alignment_and_offsets(calls, weights)
+
+  encoded = model.apply({'params': params}, INPUTS, method='encode')
+  decode = jax.jit(functools.partial(decode_model.apply, method='decode',
+                                     mutable=['cache', 'intermediates']))
+  fresh = jax.eval_shape(decode_model.init, jax.random.key(1), INPUTS, DEC_INPUTS)['cache']
+  fresh = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), fresh)  # as `init` leaves it
+  # Chunks of lengths 1 and 2 only: two compilations.
+  for chunks in ([(t, t + 1) for t in range(DEC_INPUTS.shape[1])],
+                 [(0, 2), (2, 3), (3, 5), (5, 6)]):
+    cache = fresh
+    calls.clear()
+    sown = []
+    for lo, hi in chunks:
+      _, variables = decode({'params': params, 'cache': cache}, encoded, INPUTS,
+                            DEC_INPUTS[:, lo:hi])
+      cache = variables['cache']
+      sown.append(np.asarray(variables['intermediates']['decoder']['attention_weights'][0]))
+    jax.effects_barrier()
+    _assert_alignment_and_offsets(calls, np.concatenate(sown, axis=2))
+    np.testing.assert_allclose(np.concatenate(sown, axis=2), weights, atol=1e-5)
 
 
 # ---- padding ---------------------------------------------------------------------

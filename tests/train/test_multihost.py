@@ -1,8 +1,10 @@
 """Multi-host through jax.distributed, as real processes on 127.0.0.1:
-2 processes = 1 process with the same 2 devices; a dead process stops the job."""
+2 processes = 1 process with the same 2 devices; a dead process stops the job;
+a signal to one process stops both at one step, with one checkpoint."""
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -23,6 +25,22 @@ TINY = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.mod
 def _command(workdir, tfds_dir, *extra):
   return [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
           f'--config.data.data_dir={tfds_dir}', *TINY, *extra]
+
+
+@pytest.fixture
+def tfds_built(tfds_dir):
+  """tfds_dir holding TINY's dataset, built here first: two processes that
+  both find it missing both build it, and the second's rename onto the first's
+  fails (FileExistsError), which leaves the other waiting 30 s in a collective."""
+  from flaxformer_lite import data
+  config = runpy.run_path(os.path.join(REPO, 'experiments', 'reverse.py'))['get_config']()
+  for arg in TINY:
+    if arg.startswith('--config.data.'):
+      key, value = arg[len('--config.data.'):].split('=')
+      config.data[key] = int(value)
+  config.data.data_dir = tfds_dir
+  data.load(config.data)
+  return tfds_dir
 
 
 def _losses(workdir):
@@ -56,11 +74,11 @@ def test_two_processes_give_the_curve_of_one_process_with_two_devices(tfds_dir, 
   assert sorted(os.listdir(os.path.join(two, 'checkpoints'))) == ['10']
 
 
-def test_a_dead_process_stops_the_others_with_an_error(tfds_dir, tmp_path):
+def test_a_dead_process_stops_the_others_with_an_error(tfds_built, tmp_path):
   workdir = str(tmp_path / 'w')
   log = tmp_path / 'stderr.txt'
   with open(log, 'w') as err_file:  # a file, not a pipe: nobody blocks on a full buffer
-    proc = subprocess.Popen(_command(workdir, tfds_dir, '--config.train.num_steps=100000',
+    proc = subprocess.Popen(_command(workdir, tfds_built, '--config.train.num_steps=100000',
                                      '--config.train.checkpoint_every=100000',
                                      '--local_processes=2'),
                             cwd=REPO, env=_env(), stderr=err_file, text=True)
@@ -83,3 +101,58 @@ def test_a_dead_process_stops_the_others_with_an_error(tfds_dir, tmp_path):
   assert time.time() - start < 60
   with pytest.raises(ProcessLookupError):  # the survivor is gone too
     os.kill(pids[0], 0)
+
+
+def test_a_signal_to_one_process_stops_both_at_one_step_with_one_checkpoint(tfds_built, tmp_path):
+  """README: a signal to any process of a multi-host job stops all of them at
+  the same step with a checkpoint. SIGTERM to process 1 only: both exit 0
+  (the launcher's code is 0 only when every process's is), both log the stop
+  at one step, one complete checkpoint holds that step, and the same command
+  resumes from it to the end."""
+  workdir, num_steps = str(tmp_path / 'w'), 40
+  # Every step logged: the first train record shows both processes inside the
+  # loop (each step is a collective), where the signal handler is installed.
+  # No periodic checkpoint or evaluation: the stop writes the only checkpoint.
+  command = _command(workdir, tfds_built, f'--config.train.num_steps={num_steps}',
+                     '--config.train.log_every=1', f'--config.train.eval_every={num_steps}',
+                     '--config.train.checkpoint_every=100000', '--local_processes=2')
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  log = tmp_path / 'stderr.txt'
+  with open(log, 'w') as err_file:
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stderr=err_file, text=True)
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None and not (
+      os.path.exists(metrics) and _losses(workdir)):
+    time.sleep(0.05)
+  pids = [int(p) for p in re.findall(r'launch: process \d of 2 is pid (\d+)', log.read_text())]
+  assert len(pids) == 2 and proc.poll() is None, log.read_text()[-3000:]
+  os.kill(pids[1], signal.SIGTERM)
+  try:
+    proc.wait(timeout=120)
+  except subprocess.TimeoutExpired:
+    for pid in [proc.pid, *pids]:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    raise AssertionError('the job did not stop: ' + log.read_text()[-3000:]) from None
+  err = log.read_text()
+  assert proc.returncode == 0, err[-3000:]
+  stops = re.findall(r'^\S+ (\[1\] )?Stopped on (.+) at step (\d+) of \d+; checkpoint saved '
+                     r'in \S+\. Re-run the same command to resume\.$', err, re.M)
+  assert sorted((p, reason) for p, reason, _ in stops) == [
+      ('', 'a signal to another process'), ('[1] ', 'SIGTERM')], err[-3000:]
+  step = int(stops[0][2])
+  assert {int(s) for _, _, s in stops} == {step} and 1 <= step < num_steps, stops
+  assert err.count('SIGTERM received') == 1  # process 1's; process 0 got no signal
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(step)]
+  assert max(_losses(workdir)) == step
+
+  done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert re.search(rf'Resumed from \S+ at step {step}\n', done.stderr), done.stderr[-3000:]
+  assert 'Stopped on' not in done.stderr
+  assert sorted(_losses(workdir)) == list(range(1, num_steps + 1))
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints')), key=int) == [
+      str(step), str(num_steps)]
