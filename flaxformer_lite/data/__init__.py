@@ -54,7 +54,23 @@ def default_data_dir() -> str:
 
 
 def load(data_config) -> Dataset:
-  """Prepares (once) and reads the dataset named by config.data."""
+  """Prepares (once) and reads the dataset named by config.data.
+
+  In a multi-process job process 0 prepares it (TFDS files, the tokenizer)
+  while the others wait, then they read what it wrote: two processes that
+  both found it missing would both write it, and the second's rename onto
+  the first's fails.
+  """
+  import jax  # not at module level: loading a tokenizer needs no JAX
+  if jax.process_count() == 1:
+    return _load(data_config)
+  from jax.experimental import multihost_utils
+  dataset = _load(data_config) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices('flaxformer_lite: dataset prepared')
+  return dataset if dataset is not None else _load(data_config)
+
+
+def _load(data_config) -> Dataset:
   task = data_config['task']
   if task not in TASKS:
     raise DataError(f'data.task={task!r} is not a known task; valid: {", ".join(TASKS)}')

@@ -4,7 +4,6 @@ a signal to one process stops both at one step, with one checkpoint."""
 import json
 import os
 import re
-import runpy
 import signal
 import subprocess
 import sys
@@ -25,22 +24,6 @@ TINY = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.mod
 def _command(workdir, tfds_dir, *extra):
   return [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
           f'--config.data.data_dir={tfds_dir}', *TINY, *extra]
-
-
-@pytest.fixture
-def tfds_built(tfds_dir):
-  """tfds_dir holding TINY's dataset, built here first: two processes that
-  both find it missing both build it, and the second's rename onto the first's
-  fails (FileExistsError), which leaves the other waiting 30 s in a collective."""
-  from flaxformer_lite import data
-  config = runpy.run_path(os.path.join(REPO, 'experiments', 'reverse.py'))['get_config']()
-  for arg in TINY:
-    if arg.startswith('--config.data.'):
-      key, value = arg[len('--config.data.'):].split('=')
-      config.data[key] = int(value)
-  config.data.data_dir = tfds_dir
-  data.load(config.data)
-  return tfds_dir
 
 
 def _losses(workdir):
@@ -74,11 +57,11 @@ def test_two_processes_give_the_curve_of_one_process_with_two_devices(tfds_dir, 
   assert sorted(os.listdir(os.path.join(two, 'checkpoints'))) == ['10']
 
 
-def test_a_dead_process_stops_the_others_with_an_error(tfds_built, tmp_path):
+def test_a_dead_process_stops_the_others_with_an_error(tfds_dir, tmp_path):
   workdir = str(tmp_path / 'w')
   log = tmp_path / 'stderr.txt'
   with open(log, 'w') as err_file:  # a file, not a pipe: nobody blocks on a full buffer
-    proc = subprocess.Popen(_command(workdir, tfds_built, '--config.train.num_steps=100000',
+    proc = subprocess.Popen(_command(workdir, tfds_dir, '--config.train.num_steps=100000',
                                      '--config.train.checkpoint_every=100000',
                                      '--local_processes=2'),
                             cwd=REPO, env=_env(), stderr=err_file, text=True)
@@ -103,7 +86,7 @@ def test_a_dead_process_stops_the_others_with_an_error(tfds_built, tmp_path):
     os.kill(pids[0], 0)
 
 
-def test_a_signal_to_one_process_stops_both_at_one_step_with_one_checkpoint(tfds_built, tmp_path):
+def test_a_signal_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_path):
   """README: a signal to any process of a multi-host job stops all of them at
   the same step with a checkpoint. SIGTERM to process 1 only: both exit 0
   (the launcher's code is 0 only when every process's is), both log the stop
@@ -113,7 +96,9 @@ def test_a_signal_to_one_process_stops_both_at_one_step_with_one_checkpoint(tfds
   # Every step logged: the first train record shows both processes inside the
   # loop (each step is a collective), where the signal handler is installed.
   # No periodic checkpoint or evaluation: the stop writes the only checkpoint.
-  command = _command(workdir, tfds_built, f'--config.train.num_steps={num_steps}',
+  # A data dir of its own, empty: both processes find the dataset missing, and
+  # process 0 alone prepares it (data.load).
+  command = _command(workdir, str(tmp_path / 'tfds'), f'--config.train.num_steps={num_steps}',
                      '--config.train.log_every=1', f'--config.train.eval_every={num_steps}',
                      '--config.train.checkpoint_every=100000', '--local_processes=2')
   metrics = os.path.join(workdir, 'metrics.jsonl')
