@@ -1,6 +1,10 @@
-"""Property tests for models.build: cached decoding, causality, padding."""
+"""Property tests for models.build: cached decoding, causality, padding.
+
+The decoding and causality properties run for every registered variant a
+Transformer can use, with options that put its position logic to work on
+sequences longer than its window (see `exercised_options`).
+"""
 import functools
-import itertools
 
 import flax.linen as nn
 import jax
@@ -13,24 +17,30 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import AddPositions
 
 BASE = dict(type='encoder_decoder', vocab_size=13, d_model=16, num_heads=2,
-            num_encoder_layers=2, num_decoder_layers=2, mlp_dim=32, dropout_rate=0.0,
+            num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32, dropout_rate=0.0,
             attention_dropout_rate=0.0, attention='dot_product', attention_kwargs={},
-            positions='sinusoidal', max_len=32, pre_ln=True, activation='relu',
+            positions='sinusoidal', max_len=16, pre_ln=True, activation='relu',
             dtype='float32')
 
-MODEL_TYPES = ['encoder_decoder', 'decoder_only']
-VARIANTS = list(itertools.product(['sinusoidal', 'learned'], [True, False]))
-VARIANT_IDS = [f'{p}-{"preln" if ln else "postln"}' for p, ln in VARIANTS]
+SETTINGS = [('sinusoidal', True), ('learned', False), ('sinusoidal', False), ('learned', True)]
+SETTING_IDS = [f'{p}-{"preln" if ln else "postln"}' for p, ln in SETTINGS]
 
-# Encoder inputs: example 0 padded after 3 tokens. Decoder inputs contain no
-# PAD: a cached decoder is fed real tokens only.
-INPUTS = jnp.asarray([[3, 4, 5, 0, 0], [6, 7, 8, 9, 10]], jnp.int32)
-TARGETS = jnp.asarray([[3, 9, 4, 12, 5, 2], [7, 7, 11, 6, 10, 2]], jnp.int32)
+# Encoder inputs: padded after 6 and 10 tokens. Decoder inputs contain no PAD:
+# a cached decoder is fed real tokens only. Both L long, so that the encoder's
+# ops have the decoder's shapes (compiled once).
+INPUTS = jnp.asarray([[3, 4, 5, 6, 7, 2, 0, 0, 0, 0, 0, 0],
+                      [8, 9, 10, 11, 12, 3, 4, 5, 6, 2, 0, 0]], jnp.int32)
+TARGETS = jnp.asarray([[3, 9, 4, 12, 5, 8, 6, 10, 11, 4, 7, 2],
+                       [7, 7, 11, 6, 10, 3, 12, 9, 5, 5, 8, 2]], jnp.int32)
 L = TARGETS.shape[1]
 
 
-def _config(model_type, positions, pre_ln):
-  return dict(BASE, type=model_type, positions=positions, pre_ln=pre_ln)
+def _config(model_type, positions, pre_ln, attention='dot_product', options=()):
+  # One decoder layer beside an encoder (the cost is in the number of layers run
+  # op by op); two in a decoder-only model, so that caches of several layers meet.
+  layers = 1 if model_type == 'encoder_decoder' else 2
+  return dict(BASE, type=model_type, positions=positions, pre_ln=pre_ln, attention=attention,
+              attention_kwargs=dict(options), num_decoder_layers=layers)
 
 
 # Everything runs op by op (no jit) and parameters are drawn with numpy from
@@ -39,13 +49,14 @@ def _config(model_type, positions, pre_ln):
 
 
 @functools.lru_cache(maxsize=None)
-def _params(model_type, positions, pre_ln):
-  """Random parameters (non-zero biases, LayerNorm scales away from 1)."""
-  model = models.build(_config(model_type, positions, pre_ln))
+def _params(model_type, positions, pre_ln, attention='dot_product', options=()):
+  """Random parameters: non-zero biases, LayerNorm scales away from 1, and
+  0.5 N(0, 1) for learned positions and the variant's tables and matrices."""
+  model = models.build(_config(model_type, positions, pre_ln, attention, options))
   ids = models.shift_right(TARGETS)
   args = (INPUTS, ids) if model_type == 'encoder_decoder' else (ids,)
   shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *args)['params']
-  rng = np.random.default_rng([MODEL_TYPES.index(model_type), VARIANTS.index((positions, pre_ln))])
+  rng = np.random.default_rng(0)
 
   def draw(path, leaf):
     name = jax.tree_util.keystr(path)
@@ -58,7 +69,7 @@ def _params(model_type, positions, pre_ln):
       x = x / np.sqrt(leaf.shape[0])
     elif name.endswith("['embedding']"):
       x = x / np.sqrt(leaf.shape[-1])
-    else:  # learned positions: as large as the scaled token embeddings
+    else:
       x = 0.5 * x
     return jnp.asarray(x, leaf.dtype)
 
@@ -69,58 +80,101 @@ def _zeros(shapes):
   return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _schedules():
-  """Chunk sizes fed to the cached decoder: single steps; a prefill, then steps."""
-  return [[1] * L, [3] + [1] * (L - 3)]
+# ---- every variant, with options that exercise its positions ----------------------
+
+# Picked by option name, so that a renamed option (t5's max_distance ->
+# bucket_max_distance, luong's window -> half_window) keeps its value. On L = 12
+# tokens: windows of 2 (local's full pass takes the blocked form, its cached
+# steps the plain one); shaw clips distances at 2; t5 has 8 buckets, the last
+# from distance 5 on.
+_WINDOW, _SHAW_CLIP, _T5_BUCKETS, _T5_RANGE = 2, 2, 8, 5
+# Options that pick a code path or a convention, each run.
+FORMS = {'local': ({'causal': False}, {'causal': True}),
+         'shaw': tuple({'form': f} for f in ('naive', 'matmul', 'banded')),
+         't5_bias': ({'bidirectional': True}, {'bidirectional': False})}
+
+
+def exercised_options(name, extra=None) -> tuple:
+  """The variant's options (sorted (name, value) pairs) for these tests."""
+  defaults = registry.get(name).kwargs
+  t5 = 'num_buckets' in defaults
+  picks = {'window': _WINDOW, 'half_window': _WINDOW, 'num_buckets': _T5_BUCKETS,
+           'max_distance': _T5_RANGE if t5 else _SHAW_CLIP, 'bucket_max_distance': _T5_RANGE}
+  options = {k: v for k, v in picks.items() if k in defaults}
+  unpicked = [k for k in defaults if ('window' in k or 'distance' in k) and k not in options]
+  assert not unpicked, f'{name}: no test value for {unpicked}'
+  options.update(extra or {})
+  registry.resolve_kwargs(name, options)  # raises for an option the variant lacks
+  return tuple(sorted(options.items()))
+
+
+def _cases(model_type):
+  """(attention, options) for every variant `model_type` can use, every form."""
+  return [(name, exercised_options(name, extra)) for name in registry.names()
+          if model_type in registry.get(name).models for extra in FORMS.get(name, (None,))]
+
+
+def _case_id(model_type, positions, pre_ln, name, options):
+  shown = {k for forms in FORMS.values() for form in forms for k in form}
+  forms = ''.join(f'-{k}={v}' for k, v in options if k in shown)
+  return f'{name}{forms}-{model_type}-{positions}-{"preln" if pre_ln else "postln"}'
+
+
+def _parametrize(settings):
+  """Every case in each (model_type, positions, pre_ln) of `settings`."""
+  params = [(t, p, ln, name, options) for t, p, ln in settings for name, options in _cases(t)]
+  return pytest.mark.parametrize('model_type,positions,pre_ln,attention,options', params,
+                                 ids=[_case_id(*x) for x in params])
+
+
+def test_exercised_options_are_shorter_than_the_sequence():
+  # Some query has keys beyond its window / clipping distance / last bucket on both sides.
+  for name, options in _cases('encoder_decoder'):
+    for key, value in options:
+      if 'window' in key or 'distance' in key:
+        assert 2 * value < L, (name, key, value)
 
 
 # ---- cached decoding == teacher-forced forward ---------------------------------
 
-
-@pytest.mark.parametrize('positions,pre_ln', VARIANTS, ids=VARIANT_IDS)
-def test_encoder_decoder_cached_decoding_matches_forward(positions, pre_ln):
-  cfg = _config('encoder_decoder', positions, pre_ln)
-  model, decoder = models.build(cfg), models.build(cfg, decode=True)
-  dec_inputs = models.shift_right(TARGETS)
-  params = _params('encoder_decoder', positions, pre_ln)
-  want = np.asarray(model.apply({'params': params}, INPUTS, dec_inputs))
-  assert want.shape == (2, L, 13)
-  encoded = model.apply({'params': params}, INPUTS, method='encode')
-  fresh_cache = _zeros(jax.eval_shape(decoder.init, jax.random.PRNGKey(1), INPUTS,
-                                       dec_inputs)['cache'])
-  for schedule in _schedules():
-    cache, start = fresh_cache, 0
-    for size in schedule:
-      logits, mutated = decoder.apply({'params': params, 'cache': cache}, encoded, INPUTS,
-                                      dec_inputs[:, start:start + size], method='decode',
-                                      mutable=['cache'])
-      cache = mutated['cache']
-      np.testing.assert_allclose(np.asarray(logits), want[:, start:start + size],
-                                 atol=1e-4, rtol=1e-4,
-                                 err_msg=f'schedule {schedule}, positions {start}+{size}')
-      start += size
-    assert start == L
+# Each variant meets sinusoidal, learned and no positions, pre- and post-LN, and
+# both model types.
+DECODE_SETTINGS = [('encoder_decoder', 'sinusoidal', True),
+                   ('decoder_only', 'learned', False),
+                   ('decoder_only', 'none', True)]
+# Chunks fed to the cached decoder: one token, a chunk of 5 (whose queries
+# straddle windows), again.
+SCHEDULE = (1, 5, 1, 5)
 
 
-@pytest.mark.parametrize('positions,pre_ln', VARIANTS, ids=VARIANT_IDS)
-def test_decoder_only_cached_decoding_matches_forward(positions, pre_ln):
-  cfg = _config('decoder_only', positions, pre_ln)
+@_parametrize(DECODE_SETTINGS)
+def test_every_variant_decodes_with_the_cache_like_the_full_pass(model_type, positions, pre_ln,
+                                                                 attention, options):
+  """The property that relative schemes break most often: the cached query at
+  step t must get position t (q_offset), not its index within the step."""
+  cfg = _config(model_type, positions, pre_ln, attention, options)
   model, decoder = models.build(cfg), models.build(cfg, decode=True)
   ids = models.shift_right(TARGETS)
-  params = _params('decoder_only', positions, pre_ln)
-  want = np.asarray(model.apply({'params': params}, ids))
+  params = _params(model_type, positions, pre_ln, attention, options)
+  if model_type == 'encoder_decoder':
+    want = model.apply({'params': params}, INPUTS, ids)
+    encoded = model.apply({'params': params}, INPUTS, method='encode')
+    args, step = (INPUTS, ids), lambda v, x: decoder.apply(v, encoded, INPUTS, x, method='decode',
+                                                           mutable=['cache'])
+  else:
+    want = model.apply({'params': params}, ids)
+    args, step = (ids,), lambda v, x: decoder.apply(v, x, mutable=['cache'])
+  want = np.asarray(want)
   assert want.shape == (2, L, 13)
-  fresh_cache = _zeros(jax.eval_shape(decoder.init, jax.random.PRNGKey(1), ids)['cache'])
-  for schedule in _schedules():
-    cache, start = fresh_cache, 0
-    for size in schedule:
-      logits, mutated = decoder.apply({'params': params, 'cache': cache},
-                                      ids[:, start:start + size], mutable=['cache'])
-      cache = mutated['cache']
-      np.testing.assert_allclose(np.asarray(logits), want[:, start:start + size],
-                                 atol=1e-4, rtol=1e-4,
-                                 err_msg=f'schedule {schedule}, positions {start}+{size}')
-      start += size
+  cache = _zeros(jax.eval_shape(decoder.init, jax.random.PRNGKey(1), *args)['cache'])
+  start = 0
+  for size in SCHEDULE:
+    logits, mutated = step({'params': params, 'cache': cache}, ids[:, start:start + size])
+    cache = mutated['cache']
+    np.testing.assert_allclose(np.asarray(logits), want[:, start:start + size],
+                               atol=2e-4, rtol=2e-4, err_msg=f'positions {start}+{size}')
+    start += size
+  assert start == L
 
 
 # ---- causality -------------------------------------------------------------------
@@ -137,32 +191,43 @@ def _perturb_decoder_positions(delta):
   return nn.intercept_methods(interceptor)
 
 
-@pytest.mark.parametrize('model_type', MODEL_TYPES)
-@pytest.mark.parametrize('positions,pre_ln', VARIANTS, ids=VARIANT_IDS)
-def test_no_position_sees_the_future_gradient(model_type, positions, pre_ln):
-  # d logits / d (embedded decoder input at position s), along a random
-  # direction: exactly zero at every position t < s, non-zero at t = s.
-  model = models.build(_config(model_type, positions, pre_ln))
+# Both model types (the decoder-only stack, an encoder-decoder's decoder), with
+# positions and LN other than DECODE_SETTINGS' for the same model type.
+CAUSAL_SETTINGS = [('decoder_only', 'sinusoidal', False), ('encoder_decoder', 'none', False)]
+
+
+@_parametrize(CAUSAL_SETTINGS)
+def test_no_position_sees_the_future_gradient(model_type, positions, pre_ln, attention, options):
+  """d logits[t] / d (embedded decoder input at s), along random directions:
+  exactly zero for every s > t, non-zero at s = t."""
+  model = models.build(_config(model_type, positions, pre_ln, attention, options))
   ids = models.shift_right(TARGETS)
   args = (INPUTS, ids) if model_type == 'encoder_decoder' else (ids,)
-  params = _params(model_type, positions, pre_ln)
+  params = _params(model_type, positions, pre_ln, attention, options)
 
   def logits(delta):
     with _perturb_decoder_positions(delta):
       return model.apply({'params': params}, *args)
 
   rng = np.random.default_rng(0)
-  # linearize traces the model once; each directional derivative then
-  # evaluates the linear map only.
-  _, derivative = jax.linearize(logits, jnp.zeros((2, L, BASE['d_model'])))
-  for s in range(L):
-    direction = np.zeros((2, L, BASE['d_model']), np.float32)
-    direction[:, s] = rng.normal(size=(2, BASE['d_model']))
-    tangent = np.asarray(derivative(jnp.asarray(direction)))  # [b, L, V]
-    np.testing.assert_array_equal(tangent[:, :s], 0.0,
-                                  err_msg=f'logits before {s} depend on input {s}')
-    for b in range(2):
-      assert np.abs(tangent[b, s]).max() > 1e-6, f'logits {s} ignore input {s}'
+  zeros = jnp.zeros((2, L, BASE['d_model']))
+  dependence = np.zeros((2, L, L))  # [b, t, s]: max |derivative of logits t along input s|
+  # Both trace the model once; each derivative then runs the linear map only.
+  if dict(options).get('form') == 'banded':  # custom VJPs, no forward mode: row t by row t
+    out, backward = jax.vjp(logits, zeros)
+    for t in range(L):
+      direction = np.zeros(out.shape, np.float32)
+      direction[:, t] = rng.normal(size=(2, out.shape[-1]))
+      dependence[:, t] = np.abs(np.asarray(backward(jnp.asarray(direction))[0])).max(-1)
+  else:  # forward mode, column s by column s: its ops have the forward pass's shapes, compiled
+    _, derivative = jax.linearize(logits, zeros)
+    for s in range(L):
+      direction = np.zeros(zeros.shape, np.float32)
+      direction[:, s] = rng.normal(size=(2, zeros.shape[-1]))
+      dependence[:, :, s] = np.abs(np.asarray(derivative(jnp.asarray(direction)))).max(-1)
+  leaks = np.argwhere(np.triu(dependence, 1) != 0)
+  assert not leaks.size, f'(example, logits at t, input at s > t): {leaks.tolist()}'
+  assert np.all(np.diagonal(dependence, axis1=1, axis2=2) > 1e-6), 'logits t ignore input t'
 
 
 @pytest.mark.parametrize('model_type,positions,pre_ln', [
@@ -190,17 +255,17 @@ def test_changing_future_tokens_leaves_past_logits(model_type, positions, pre_ln
 # ---- encoder padding ----------------------------------------------------------
 
 
-@pytest.mark.parametrize('positions,pre_ln', VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize('positions,pre_ln', SETTINGS, ids=SETTING_IDS)
 def test_extra_encoder_padding_leaves_logits_unchanged(positions, pre_ln):
   cfg = _config('encoder_decoder', positions, pre_ln)
   model = models.build(cfg)
   dec_inputs = models.shift_right(TARGETS)
   params = _params('encoder_decoder', positions, pre_ln)
   want = np.asarray(model.apply({'params': params}, INPUTS, dec_inputs))
-  # One more PAD: length L, so the encoder reuses the decoder's compiled shapes.
-  padded = jnp.pad(INPUTS, ((0, 0), (0, L - INPUTS.shape[1])))
-  assert padded.shape[1] > INPUTS.shape[1]
-  got = np.asarray(model.apply({'params': params}, padded, dec_inputs))
+  # Two PAD fewer, the same real tokens.
+  trimmed = INPUTS[:, :10]
+  np.testing.assert_array_equal(np.asarray(INPUTS[:, 10:]), 0)
+  got = np.asarray(model.apply({'params': params}, trimmed, dec_inputs))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   # The decoder does read the encoder: a real token changed changes the logits.
   other = np.asarray(INPUTS).copy()
@@ -226,36 +291,6 @@ def test_shift_right_hand_computed():
                                 [[1, 5, 6, 7], [1, 8, 2, 0]])
   np.testing.assert_array_equal(np.asarray(models.shift_right(targets, bos_id=9)),
                                 [[9, 5, 6, 7], [9, 8, 2, 0]])
-
-
-@pytest.mark.parametrize('attention', registry.names())
-def test_every_variant_decodes_with_the_cache_like_the_full_pass(attention):
-  """The property that relative schemes break most often: the cached query at
-  step t must get position t (q_offset), not its index within the step."""
-  cfg = dict(type='encoder_decoder', vocab_size=11, d_model=16, num_heads=2,
-             num_encoder_layers=1, num_decoder_layers=2, mlp_dim=32, dropout_rate=0.0,
-             attention_dropout_rate=0.0, attention=attention, attention_kwargs={},
-             positions='none', max_len=16, pre_ln=True, activation='relu', dtype='float32')
-  model, decode_model = models.build(cfg), models.build(cfg, decode=True)
-  inputs = jnp.array([[4, 5, 6, 7, 2], [8, 2, 0, 0, 0]])
-  targets = jnp.array([[1, 6, 5, 4, 9, 3, 7], [1, 8, 3, 3, 2, 5, 5]])
-  params = model.init(jax.random.key(0), inputs, targets)['params']
-  # Random (not initial) values for every parameter, so that a position error shows.
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  rng = np.random.default_rng(0)
-  params = jax.tree_util.tree_unflatten(
-      tree, [jnp.asarray(rng.normal(size=x.shape).astype(np.float32) * 0.5) for x in leaves])
-  want = model.apply({'params': params}, inputs, targets)
-  encoded = model.apply({'params': params}, inputs, method='encode')
-  cache = decode_model.init(jax.random.key(0), inputs, targets)['cache']
-  got = []
-  for lo, hi in ((0, 3), (3, 4), (4, 5), (5, 7)):  # prefill, steps, a chunk
-    logits, variables = decode_model.apply({'params': params, 'cache': cache}, encoded, inputs,
-                                           targets[:, lo:hi], method='decode', mutable=['cache'])
-    cache = variables['cache']
-    got.append(logits)
-  np.testing.assert_allclose(np.asarray(jnp.concatenate(got, 1)), np.asarray(want),
-                             atol=2e-4, rtol=2e-4)
 
 
 def test_gpt2_init_draws_the_published_scales():
