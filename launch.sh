@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Quick start:
 #   ./launch.sh                                  the embedded default (experiments/reverse.py)
-#   ./launch.sh test [PYTEST_ARGS...]            the test suite
+#   ./launch.sh test [PYTEST_ARGS...]            the test suite (pytest-xdist, a worker per core)
 #   ./launch.sh EXPERIMENT.py [--workdir=DIR] [--config.a.b=value ...]
 #   ./launch.sh --list_attention                 the attention variants and their kwargs
 #   ./launch.sh run SCRIPT.py [ARGS...]          any script (e.g. benchmarks/) with this setup
@@ -57,7 +57,12 @@ fi
 
 if [ "${1:-}" = "test" ]; then
   shift
-  exec "$PY" -m pytest --durations=10 "$@"
+  # One pytest-xdist worker per core, at most 4 (each holds a JAX process of a
+  # few GiB); FFL_TEST_WORKERS overrides, 0 runs in this process.
+  cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+  workers="${FFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+  [ "$workers" -ge 2 ] || workers=0
+  exec "$PY" -m pytest -n "$workers" --durations=10 "$@"
 fi
 if [ "${1:-}" = "run" ]; then
   shift

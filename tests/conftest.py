@@ -120,3 +120,13 @@ def run_main():
     return subprocess.run([sys.executable, '-m', 'flaxformer_lite.main', *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
   return run
+
+
+# Tests that train in subprocesses or on real data run first: with several
+# workers (launch.sh test runs pytest-xdist), the short ones then fill the
+# gaps instead of one worker finishing a long test alone at the end.
+SLOW_FIRST = ('tests/train/', 'tests/test_real_data.py', 'tests/test_main.py')
+
+
+def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))
