@@ -139,26 +139,33 @@ def _choice(name: str, value: Any, valid):
   _check(value in valid, f'{name}={value!r} is not valid; valid: {", ".join(map(str, valid))}')
 
 
+def unknown_key_message(config, path: str) -> str | None:
+  """None when `path` ('model.d_model') names a key of `config`; else the
+  message naming the first part that does not exist, the nearest valid key
+  and the valid keys beside it."""
+  node, walked = config, []
+  for key in path.split('.'):
+    if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+      valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+      near = difflib.get_close_matches(key, valid, n=1)
+      where = '.'.join(walked) or 'the config'
+      hint = f' Did you mean {".".join(walked + near)!r}?' if near else ''
+      return (f'unknown config key {path!r} (no {key!r} in {where}).{hint} '
+              f'Valid keys in {where}: {", ".join(valid)}')
+    node = node[key]
+    walked.append(key)
+  return None
+
+
 def check_keys(config) -> None:
   """Every key of `config` is one that base_config() declares: a typo in an
   experiment file (`config.model.d_modle = 256`) would otherwise add a key
-  and train the default. Raises ConfigError naming the key and the nearest
-  valid one."""
-  valid = flatten(base_config())
-  parents = {k.rsplit('.', 1)[0] for k in valid if '.' in k}
+  and train the default. Raises ConfigError (unknown_key_message)."""
+  base = base_config()
   for key in sorted(flatten(config)):
-    if key in valid:
-      continue
-    parent, _, leaf = key.rpartition('.')
-    while parent and parent not in parents:  # a typo in a section name: 'modle.d_model'
-      parent, _, leaf = parent.rpartition('.')
-    siblings = sorted({k[len(parent) + 1:].split('.')[0] if parent else k.split('.')[0]
-                       for k in valid if not parent or k.startswith(parent + '.')})
-    near = difflib.get_close_matches(leaf, siblings, n=1)
-    where = parent or 'the config'
-    hint = f' Did you mean {".".join(filter(None, (parent, near[0])))!r}?' if near else ''
-    raise ConfigError(f'unknown config key {key!r} (no {leaf!r} in {where}).{hint} '
-                      f'Valid keys in {where}: {", ".join(siblings)}')
+    message = unknown_key_message(base, key)
+    if message:
+      raise ConfigError(message)
 
 
 def validate(config) -> None:

@@ -5,7 +5,6 @@ saved overwritten); 3 non-finite loss (the last good checkpoint is kept).
 """
 from __future__ import annotations
 
-import difflib
 import logging as std_logging
 import os
 import runpy
@@ -58,20 +57,10 @@ def _explain_override(argv) -> str | None:
   except Exception:  # the experiment file itself is broken: reported elsewhere
     return None
   for arg in argv[1:]:
-    if not arg.startswith('--config.'):
-      continue
-    path = arg[len('--config.'):].split('=', 1)[0]
-    node, walked = base, []
-    for key in path.split('.'):
-      if not isinstance(node, ConfigDict) or key not in node:
-        valid = sorted(node.keys()) if isinstance(node, ConfigDict) else []
-        near = difflib.get_close_matches(key, valid, n=1)
-        where = '.'.join(walked) or 'the config'
-        hint = f' Did you mean {".".join(walked + near)!r}?' if near else ''
-        return (f'unknown config key {path!r} (no {key!r} in {where}).{hint} '
-                f'Valid keys in {where}: {", ".join(valid)}')
-      node = node[key]
-      walked.append(key)
+    if arg.startswith('--config.'):
+      message = config_lib.unknown_key_message(base, arg[len('--config.'):].split('=', 1)[0])
+      if message:
+        return message
   return None
 
 
