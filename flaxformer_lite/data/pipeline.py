@@ -205,7 +205,9 @@ def pad_rows(batch: dict, rows: int) -> dict:
   for k, v in batch.items():
     if len(v) > rows:
       raise ValueError(f'pad_rows: a batch of {len(v)} rows does not fit in {rows}')
-    out[k] = np.concatenate([v, np.full((rows - len(v),) + v.shape[1:], PAD_ID, v.dtype)])
+    # called on every train batch: no copy when it already splits
+    out[k] = v if len(v) == rows else np.concatenate(
+        [v, np.full((rows - len(v),) + v.shape[1:], PAD_ID, v.dtype)])
   return out
 
 
