@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flaxformer_lite.attention.masks import MaskSpec
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
                                     RNNEncoder, TransformerConfig)
 from flaxformer_lite.layers.transformer import ACTIVATIONS, embed_kwargs
@@ -25,6 +26,14 @@ def shift_right(targets, bos_id: int = BOS_ID):
   targets [b, n] int -> [b, n].
   """
   return jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+
+
+def padding_mask(ids, causal=False) -> MaskSpec:
+  """Self-attention over ids [b, n]: PAD tokens neither attend nor are attended
+  to; causal: key j <= query i. Described (masks.MaskSpec): the attention
+  kernel builds it whole or block by block."""
+  valid = ids > PAD_ID
+  return MaskSpec(key_valid=valid, query_valid=valid, causal=causal)
 
 
 class EncoderDecoder(nn.Module):
@@ -43,8 +52,7 @@ class EncoderDecoder(nn.Module):
 
   def encode(self, inputs, *, deterministic=True):
     """inputs [b, m] -> [b, m, d_model]."""
-    mask = nn.make_attention_mask(inputs > PAD_ID, inputs > PAD_ID, dtype=bool)
-    return self.encoder(inputs, mask=mask, deterministic=deterministic)
+    return self.encoder(inputs, mask=padding_mask(inputs), deterministic=deterministic)
 
   def decode(self, encoded, inputs, decoder_inputs, *, deterministic=True):
     """encoded [b, m, d], inputs [b, m], decoder_inputs [b, n] -> logits [b, n, V].
@@ -54,14 +62,11 @@ class EncoderDecoder(nn.Module):
     """
     if self.cfg.decode:
       self_mask = None
-      queries_valid = jnp.ones_like(decoder_inputs, dtype=bool)
+      queries_valid = None
     else:
-      self_mask = nn.combine_masks(
-          nn.make_attention_mask(decoder_inputs > PAD_ID, decoder_inputs > PAD_ID,
-                                dtype=bool),
-          nn.make_causal_mask(decoder_inputs, dtype=bool), dtype=bool)
+      self_mask = padding_mask(decoder_inputs, causal=True)
       queries_valid = decoder_inputs > PAD_ID
-    cross_mask = nn.make_attention_mask(queries_valid, inputs > PAD_ID, dtype=bool)
+    cross_mask = MaskSpec(key_valid=inputs > PAD_ID, query_valid=queries_valid)
     return self.decoder(decoder_inputs, encoded, self_mask=self_mask,
                         cross_mask=cross_mask, deterministic=deterministic)
 
@@ -81,12 +86,7 @@ class DecoderOnly(nn.Module):
     self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, name='decoder')
 
   def __call__(self, ids, *, deterministic=True):
-    if self.cfg.decode:
-      self_mask = None
-    else:
-      self_mask = nn.combine_masks(
-          nn.make_attention_mask(ids > PAD_ID, ids > PAD_ID, dtype=bool),
-          nn.make_causal_mask(ids, dtype=bool), dtype=bool)
+    self_mask = None if self.cfg.decode else padding_mask(ids, causal=True)
     return self.decoder(ids, self_mask=self_mask, deterministic=deterministic)
 
 
@@ -112,8 +112,7 @@ class EncoderOnly(nn.Module):
 
   def encode(self, ids, *, deterministic=True):
     """ids [b, n] -> final hidden states [b, n, d_model] (before the MLM head)."""
-    mask = nn.make_attention_mask(ids > PAD_ID, ids > PAD_ID, dtype=bool)
-    return self.encoder(ids, mask=mask, deterministic=deterministic)
+    return self.encoder(ids, mask=padding_mask(ids), deterministic=deterministic)
 
   def __call__(self, ids, *, deterministic=True):
     h = self.encode(ids, deterministic=deterministic)  # [b, n, d]

@@ -100,7 +100,7 @@ def test_cli_variant_option_settable_from_command_line(tmp_path, run_main):
   proc = run_main('--config.model.attention_kwargs.implementation=bogus',
                   f'--workdir={tmp_path}/w')
   assert proc.returncode == 2
-  assert "implementation='bogus'" in proc.stderr and "'reference'" in proc.stderr
+  assert "implementation='bogus'" in proc.stderr and "'chunked'" in proc.stderr
 
 
 def test_cli_list_attention(run_main):
@@ -109,8 +109,12 @@ def test_cli_list_attention(run_main):
   lines = proc.stdout.strip().splitlines()
   assert [line.split('\t')[0] for line in lines] == registry.names()
   by_name = {line.split('\t')[0]: line for line in lines}
-  assert "implementation='auto'" in by_name['dot_product']
+  assert 'kernels=dense,chunked,xla,cudnn\t' in by_name['dot_product']
   assert 'max_distance=16' in by_name['shaw'] and 'encoder_decoder' in by_name['shaw']
+  for name in registry.names():  # the kernels each variant can run on, said plainly
+    can = registry.get(name).chunked is not None
+    assert ('kernels=dense,chunked' in by_name[name]) == can, by_name[name]
+    assert ('(cannot be chunked)' in by_name[name]) != can, by_name[name]
 
 
 REAL_BAD = [

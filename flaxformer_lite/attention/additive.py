@@ -9,15 +9,21 @@ with variance below 1 whatever d is.
 
 The tanh acts on every (query, key) pair: a [b, h, n, m, d] float32 tensor,
 O(n m d) memory where dot products need O(n m). Fine for RNN decoders (n = 1
-per step) and the short sequences these variants are compared on.
+per step) and the short sequences these variants are compared on. The chunked
+form holds one block's [b, h, bq, bk, d] at a time, blocks of at most
+ADDITIVE_CHUNK_SIZE.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.luong import attend, per_head_matrix
+
+# The chunked form's largest block: its [b, h, bq, bk, d] float32 tanh is
+# 8 MiB at b*h = 8, d = 64.
+ADDITIVE_CHUNK_SIZE = 64
 
 
 def additive_logits(query, key, v):
@@ -58,6 +64,39 @@ def luong_concat_attention(query, key, value, concat_wq, concat_wk, concat_v, *,
   return attend(additive_logits(q, k, concat_v), value, dtype=dtype or query.dtype, **common)
 
 
+def _block_logits(q, k, params, q_pos, k_pos):
+  """v_h . tanh(q_i + k_j) for one block (chunked.BlockTerms.logits)."""
+  del q_pos, k_pos
+  return additive_logits(q, k, params['v'])
+
+
+def _chunked(q, k, value, v, *, mask, q_offset, chunk_size, dtype):
+  chunk_size = min(chunk_size or ADDITIVE_CHUNK_SIZE, ADDITIVE_CHUNK_SIZE)
+  out = chunked.attend(q.astype(jnp.float32), k.astype(jnp.float32), value,
+                       chunked.BlockTerms(logits=_block_logits), {'v': v}, mask=mask,
+                       q_offset=q_offset, chunk_size=chunk_size, dtype=jnp.float32)
+  return out.astype(dtype)
+
+
+def bahdanau_chunked(query, key, value, additive_v, *, mask=None, q_offset=0,
+                     chunk_size=None, dtype=None):
+  """bahdanau_attention block by block (chunked.attend; blocks of at most
+  ADDITIVE_CHUNK_SIZE)."""
+  return _chunked(query, key, value, additive_v, mask=mask, q_offset=q_offset,
+                  chunk_size=chunk_size, dtype=dtype or query.dtype)
+
+
+def luong_concat_chunked(query, key, value, concat_wq, concat_wk, concat_v, *, mask=None,
+                         q_offset=0, chunk_size=None, dtype=None):
+  """luong_concat_attention block by block: Wq q and Wk k once (O(n d^2)),
+  then as bahdanau_chunked."""
+  f32 = jnp.float32
+  q = jnp.einsum('bnhd,hde->bnhe', query.astype(f32), concat_wq.astype(f32))
+  k = jnp.einsum('bmhd,hde->bmhe', key.astype(f32), concat_wk.astype(f32))
+  return _chunked(q, k, value, concat_v, mask=mask, q_offset=q_offset,
+                  chunk_size=chunk_size, dtype=dtype or query.dtype)
+
+
 def _v_init(head_dim):
   return jax.nn.initializers.normal(head_dim ** -0.5)
 
@@ -65,6 +104,7 @@ def _v_init(head_dim):
 registry.register(registry.AttentionVariant(
     name='bahdanau',
     fn=bahdanau_attention,
+    chunked=bahdanau_chunked,
     params=lambda num_heads, head_dim, kwargs: {
         'additive_v': ((num_heads, head_dim), _v_init(head_dim))},
     doc='softmax(v_h . tanh(q + k)) v, additive (Bahdanau et al. 2015); '
@@ -73,6 +113,7 @@ registry.register(registry.AttentionVariant(
 registry.register(registry.AttentionVariant(
     name='luong_concat',
     fn=luong_concat_attention,
+    chunked=luong_concat_chunked,
     params=lambda num_heads, head_dim, kwargs: {
         'concat_wq': ((num_heads, head_dim, head_dim), per_head_matrix),
         'concat_wk': ((num_heads, head_dim, head_dim), per_head_matrix),

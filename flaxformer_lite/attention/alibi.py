@@ -7,12 +7,13 @@ function serves bidirectional attention and equals the paper where j <= i.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention
 
 
@@ -69,10 +70,29 @@ def alibi_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
       return_weights=return_weights)
 
 
+def _block_logits(slopes, q, k, params, q_pos, k_pos):
+  """q.k - slope_h * |j - p| for one block (chunked.BlockTerms.logits)."""
+  distance = jnp.abs(k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)  # [bq, bk]
+  return (chunked.dot_logits(q, k, params, q_pos, k_pos)
+          - slopes[None, :, None, None] * distance[None, None])
+
+
+def alibi_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None):
+  """alibi_attention block by block (chunked.attend): the bias of each block
+  from its positions, never an [n, m] array."""
+  dtype = dtype or query.dtype
+  slopes = np.asarray(alibi_slopes(query.shape[2]))  # a constant: closed over
+  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, slopes))
+  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  return chunked.attend(scaled, key, value, terms, mask=mask, q_offset=q_offset,
+                        chunk_size=chunk_size, dtype=dtype)
+
+
 registry.register(registry.AttentionVariant(
     name='alibi',
     models=registry.TRANSFORMER_MODELS,
     fn=alibi_attention,
+    chunked=alibi_chunked,
     uses_positions=True,
     doc='fixed per-head linear distance penalty -slope*|j-i| (ALiBi, Press et al. '
         '2022); use with positions=none'))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.attention import chunked
+
 # Masked logits are set to this (times the dtype's max), not -inf, so that a
 # fully masked row stays finite. Same constant as jax.nn.dot_product_attention.
 _MASK_VALUE = -0.7
@@ -106,7 +108,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     key, value: [b, m, h, d].
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
-    implementation: None or 'reference' (the default path: explicit
+    implementation: None or 'dense' (the default path: explicit
       weights, the only path with dropout), or 'xla'/'cudnn' for
       `jax.nn.dot_product_attention`. None does not defer to
       `jax.nn.dot_product_attention`: there (JAX 0.10) None means 'xla',
@@ -121,7 +123,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     (that, weights [b, h, n, m]).
   """
   dtype = dtype or query.dtype
-  if implementation in (None, 'reference') or return_weights:
+  if implementation in (None, 'dense') or return_weights:
     weights = dot_product_attention_weights(
         query, key, mask=mask, bias=bias, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
@@ -129,10 +131,10 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     return (out, weights) if return_weights else out
   if implementation not in ('xla', 'cudnn'):
     raise ValueError(f"implementation={implementation!r}; valid: None, "
-                     "'reference', 'xla', 'cudnn'")
+                     "'dense', 'xla', 'cudnn'")
   if not deterministic and dropout_rate > 0.0:
     raise ValueError(f'implementation={implementation!r} has no attention '
-                     "dropout; use implementation=None or 'reference'")
+                     "dropout; use implementation=None or 'dense'")
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   b, n, h, _ = query.shape
   m = key.shape[1]
@@ -147,3 +149,13 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
                        else dtype)
   return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
                                       implementation=implementation)
+
+
+def dot_product_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None,
+                        dtype=None):
+  """dot_product_attention block by block (chunked.attend): mask a
+  masks.MaskSpec; O(n) memory, no dropout."""
+  dtype = dtype or query.dtype
+  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  return chunked.attend(scaled, key, value, mask=mask, q_offset=q_offset,
+                        chunk_size=chunk_size, dtype=dtype)

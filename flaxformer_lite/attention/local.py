@@ -22,9 +22,11 @@ Two forms give the same numbers (attention dropout aside: their masks differ):
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import chunked, masks, registry
 from flaxformer_lite.attention.dot_product import softmax_weights
 
 
@@ -150,6 +152,34 @@ def local_attention(query, key, value, *, window=8, causal=False, q_offset=0,
   return (out, weights) if return_weights else out
 
 
+def _window_mean(window, causal, value, params, q_pos, m):
+  """Uniform weights over each query's window (window_softmax's rule for a
+  query that sees none of its keys): the mean of the window's values by
+  prefix sums -> [b, n, h, d] float32, zero for an empty window."""
+  del params
+  sums = jnp.cumsum(value.astype(jnp.float32), axis=1)
+  sums = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums], axis=1)  # [b, m + 1, h, d]
+  lo = jnp.clip(q_pos - window + 1, 0, m)  # first key in the window
+  hi = jnp.clip(q_pos + (1 if causal else window), 0, m)  # one past the last
+  count = jnp.maximum(hi - lo, 0)
+  total = jnp.take(sums, jnp.maximum(hi, lo), axis=1) - jnp.take(sums, lo, axis=1)
+  return total / jnp.maximum(count, 1).astype(jnp.float32)[None, :, None, None]
+
+
+def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask=None,
+                  chunk_size=None, dtype=None):
+  """local_attention block by block: the window joins the mask description,
+  so only the key blocks that meet a query block's window are computed,
+  O(n * window) for any chunk size."""
+  dtype = dtype or query.dtype
+  mask = (mask if mask is not None else masks.MaskSpec()).replace(
+      window=window, window_causal=causal)
+  terms = chunked.BlockTerms(uniform=functools.partial(_window_mean, window, causal))
+  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  return chunked.attend(scaled, key, value, terms, mask=mask, q_offset=q_offset,
+                        chunk_size=chunk_size, dtype=dtype)
+
+
 def validate_window(kwargs):
   w = kwargs['window']
   if isinstance(w, bool) or not isinstance(w, int) or w < 1:
@@ -166,6 +196,7 @@ registry.register(registry.AttentionVariant(
     name='local',
     models=registry.TRANSFORMER_MODELS,
     fn=local_attention,
+    chunked=local_chunked,
     kwargs={'window': 8, 'causal': False},
     validate=_validate,
     uses_positions=True,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import softmax_weights
 from flaxformer_lite.attention.local import window_softmax
 
@@ -67,6 +67,25 @@ def luong_general_attention(query, key, value, general_w, *, dtype=None, **commo
   """score = q_i^T W_h k_j with W [h, d, d]; otherwise as luong_dot_attention."""
   return attend(general_logits(query, key, general_w), value, dtype=dtype or query.dtype,
                 **common)
+
+
+def luong_dot_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None,
+                      dtype=None):
+  """luong_dot_attention block by block (chunked.attend): unscaled q.k in
+  float32, as the dense form."""
+  f32 = jnp.float32
+  out = chunked.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
+                       mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=f32)
+  return out.astype(dtype or query.dtype)
+
+
+def luong_general_chunked(query, key, value, general_w, *, mask=None, q_offset=0,
+                          chunk_size=None, dtype=None):
+  """luong_general_attention block by block: W_h applied to the queries once
+  (O(n d^2)), then the unscaled chunked kernel."""
+  qw = jnp.einsum('bnhd,hde->bnhe', query.astype(jnp.float32), general_w.astype(jnp.float32))
+  return luong_dot_chunked(qw, key, value, mask=mask, q_offset=q_offset,
+                           chunk_size=chunk_size, dtype=dtype or query.dtype)
 
 
 def visible_keys(mask, m):
@@ -187,11 +206,13 @@ def _validate(kwargs):
 registry.register(registry.AttentionVariant(
     name='luong_dot',
     fn=luong_dot_attention,
+    chunked=luong_dot_chunked,
     doc='softmax(q.k) v, unscaled (Luong et al. 2015, dot)'))
 
 registry.register(registry.AttentionVariant(
     name='luong_general',
     fn=luong_general_attention,
+    chunked=luong_general_chunked,
     params=_general_params,
     doc='softmax(q^T W_h k) v, W_h [d, d] per head starting at the identity '
         '(Luong et al. 2015, general)'))

@@ -14,6 +14,13 @@ from `config.model.attention_kwargs`. Some variants receive more:
   uses_alignment: `prev_alignment` [b, h, n, m], the sum of the weights of
     all earlier decoder steps (zeros at the first); only a step-by-step
     decoder (the RNN) can supply it, so such variants list rnn_seq2seq only.
+
+The kernel is chosen apart from the variant, by two options every variant
+takes (KERNEL_OPTIONS): `implementation` ('auto' | 'dense' | 'chunked';
+dot_product also 'xla' | 'cudnn') and `chunk_size`. A variant that can run
+block by block has `chunked`, called as `fn` but with a masks.MaskSpec (or
+None) for `mask`, `chunk_size`, and without dropout, bias or weights
+(chunked.py); `choose_kernel` decides which one runs.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
 TRANSFORMER_MODELS = ('encoder_decoder', 'decoder_only', 'encoder_only')
 ALL_MODELS = TRANSFORMER_MODELS + ('rnn_seq2seq',)
@@ -45,6 +52,9 @@ class AttentionVariant:
   stochastic: fn takes `rng`.
   uses_alignment: fn takes `prev_alignment`.
   doc: one line for `--list_attention`.
+  chunked: the block-by-block form (module docstring), or None.
+  dense_implementations: further `implementation` values that `fn` itself
+    takes as its `implementation` argument (dot_product: 'xla', 'cudnn').
   """
   name: str
   fn: Callable[..., Any]
@@ -56,6 +66,8 @@ class AttentionVariant:
   stochastic: bool = False
   uses_alignment: bool = False
   doc: str = ''
+  chunked: Callable[..., Any] | None = None
+  dense_implementations: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, AttentionVariant] = {}
@@ -67,6 +79,16 @@ SHARED_OPTIONS: dict[str, str] = {
     'half_window': "Luong's D: query i sees the keys |j - p_i| <= D around its "
                    'window position p_i',
 }
+
+# Options of every variant, not of one: which kernel runs it. implementation:
+# 'dense' (the [n, m] scores; the reference), 'chunked' (blocks, O(n)
+# memory), 'auto' (chunked for long sequences where the variant has it);
+# chunk_size: rows and columns per block of the chunked kernel.
+KERNELS = ('auto', 'dense', 'chunked')
+KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': 512}
+# 'auto' takes the chunked kernel from this many (query, key) pairs per
+# sequence on (benchmarks/chunked_attention.py).
+AUTO_CHUNKED_PAIRS = 1024 * 1024
 
 
 def _check_options(variant: AttentionVariant) -> None:
@@ -93,6 +115,10 @@ def _check_options(variant: AttentionVariant) -> None:
 def register(variant: AttentionVariant) -> AttentionVariant:
   if variant.name in _REGISTRY:
     raise ValueError(f'attention variant {variant.name!r} is registered twice')
+  clash = sorted(set(variant.kwargs) & set(KERNEL_OPTIONS))
+  if clash:
+    raise ValueError(f'attention variant {variant.name!r} declares {clash}: those are the '
+                     'kernel options every variant takes (KERNEL_OPTIONS)')
   _check_options(variant)
   _REGISTRY[variant.name] = variant
   return variant
@@ -110,8 +136,10 @@ def get(name: str) -> AttentionVariant:
 
 def all_kwargs() -> dict[str, Any]:
   """Every option any variant accepts -> its default (one per name: `register`
-  admits a name twice only when it is shared with the same default)."""
-  return {k: default for v in _REGISTRY.values() for k, default in v.kwargs.items()}
+  admits a name twice only when it is shared with the same default), the
+  kernel options included."""
+  own = {k: default for v in _REGISTRY.values() for k, default in v.kwargs.items()}
+  return {**own, **KERNEL_OPTIONS}
 
 
 def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -123,33 +151,87 @@ def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]
   """
   variant = get(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
-  unknown = sorted(set(given) - set(variant.kwargs))
+  unknown = sorted(set(given) - set(variant.kwargs) - set(KERNEL_OPTIONS))
   if unknown:
-    valid = ', '.join(f'{k}={v!r}' for k, v in variant.kwargs.items()) or 'none'
+    valid = ', '.join(f'{k}={v!r}' for k, v in {**variant.kwargs, **KERNEL_OPTIONS}.items())
     raise ValueError(f'attention_kwargs {unknown} do not apply to attention='
                      f'{name!r}; its options are: {valid}')
-  kwargs = {**variant.kwargs, **given}
+  resolve_kernel(name, given)
+  kwargs = {**variant.kwargs, **{k: v for k, v in given.items() if k not in KERNEL_OPTIONS}}
   if variant.validate is not None:
     variant.validate(kwargs)
   return kwargs
 
 
+def resolve_kernel(name: str, given: Mapping[str, Any] | None) -> tuple[str, int]:
+  """(implementation, chunk_size) from `given` (attention_kwargs; None = unset), checked."""
+  variant = get(name)
+  given = {k: v for k, v in dict(given or {}).items() if v is not None}
+  impl = given.get('implementation', KERNEL_OPTIONS['implementation'])
+  size = given.get('chunk_size', KERNEL_OPTIONS['chunk_size'])
+  _validate_kernel(variant, impl, size)
+  return impl, size
+
+
+def chunked_names() -> list[str]:
+  return [name for name in names() if _REGISTRY[name].chunked is not None]
+
+
+def _validate_kernel(variant: AttentionVariant, impl, size) -> None:
+  valid = KERNELS + variant.dense_implementations
+  if impl not in valid:
+    raise ValueError(f'attention_kwargs.implementation={impl!r}; valid for attention='
+                     f'{variant.name!r}: {", ".join(map(repr, valid))}')
+  if impl == 'chunked' and variant.chunked is None:
+    raise ValueError(f"attention_kwargs.implementation='chunked': attention={variant.name!r} "
+                     'has no chunked form (its scores need the whole [n, m] array); variants '
+                     f'that have one: {", ".join(chunked_names())}')
+  if 'cudnn' in variant.dense_implementations:
+    _validate_dot_product(impl)
+  if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    raise ValueError(f'attention_kwargs.chunk_size={size!r}; must be an int >= 1')
+
+
+def choose_kernel(variant: AttentionVariant, implementation: str, query, key, *,
+                  dropout: bool, return_weights: bool, dtype=None) -> str:
+  """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, h, d].
+
+  'auto' takes the chunked form where the variant has one and the scores
+  would have at least AUTO_CHUNKED_PAIRS elements per sequence and head,
+  unless attention dropout is on, the weights are asked for (only the dense
+  path has them) or cuDNN's fused kernel fits (dot_product on a GPU). An
+  explicit 'chunked' with attention dropout is an error; with return_weights
+  (plots) the dense path runs.
+  """
+  if implementation == 'chunked':
+    if dropout:
+      raise ValueError("attention_kwargs.implementation='chunked' has no attention dropout; "
+                       "set model.attention_dropout_rate=0 or implementation='dense'")
+    return 'dense' if return_weights else 'chunked'
+  if implementation != 'auto' or variant.chunked is None or dropout or return_weights:
+    return 'dense'
+  if 'cudnn' in variant.dense_implementations and cudnn_fits(query, key, dtype=dtype):
+    return 'dense'
+  return 'chunked' if query.shape[1] * key.shape[1] >= AUTO_CHUNKED_PAIRS else 'dense'
+
+
 def describe(variant: AttentionVariant) -> str:
-  """One line: name, models, options with defaults, doc."""
+  """One line: name, models, kernels, its own options with defaults, doc."""
   opts = ' '.join(f'{k}={v!r}' for k, v in variant.kwargs.items()) or '-'
-  return (f'{variant.name}\tmodels={",".join(variant.models)}\t'
+  kernels = ','.join(('dense', 'chunked') if variant.chunked else ('dense',))
+  kernels += ''.join(f',{k}' for k in variant.dense_implementations)
+  if variant.chunked is None:
+    kernels += ' (cannot be chunked)'
+  return (f'{variant.name}\tmodels={",".join(variant.models)}\tkernels={kernels}\t'
           f'kwargs: {opts}\t{variant.doc}')
 
 
-def _validate_dot_product(kwargs):
-  if kwargs['implementation'] not in ('auto', 'reference', 'xla', 'cudnn'):
-    raise ValueError(f"attention_kwargs.implementation={kwargs['implementation']!r}; "
-                     "valid: 'auto', 'reference', 'xla', 'cudnn'")
-  if kwargs['implementation'] == 'cudnn' and jax.default_backend() != 'gpu':
+def _validate_dot_product(impl):
+  if impl == 'cudnn' and jax.default_backend() != 'gpu':
     raise ValueError(
         "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
         f"JAX backend is {jax.default_backend()!r}; use 'auto' (picks cuDNN where it can "
-        "run) or 'reference'/'xla'")
+        "run) or 'dense'/'xla'/'chunked'")
 
 
 def cudnn_fits(query, key, *, dropout_rate=0.0, deterministic=True, return_weights=False,
@@ -168,14 +250,14 @@ def _dot_product(query, key, value, *, implementation='auto', **common):
   if implementation == 'auto':  # the explicit path, unless cuDNN's kernel fits
     fits = cudnn_fits(query, key, **{k: common[k] for k in (
         'dropout_rate', 'deterministic', 'return_weights', 'dtype') if k in common})
-    implementation = 'cudnn' if fits else None
+    implementation = 'cudnn' if fits else 'dense'
   return dot_product_attention(query, key, value, implementation=implementation, **common)
 
 
 register(AttentionVariant(
     name='dot_product',
     fn=_dot_product,
-    kwargs={'implementation': 'auto'},
-    validate=_validate_dot_product,
+    chunked=dot_product_chunked,
+    dense_implementations=('xla', 'cudnn'),
     doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
         'for jax.nn.dot_product_attention'))

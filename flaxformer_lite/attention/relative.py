@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import masked_logits, softmax_weights
 
 FORMS = ('auto', 'naive', 'matmul', 'banded')
@@ -339,6 +339,74 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
   return (out, weights) if return_weights else out
 
 
+# ---- block by block (chunked.attend) -------------------------------------------
+
+def _block_indices(k, q_pos, k_pos):
+  """band_indices for one block: its queries sit q_pos[0] - k_pos[0] places
+  after its first key."""
+  return band_indices(q_pos.shape[0], k_pos.shape[0], k, q_pos[0] - k_pos[0]) if k else None
+
+
+def _block_logits(k, q, key, params, q_pos, k_pos):
+  """(q.k + q.a^K) for one block, q already scaled: the block's queries meet
+  the 2k+1 table rows once and bucket_spread places the result by clipped
+  distance, as in the banded form."""
+  s = chunked.dot_logits(q, key, params, q_pos, k_pos)
+  table = params.get('rel_key_table')
+  if table is None:
+    return s
+  qa = jnp.einsum('bqhd,rd->bhqr', q, table.astype(q.dtype),
+                  preferred_element_type=jnp.float32)  # [b, h, bq, 2k+1]
+  return s + bucket_spread(k, qa, _block_indices(k, q_pos, k_pos), k_pos.shape[0])
+
+
+def _block_values(k, p, v, params, q_pos, k_pos):
+  """sum_j p_ij (v_j + a^V_ij) for one block: the weights summed per clipped
+  distance (bucket_sum), times the table."""
+  out = chunked.dot_values(p, v, params, q_pos, k_pos)
+  table = params.get('rel_value_table')
+  if table is None:
+    return out
+  buckets = bucket_sum(k, p, _block_indices(k, q_pos, k_pos))  # [b, h, bq, 2k+1]
+  return out + jnp.einsum('bhqr,rd->bhqd', buckets, table.astype(jnp.float32))
+
+
+def _uniform(k, value, params, q_pos, m):
+  """Uniform weights over all m keys: mean_j v_j + (1/m) sum_r count_r(i) a^V_r,
+  count_r(i) the keys at clipped distance r - k from query position q_pos[i]."""
+  out = chunked.mean_values(value, params, q_pos, m)
+  table = params.get('rel_value_table')
+  if table is None:
+    return out
+  p = q_pos[:, None]  # [n, 1]
+  if k == 0:
+    counts = jnp.full(p.shape, m, jnp.int32)
+  else:
+    middle = p + jnp.arange(1 - k, k)[None, :]  # the key at each distance -k+1 .. k-1
+    counts = jnp.concatenate([jnp.clip(p - k + 1, 0, m), (middle >= 0) & (middle < m),
+                              jnp.clip(m - p - k, 0, m)], axis=1)  # [n, 2k+1]
+  rel = (counts.astype(jnp.float32) / m) @ table.astype(jnp.float32)  # [n, d]
+  return out + rel[None, :, None, :]
+
+
+def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
+                 mask=None, q_offset=0, chunk_size=None, dtype=None):
+  """shaw_attention block by block (chunked.attend), keys and values terms
+  both: per block, q meets the 2k+1 key-table rows and the weights are summed
+  per clipped distance, so no [n, m] or [n, m, d] array exists; both tables'
+  gradients are summed over the blocks."""
+  dtype = dtype or query.dtype
+  tables = {name: t for name, t in (('rel_key_table', rel_key_table),
+                                    ('rel_value_table', rel_value_table)) if t is not None}
+  k = (next(iter(tables.values())).shape[0] - 1) // 2
+  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, k),
+                             values=functools.partial(_block_values, k),
+                             uniform=functools.partial(_uniform, k))
+  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  return chunked.attend(scaled, key, value, terms, tables, mask=mask, q_offset=q_offset,
+                        chunk_size=chunk_size, dtype=dtype)
+
+
 def _shaw_params(num_heads, head_dim, kwargs):
   del num_heads  # the tables are shared across heads, as in the paper
   shape = (2 * kwargs['max_distance'] + 1, head_dim)
@@ -364,10 +432,17 @@ def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **
   return shaw_attention(query, key, value, **rest)
 
 
+def _shaw_chunked(query, key, value, *, max_distance, relative_keys, relative_values, form,
+                  **rest):
+  del max_distance, relative_keys, relative_values, form  # form: the dense path's choice
+  return shaw_chunked(query, key, value, **rest)
+
+
 registry.register(registry.AttentionVariant(
     name='shaw',
     models=registry.TRANSFORMER_MODELS,
     fn=_shaw,
+    chunked=_shaw_chunked,
     kwargs={'max_distance': 16, 'relative_keys': True, 'relative_values': True,
             'form': 'auto'},
     params=_shaw_params,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
-from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
 
 def apply_rotary(x, positions, *, max_wavelength=10000.0):
@@ -59,6 +59,17 @@ def rotary_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
       return_weights=return_weights)
 
 
+def rotary_chunked(query, key, value, *, mask=None, q_offset=0, max_wavelength=10000.0,
+                   chunk_size=None, dtype=None):
+  """rotary_attention block by block: the rotation first (O(n)), then the
+  chunked dot-product kernel."""
+  query = apply_rotary(query, q_offset + jnp.arange(query.shape[1]),
+                       max_wavelength=max_wavelength)
+  key = apply_rotary(key, jnp.arange(key.shape[1]), max_wavelength=max_wavelength)
+  return dot_product_chunked(query, key, value, mask=mask, q_offset=q_offset,
+                             chunk_size=chunk_size, dtype=dtype)
+
+
 def _validate(kwargs):
   w = kwargs['max_wavelength']
   if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
@@ -69,6 +80,7 @@ registry.register(registry.AttentionVariant(
     name='rotary',
     models=registry.TRANSFORMER_MODELS,
     fn=rotary_attention,
+    chunked=rotary_chunked,
     kwargs={'max_wavelength': 10000.0},
     validate=_validate,
     uses_positions=True,

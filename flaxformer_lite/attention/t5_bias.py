@@ -9,12 +9,14 @@ quantity); farther offsets share the last bucket. The bucketing is mesh-tensorfl
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention
 
 
@@ -121,6 +123,36 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
       return_weights=return_weights)
 
 
+def _block_logits(bucket_kw, q, k, params, q_pos, k_pos):
+  """q.k + table[bucket(j - p), h] for one block (chunked.BlockTerms.logits).
+
+  The offset j - p is constant along a block's diagonals: the bias is looked
+  up once per diagonal (a one-hot matmul, so the table's gradient is a
+  matmul too, deterministic) and spread over the block by chunked.by_offset.
+  """
+  table = params['rel_embedding'].astype(jnp.float32)  # [buckets, h]
+  bq, bk = q_pos.shape[0], k_pos.shape[0]
+  offsets = k_pos[0] - q_pos[0] - (bq - 1) + jnp.arange(bq + bk - 1)  # per diagonal
+  buckets = t5_relative_position_bucket(offsets, **bucket_kw)
+  per_diagonal = jax.nn.one_hot(buckets, table.shape[0], dtype=jnp.float32) @ table  # [L, h]
+  bias = chunked.by_offset(per_diagonal.T, bq, bk)  # [h, bq, bk]
+  return chunked.dot_logits(q, k, params, q_pos, k_pos) + bias[None]
+
+
+def t5_bias_chunked(query, key, value, rel_embedding, *, mask=None, q_offset=0,
+                    bidirectional=True, num_buckets=32, bucket_max_distance=128,
+                    chunk_size=None, dtype=None):
+  """t5_bias_attention block by block (chunked.attend); the table's
+  gradient is summed over the blocks."""
+  dtype = dtype or query.dtype
+  bucket_kw = dict(bidirectional=bidirectional, num_buckets=num_buckets,
+                   max_distance=bucket_max_distance)
+  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, bucket_kw))
+  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  return chunked.attend(scaled, key, value, terms, {'rel_embedding': rel_embedding},
+                        mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
+
+
 def _validate(kwargs):
   """num_buckets >= 2 (bidirectional: even and >= 4, so each direction has an
   exact bucket); bucket_max_distance > the number of exact buckets per
@@ -150,6 +182,7 @@ registry.register(registry.AttentionVariant(
     name='t5_bias',
     models=registry.TRANSFORMER_MODELS,
     fn=t5_bias_attention,
+    chunked=t5_bias_chunked,
     kwargs={'num_buckets': 32, 'bucket_max_distance': 128, 'bidirectional': True},
     params=lambda num_heads, head_dim, kwargs: {
         'rel_embedding': ((kwargs['num_buckets'], num_heads),

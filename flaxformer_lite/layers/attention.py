@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import masks, registry
 
 
 class MultiHeadAttention(nn.Module):
@@ -45,6 +45,11 @@ class MultiHeadAttention(nn.Module):
   (which supplies it): an RNN decoder's step t attending over the encoder.
   `return_weights=True` returns (output, weights [b, h, n, m]), for callers
   that use the weights (the RNN decoder's cumulative alignment).
+
+  `mask` is a boolean array broadcastable to [b, h, n, m] or a
+  `masks.MaskSpec` (causal, key padding, query validity): the kernel that
+  `attention_kwargs.implementation` picks (registry.choose_kernel) builds it
+  whole (dense) or one block at a time (chunked).
   """
   num_heads: int
   qkv_features: int | None = None
@@ -97,11 +102,28 @@ class MultiHeadAttention(nn.Module):
 
     variant = registry.get(self.attention)
     kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
+    implementation, chunk_size = registry.resolve_kernel(self.attention, self.attention_kwargs)
     tables = variant.params(h, d, kwargs) if variant.params else {}
     params = {name: self.param(name, init, shape, self.param_dtype)
               for name, (shape, init) in tables.items()}
+    dropout_active = not deterministic and self.dropout_rate > 0.0
+    want_weights = self.sow_weights or return_weights
+    kernel = registry.choose_kernel(variant, implementation, query, key, dropout=dropout_active,
+                                    return_weights=want_weights, dtype=self.dtype)
+    if kernel == 'chunked':
+      if bias is not None:
+        raise ValueError('the chunked attention kernel takes no explicit bias; use '
+                         "attention_kwargs.implementation='dense'")
+      spec = mask if isinstance(mask, masks.MaskSpec) else masks.MaskSpec(dense=mask)
+      x = variant.chunked(query, key, value, mask=spec, q_offset=q_offset,
+                          chunk_size=chunk_size, dtype=self.dtype, **params, **kwargs)
+      return self._out(x, features)
+
+    mask = masks.as_dense(mask, query.shape[1], key.shape[1], q_offset)
     if variant.uses_positions:
       kwargs['q_offset'] = q_offset
+    if variant.dense_implementations:
+      kwargs['implementation'] = implementation
     if variant.stochastic:
       kwargs['rng'] = None if deterministic else self.make_rng('dropout')
     if variant.uses_alignment:
@@ -109,23 +131,26 @@ class MultiHeadAttention(nn.Module):
         prev_alignment = jnp.zeros(query.shape[:1] + (h, query.shape[1], key.shape[1]),
                                    jnp.float32)
       kwargs['prev_alignment'] = prev_alignment
-    dropout_active = not deterministic and self.dropout_rate > 0.0
     x = variant.fn(
         query, key, value, mask=mask, bias=bias,
         dropout_rate=self.dropout_rate,
         dropout_rng=self.make_rng('dropout') if dropout_active else None,
         deterministic=deterministic, dtype=self.dtype,
-        return_weights=self.sow_weights or return_weights, **params, **kwargs)
-    if self.sow_weights or return_weights:
+        return_weights=want_weights, **params, **kwargs)
+    if want_weights:
       x, weights = x
     if self.sow_weights:
       self.sow('intermediates', 'attention_weights', weights)
-    out = nn.DenseGeneral(
+    out = self._out(x, features)
+    return (out, weights) if return_weights else out
+
+  def _out(self, x, features):
+    """The output projection, [b, n, h, d] -> [b, n, out_features]."""
+    return nn.DenseGeneral(
         features=self.out_features or features, axis=(-2, -1),
         dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
         use_bias=self.use_bias, name='out')(x)
-    return (out, weights) if return_weights else out
 
   def _update_cache(self, key, value, mask):
     """Writes key/value [b, L, h, d] at cache_index; returns the full cache.
@@ -134,6 +159,12 @@ class MultiHeadAttention(nn.Module):
     The pass that creates the cache (inside `init`) attends over its own
     inputs only, with the caller's mask.
     """
+    if isinstance(mask, masks.MaskSpec):
+      if any(x is not None for x in (mask.key_valid, mask.query_valid, mask.dense)):
+        raise ValueError('decode=True: the cache supplies the causal mask; pass a boolean '
+                         'array (broadcastable to [b, h, L, max_len]) or a MaskSpec without '
+                         'arrays')
+      mask = None
     initialized = self.has_variable('cache', 'cached_key')
     cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape,
@@ -154,8 +185,8 @@ class MultiHeadAttention(nn.Module):
     # Query i of this call sits at absolute position index + i and may see
     # cached keys at positions <= its own. A 'causal' flag would be wrong
     # here: it would align query 0 with key 0.
+    if mask is None:  # described: each kernel builds it (j <= index + i)
+      return key, value, masks.MaskSpec(causal=True), index
     q_pos = index + jnp.arange(length)
     visible = jnp.arange(max_len)[None, :] <= q_pos[:, None]  # [L, max_len]
-    visible = visible[None, None]
-    mask = visible if mask is None else jnp.logical_and(mask, visible)
-    return key, value, mask, index
+    return key, value, jnp.logical_and(mask, visible[None, None]), index

@@ -16,7 +16,7 @@ from flaxformer_lite.attention import dot_product_attention
 from flaxformer_lite.attention import dot_product_attention_weights
 from flaxformer_lite.attention import registry
 
-IMPLEMENTATIONS = [None, 'reference', 'xla']
+IMPLEMENTATIONS = [None, 'dense', 'xla']
 B, N, M, H, D = 2, 4, 5, 2, 3
 
 
@@ -286,7 +286,7 @@ def test_deterministic_ignores_dropout():
   np.testing.assert_allclose(np.asarray(w), _loop_weights(q, k), atol=1e-5)
 
 
-@pytest.mark.parametrize('implementation', [None, 'reference'])
+@pytest.mark.parametrize('implementation', [None, 'dense'])
 @pytest.mark.parametrize('seed', [0, 1])
 def test_dropout_matches_loop_with_same_keep_mask(implementation, seed):
   q, k, v = _qkv(14 + seed)
@@ -361,19 +361,22 @@ def test_resolve_kwargs_rejects_option_of_another_variant():
   assert 'implementation' in str(e.value)  # names the options it does take
 
 
-def test_resolve_kwargs_ignores_none_values():
-  defaults = dict(registry.get('dot_product').kwargs)
-  assert registry.resolve_kwargs('dot_product', {'max_distance': None}) == defaults
-  assert registry.resolve_kwargs('dot_product', {'implementation': None}) == defaults
-  assert registry.resolve_kwargs('dot_product', None) == defaults
-  assert registry.resolve_kwargs(
-      'dot_product', {'implementation': 'reference', 'max_distance': None}) == {
-          **defaults, 'implementation': 'reference'}
+def test_resolve_kwargs_ignores_none_values_and_keeps_the_kernel_apart():
+  assert registry.get('dot_product').kwargs == {}  # the kernel options are every variant's
+  assert registry.resolve_kwargs('dot_product', {'max_distance': None}) == {}
+  assert registry.resolve_kwargs('dot_product', {'implementation': 'dense'}) == {}
+  assert registry.resolve_kernel('dot_product', {'implementation': None}) == ('auto', 512)
+  assert registry.resolve_kernel(
+      'dot_product', {'implementation': 'xla', 'chunk_size': 64}) == ('xla', 64)
 
 
 def test_resolve_kwargs_validates_values():
   with pytest.raises(ValueError, match='warp'):
     registry.resolve_kwargs('dot_product', {'implementation': 'warp'})
+  with pytest.raises(ValueError, match="'xla'"):  # dot_product's own kernels, no other's
+    registry.resolve_kwargs('alibi', {'implementation': 'xla'})
+  with pytest.raises(ValueError, match='chunk_size=0'):
+    registry.resolve_kwargs('alibi', {'chunk_size': 0})
 
 
 def test_resolve_kwargs_unknown_variant():
@@ -403,6 +406,6 @@ def test_cudnn_matches_the_reference_on_gpu():
   mask = jnp.tril(jnp.ones((128, 128), bool))[None, None]
   assert registry.cudnn_fits(q, k)
   fused = registry.get('dot_product').fn(q, k, v, mask=mask, implementation='cudnn')
-  reference = registry.get('dot_product').fn(q, k, v, mask=mask, implementation='reference')
+  reference = registry.get('dot_product').fn(q, k, v, mask=mask, implementation='dense')
   np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(reference, np.float32),
                              atol=2e-2)

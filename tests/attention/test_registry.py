@@ -58,7 +58,7 @@ def _fake(**kwargs):
     ('max_distance', 128, 'shaw'),  # T5's bucket range under shaw's k
     ('max_distance', 16, 'shaw'),  # same default, but not declared shared
     ('window', 8, 'local'),
-    ('implementation', 'auto', 'dot_product'),
+    ('temperature', 1.0, 'hard'),
 ])
 def test_register_rejects_an_undeclared_name_another_variant_takes(scratch_registry, option,
                                                                    default, other):
@@ -67,6 +67,15 @@ def test_register_rejects_an_undeclared_name_another_variant_takes(scratch_regis
   message = str(e.value)
   assert repr(option) in message and "'fake'" in message and repr(other) in message
   assert 'fake' not in registry.names()
+
+
+@pytest.mark.parametrize('option', sorted(registry.KERNEL_OPTIONS))
+def test_register_rejects_a_kernel_option_as_a_variant_option(scratch_registry, option):
+  """implementation and chunk_size choose the kernel for every variant; none may
+  give them a meaning of its own."""
+  with pytest.raises(ValueError, match='KERNEL_OPTIONS') as e:
+    registry.register(_fake(**{option: registry.KERNEL_OPTIONS[option]}))
+  assert repr(option) in str(e.value) and 'fake' not in registry.names()
 
 
 @pytest.mark.parametrize('default', [4, 8.0, True])

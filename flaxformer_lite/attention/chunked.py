@@ -1,0 +1,263 @@
+"""Block-wise attention in O(n) memory, for every variant that can say what
+it adds to one block of scores.
+
+Queries go in blocks of `chunk_size` rows, keys in blocks of `chunk_size`
+columns. For each query block an online softmax (Milakov & Gimelshein 2018)
+runs over the key blocks it can see: a running row maximum, a running sum of
+exp(s - max) and a running output, each rescaled when the maximum grows. Key
+blocks that the causal or window part of the mask hides entirely are skipped
+(the loop's bounds are computed, not masked), so causal attention does about
+half the work and a window O(n * window).
+
+The backward pass is a `jax.custom_vjp` in FlashAttention-2's order: key
+blocks outside, query blocks inside; each block's probabilities are
+recomputed from q, k and the saved per-row log-sum-exp, so nothing of size
+[n, m] is stored. With delta_i = dO_i . O_i (the output is linear in the
+probabilities, so this is sum_j p_ij dp_ij), ds = p * (dp - delta).
+
+A variant describes its block with `BlockTerms`:
+  logits(q [b, bq, h, d], k [b, bk, h, d], params, q_pos [bq], k_pos [bk])
+      -> float32 [b, h, bq, bk], the scores of the block's pairs;
+  values(p float32 [b, h, bq, bk], v [b, bk, h, dv], params, q_pos, k_pos)
+      -> float32 [b, h, bq, dv], what the block adds to the output (linear in p);
+  uniform(value [b, m, h, dv], params, q_pos [n], m) -> [b, n, h, dv], the
+      output of a query that sees no key (the dense path's rule: uniform
+      weights, see dot_product.py).
+The backward pass differentiates `logits` and `values` one block at a time
+(`jax.vjp`), so a variant writes its forward math only. Gradients of
+`params` (position tables) are summed over the blocks in a fixed order:
+deterministic on every backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention.masks import MaskSpec
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def dot_logits(q, k, params, q_pos, k_pos):
+  """q . k (queries already scaled): -> float32 [b, h, bq, bk]."""
+  del params, q_pos, k_pos
+  return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+
+
+def dot_values(p, v, params, q_pos, k_pos):
+  """sum_j p_ij v_j: p [b, h, bq, bk] -> float32 [b, h, bq, dv]."""
+  del params, q_pos, k_pos
+  return jnp.einsum('bhqk,bkhd->bhqd', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def mean_values(value, params, q_pos, m):
+  """Uniform weights over all m keys: the mean value, for every query -> [b, n, h, dv]."""
+  del params, m
+  mean = jnp.mean(value.astype(jnp.float32), axis=1, keepdims=True)  # [b, 1, h, dv]
+  return jnp.broadcast_to(mean, (value.shape[0], q_pos.shape[0]) + value.shape[2:])
+
+
+def by_offset(x, bq: int, bk: int):
+  """x [..., bq + bk - 1], indexed by j - i + bq - 1 -> [..., bq, bk] with
+  out[..., i, j] = x[..., j - i + bq - 1].
+
+  A value per diagonal of a block, spread over the block by a tile, one
+  reshape and slices (the skew of Music Transformer's relative attention):
+  its derivative is slices and a sum, never a scatter, so a table gradient
+  through it is deterministic.
+  """
+  length = bq + bk - 1
+  lead = x.shape[:-1]
+  x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 1)])  # rows of length L + 1 ...
+  tiled = jnp.broadcast_to(x[..., None, :], lead + (bq, length + 1)).reshape(lead + (-1,))
+  # ... read with stride L: row i starts i places further left.
+  flat = jax.lax.slice_in_dim(tiled, bq - 1, bq - 1 + bq * length, axis=-1)
+  return flat.reshape(lead + (bq, length))[..., :bk]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTerms:
+  """What a variant computes for one block (module docstring)."""
+  logits: Callable[..., Any] = dot_logits
+  values: Callable[..., Any] = dot_values
+  uniform: Callable[..., Any] = mean_values
+
+
+def _pad_axis(x, axis, size, value=0):
+  if x is None or x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _padded_mask(mask: MaskSpec, n_pad: int, m_pad: int) -> MaskSpec:
+  dense = mask.dense
+  if dense is not None:
+    dense = jnp.asarray(dense).astype(bool)
+    dense = dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
+    if dense.shape[2] > 1:
+      dense = _pad_axis(dense, 2, n_pad, False)
+    if dense.shape[3] > 1:
+      dense = _pad_axis(dense, 3, m_pad, False)
+  return mask.replace(
+      key_valid=_pad_axis(None if mask.key_valid is None else mask.key_valid.astype(bool),
+                          1, m_pad, False),
+      query_valid=_pad_axis(None if mask.query_valid is None
+                            else mask.query_valid.astype(bool), 1, n_pad, False),
+      dense=dense)
+
+
+def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
+           mask: MaskSpec | None = None, q_offset=0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+           dtype=None):
+  """Attention over blocks, never holding an [n, m] array.
+
+  Args:
+    query: [b, n, h, d], query i at absolute position q_offset + i (already
+      scaled if the variant's scores are); key [b, m, h, d]; value [b, m, h, dv].
+    terms: the variant's block math (BlockTerms).
+    params: a pytree of arrays `terms` uses (position tables), or None.
+    mask: a MaskSpec (None: every key visible).
+    q_offset: int, may be traced (decoding with a cache).
+    chunk_size: rows and columns per block; lengths need not divide it.
+  Returns:
+    [b, n, h, dv] in `dtype` (default: query's dtype).
+  """
+  dtype = dtype or query.dtype
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  b, n, h, _ = query.shape
+  m = key.shape[1]
+  chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f'chunk_size={chunk_size!r}; must be an int >= 1')
+  bq, bk = min(chunk_size, n), min(chunk_size, m)
+  nq, nk = -(-n // bq), -(-m // bk)
+  mask = _padded_mask(mask if mask is not None else MaskSpec(), nq * bq, nk * bk)
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+  kernel = _kernel(terms, n, m, bq, bk, nq, nk)
+  out, lse = kernel(_pad_axis(query, 1, nq * bq), _pad_axis(key, 1, nk * bk),
+                    _pad_axis(value, 1, nk * bk), params, mask, q_offset)
+  out = out[:, :n]
+  empty = jnp.isneginf(lse[:, :, :n]).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
+  # A query that sees no key gets the dense path's uniform weights; that
+  # output is cheap (a mean over keys) and differentiated by plain autodiff.
+  fallback = terms.uniform(value, params, q_offset + jnp.arange(n), m)
+  return jnp.where(empty, fallback.astype(jnp.float32), out).astype(dtype)
+
+
+def _visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m):
+  """bool [b | 1, h | 1, bq, bk]: the block's pairs that may attend, real
+  keys (< m) and real queries (< n) only."""
+  real = ((qs + jnp.arange(bq))[:, None] < n) & ((ks + jnp.arange(bk))[None, :] < m)
+  ok = mask.block(qs, ks, bq, bk, q_offset)
+  return real[None, None] if ok is None else ok & real[None, None]
+
+
+def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk):
+  """The custom_vjp function for these static sizes:
+  (q, k, v, params, mask, q_offset) -> (out float32 [b, nq*bq, h, dv],
+  lse float32 [b, h, nq*bq], -inf where a query sees no key)."""
+
+  def block_logits(q, k, params, qs, ks, q_offset):
+    return terms.logits(q, k, params, q_offset + qs + jnp.arange(bq), ks + jnp.arange(bk))
+
+  def block_values(p, v, params, qs, ks, q_offset):
+    return terms.values(p, v, params, q_offset + qs + jnp.arange(bq), ks + jnp.arange(bk))
+
+  def forward(q, k, v, params, mask, q_offset):
+    b, _, h, _ = q.shape
+    dv = v.shape[-1]
+
+    def query_block(qb):
+      qs = qb * bq
+      q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
+      lo, hi = mask.key_block_range(q_offset + qs, q_offset + qs + bq - 1, bk, nk)
+
+      def key_block(kb, carry):
+        row_max, row_sum, acc = carry
+        ks = kb * bk
+        k_blk = jax.lax.dynamic_slice_in_dim(k, ks, bk, axis=1)
+        v_blk = jax.lax.dynamic_slice_in_dim(v, ks, bk, axis=1)
+        s = block_logits(q_blk, k_blk, params, qs, ks, q_offset)
+        s = jnp.where(_visible(mask, qs, ks, bq, bk, q_offset, n, m), s, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(s, -1))
+        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: any value
+        p = jnp.exp(s - shift[..., None])  # hidden pairs: exp(-inf) = 0
+        scale = jnp.exp(row_max - shift)
+        row_sum = row_sum * scale + jnp.sum(p, -1)
+        acc = acc * scale[..., None] + block_values(p, v_blk, params, qs, ks, q_offset)
+        return new_max, row_sum, acc
+
+      init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
+              jnp.zeros((b, h, bq, dv), jnp.float32))
+      row_max, row_sum, acc = jax.lax.fori_loop(lo, hi, key_block, init)
+      seen = row_sum > 0
+      out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
+      lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+      return out.transpose(0, 2, 1, 3), lse  # [b, bq, h, dv], [b, h, bq]
+
+    out, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq, b, bq, h, dv], [nq, b, h, bq]
+    out = out.transpose(1, 0, 2, 3, 4).reshape(b, nq * bq, h, dv)
+    lse = lse.transpose(1, 2, 0, 3).reshape(b, h, nq * bq)
+    return out, lse
+
+  @jax.custom_vjp
+  def kernel(q, k, v, params, mask, q_offset):
+    return forward(q, k, v, params, mask, q_offset)
+
+  def kernel_fwd(q, k, v, params, mask, q_offset):
+    out, lse = forward(q, k, v, params, mask, q_offset)
+    return (out, lse), (q, k, v, params, mask, q_offset, out, lse)
+
+  def kernel_bwd(res, cotangents):
+    q, k, v, params, mask, q_offset, out, lse = res
+    d_out = cotangents[0].astype(jnp.float32)  # lse only marks empty rows: no cotangent
+    delta = jnp.einsum('bnhd,bnhd->bhn', d_out, out)  # [b, h, nq*bq]
+    d_out = d_out.transpose(0, 2, 1, 3)  # [b, h, nq*bq, dv]
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+
+    def key_block(kb, carry):
+      dq, dk, dv, dparams = carry
+      ks = kb * bk
+      k_blk = jax.lax.dynamic_slice_in_dim(k, ks, bk, axis=1)
+      v_blk = jax.lax.dynamic_slice_in_dim(v, ks, bk, axis=1)
+      lo, hi = mask.query_block_range(ks, ks + bk - 1, bq, nq, q_offset)
+
+      def query_block(qb, carry):
+        dq, dk_blk, dv_blk, dparams = carry
+        qs = qb * bq
+        q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
+        s, pull_s = jax.vjp(lambda q_, k_, p_: block_logits(q_, k_, p_, qs, ks, q_offset),
+                            q_blk, k_blk, params)
+        lse_blk = jax.lax.dynamic_slice_in_dim(lse, qs, bq, axis=2)
+        p = jnp.where(_visible(mask, qs, ks, bq, bk, q_offset, n, m),
+                      jnp.exp(s - lse_blk[..., None]), 0.0)
+        _, pull_v = jax.vjp(lambda p_, v_, pr_: block_values(p_, v_, pr_, qs, ks, q_offset),
+                            p, v_blk, params)
+        dp, dv_part, dparams_v = pull_v(jax.lax.dynamic_slice_in_dim(d_out, qs, bq, axis=2))
+        ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, qs, bq, axis=2)[..., None])
+        dq_part, dk_part, dparams_s = pull_s(ds)
+        dq = jax.lax.dynamic_update_slice_in_dim(
+            dq, jax.lax.dynamic_slice_in_dim(dq, qs, bq, axis=1) + dq_part, qs, axis=1)
+        dparams = jax.tree.map(lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
+                               dparams, dparams_v, dparams_s)
+        return dq, dk_blk + dk_part, dv_blk + dv_part, dparams
+
+      dq, dk_blk, dv_blk, dparams = jax.lax.fori_loop(
+          lo, hi, query_block, (dq, zeros(k_blk), zeros(v_blk), dparams))
+      dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk, ks, axis=1)
+      dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk, ks, axis=1)
+      return dq, dk, dv, dparams
+
+    init = (zeros(q), zeros(k), zeros(v), jax.tree.map(zeros, params))
+    dq, dk, dv, dparams = jax.lax.fori_loop(0, nk, key_block, init)
+    dparams = jax.tree.map(lambda g, p: g.astype(p.dtype), dparams, params)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dparams, None, None)
+
+  kernel.defvjp(kernel_fwd, kernel_bwd)
+  return kernel

@@ -1,0 +1,128 @@
+"""Attention masks described, not built: each kernel builds what it needs.
+
+A `MaskSpec` says which keys a query may see. Query i sits at absolute
+position p = q_offset + i, key j at position j:
+  causal:      j <= p;
+  window w:    |j - p| < w (window_causal: p - w < j <= p), local attention's band;
+  key_valid:   bool [b, m], False for padding keys;
+  query_valid: bool [b, n], False for padding queries (they see nothing);
+  dense:       an explicit boolean mask broadcastable to [b, h, n, m].
+A query may attend to a key where every given part allows it.
+
+The dense path asks for the whole [b, 1, n, m] array (`to_dense`); the chunked
+path asks for one block at a time (`block`) and for the range of key blocks
+a query block can see at all (`key_block_range`), so at n = 16k it never
+holds the 256 MiB-per-example boolean array that `nn.make_attention_mask`
+would build.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class MaskSpec:
+  """A described attention mask (module docstring). Arrays are pytree leaves;
+  `causal`, `window` and `window_causal` are static."""
+  key_valid: Any = None  # bool [b, m]
+  query_valid: Any = None  # bool [b, n]
+  dense: Any = None  # bool, broadcastable to [b, h, n, m]
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+  window: int | None = flax.struct.field(pytree_node=False, default=None)
+  window_causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def structural(self, q_pos, k_pos):
+    """Causal and window parts for positions q_pos [.., 1] and k_pos [1, ..]
+    (broadcasting int arrays) -> bool, or None if neither is set."""
+    ok = None
+    if self.causal:
+      ok = k_pos <= q_pos
+    if self.window is not None:
+      rel = k_pos - q_pos
+      band = ((rel > -self.window) & (rel <= 0) if self.window_causal
+              else jnp.abs(rel) < self.window)
+      ok = band if ok is None else ok & band
+    return ok
+
+  def to_dense(self, n: int, m: int, q_offset=0):
+    """The boolean mask [b | 1, h | 1, n, m], or None when nothing is masked."""
+    parts = []
+    q_pos = q_offset + jnp.arange(n)[:, None]
+    structural = self.structural(q_pos, jnp.arange(m)[None, :])
+    if structural is not None:
+      parts.append(structural[None, None])
+    if self.key_valid is not None:
+      parts.append(self.key_valid.astype(bool)[:, None, None, :])
+    if self.query_valid is not None:
+      parts.append(self.query_valid.astype(bool)[:, None, :, None])
+    if self.dense is not None:
+      parts.append(jnp.asarray(self.dense).astype(bool))
+    if not parts:
+      return None
+    out = parts[0]
+    for part in parts[1:]:
+      out = jnp.logical_and(out, part)
+    return jnp.broadcast_to(out, jnp.broadcast_shapes(out.shape, (1, 1, n, m)))
+
+  def block(self, q_start, k_start, bq: int, bk: int, q_offset=0):
+    """The mask of queries q_start .. q_start+bq-1 and keys k_start ..
+    k_start+bk-1 (indices, may be traced; the arrays must already be padded
+    to cover them) -> bool broadcastable to [b, h, bq, bk], or None."""
+    q_pos = q_offset + q_start + jnp.arange(bq)[:, None]
+    k_pos = k_start + jnp.arange(bk)[None, :]
+    ok = self.structural(q_pos, k_pos)
+    ok = None if ok is None else ok[None, None]
+    if self.key_valid is not None:
+      keys = jax.lax.dynamic_slice_in_dim(self.key_valid.astype(bool), k_start, bk, axis=1)
+      ok = _and(ok, keys[:, None, None, :])
+    if self.query_valid is not None:
+      queries = jax.lax.dynamic_slice_in_dim(self.query_valid.astype(bool), q_start, bq, 1)
+      ok = _and(ok, queries[:, None, :, None])
+    if self.dense is not None:
+      dense = jnp.asarray(self.dense).astype(bool)
+      dense = dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
+      if dense.shape[2] > 1:
+        dense = jax.lax.dynamic_slice_in_dim(dense, q_start, bq, axis=2)
+      if dense.shape[3] > 1:
+        dense = jax.lax.dynamic_slice_in_dim(dense, k_start, bk, axis=3)
+      ok = _and(ok, dense)
+    return ok
+
+  def key_block_range(self, q_first, q_last, bk: int, num_blocks: int):
+    """Key blocks [lo, hi) that queries at absolute positions q_first..q_last
+    may see under the causal and window parts (int32 scalars, may be traced)."""
+    lo, hi = jnp.int32(0), jnp.int32(num_blocks)
+    if self.causal or (self.window is not None and self.window_causal):
+      hi = jnp.minimum(hi, q_last // bk + 1)
+    if self.window is not None:
+      lo = jnp.maximum(lo, (q_first - self.window + 1) // bk)
+      if not self.window_causal:
+        hi = jnp.minimum(hi, (q_last + self.window - 1) // bk + 1)
+    return lo, jnp.maximum(lo, hi)
+
+  def query_block_range(self, k_first, k_last, bq: int, num_blocks: int, q_offset=0):
+    """Query blocks [lo, hi) whose queries (query i at q_offset + i) may see a
+    key at positions k_first..k_last under the causal and window parts."""
+    lo, hi = jnp.int32(0), jnp.int32(num_blocks)
+    if self.causal or (self.window is not None and self.window_causal):
+      lo = jnp.maximum(lo, (k_first - q_offset) // bq)
+    if self.window is not None:
+      hi = jnp.minimum(hi, (k_last + self.window - 1 - q_offset) // bq + 1)
+      if not self.window_causal:
+        lo = jnp.maximum(lo, (k_first - self.window + 1 - q_offset) // bq)
+    return jnp.maximum(lo, 0), jnp.maximum(jnp.maximum(lo, 0), hi)
+
+
+def _and(a, b):
+  return b if a is None else jnp.logical_and(a, b)
+
+
+def as_dense(mask, n: int, m: int, q_offset=0):
+  """A MaskSpec, a boolean array or None -> a boolean array or None (the dense path's form)."""
+  if isinstance(mask, MaskSpec):
+    return mask.to_dense(n, m, q_offset)
+  return mask
