@@ -27,10 +27,15 @@ def alibi_slopes(num_heads):
   """
   if not isinstance(num_heads, int) or num_heads < 1:
     raise ValueError(f'alibi needs num_heads >= 1, got {num_heads!r}')
+  return jnp.asarray(_slopes(num_heads))
+
+
+def _slopes(num_heads):
+  """alibi_slopes as a numpy constant (for a closure that jit must not trace)."""
   p = 2 ** int(math.floor(math.log2(num_heads)))
   base = 2.0 ** (-8.0 * np.arange(1, p + 1) / p)  # [p]
   extra = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - p), 2) / (2 * p))  # [h - p]
-  return jnp.asarray(np.concatenate([base, extra]), jnp.float32)
+  return np.concatenate([base, extra]).astype(np.float32)
 
 
 def alibi_bias(num_heads, q_len, k_len, *, q_offset=0):
@@ -81,7 +86,8 @@ def alibi_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, 
   """alibi_attention block by block (chunked.attend): the bias of each block
   from its positions, never an [n, m] array."""
   dtype = dtype or query.dtype
-  slopes = np.asarray(alibi_slopes(query.shape[2]))  # a constant: closed over
+  alibi_slopes(query.shape[2])  # checks num_heads
+  slopes = _slopes(query.shape[2])  # a constant: closed over
   terms = chunked.BlockTerms(logits=functools.partial(_block_logits, slopes))
   scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
   return chunked.attend(scaled, key, value, terms, mask=mask, q_offset=q_offset,

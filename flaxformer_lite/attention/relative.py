@@ -347,27 +347,45 @@ def _block_indices(k, q_pos, k_pos):
   return band_indices(q_pos.shape[0], k_pos.shape[0], k, q_pos[0] - k_pos[0]) if k else None
 
 
+def _side(k, q_pos, k_pos):
+  """0 if every key of the block is at least k before every query (one bucket,
+  the far-left one), 2 if at least k after, else 1 (the band crosses it)."""
+  before = k_pos[-1] - q_pos[0] <= -k
+  after = k_pos[0] - q_pos[-1] >= k
+  return jnp.where(before, 0, jnp.where(after, 2, 1))
+
+
 def _block_logits(k, q, key, params, q_pos, k_pos):
   """(q.k + q.a^K) for one block, q already scaled: the block's queries meet
   the 2k+1 table rows once and bucket_spread places the result by clipped
-  distance, as in the banded form."""
+  distance, as in the banded form; a block wholly beyond distance k adds one
+  column of that (one bucket)."""
   s = chunked.dot_logits(q, key, params, q_pos, k_pos)
   table = params.get('rel_key_table')
   if table is None:
     return s
   qa = jnp.einsum('bqhd,rd->bhqr', q, table.astype(q.dtype),
                   preferred_element_type=jnp.float32)  # [b, h, bq, 2k+1]
-  return s + bucket_spread(k, qa, _block_indices(k, q_pos, k_pos), k_pos.shape[0])
+  bk = k_pos.shape[0]
+  return jax.lax.switch(_side(k, q_pos, k_pos), [
+      lambda s, qa: s + qa[..., :1],
+      lambda s, qa: s + bucket_spread(k, qa, _block_indices(k, q_pos, k_pos), bk),
+      lambda s, qa: s + qa[..., -1:]], s, qa)
 
 
 def _block_values(k, p, v, params, q_pos, k_pos):
   """sum_j p_ij (v_j + a^V_ij) for one block: the weights summed per clipped
-  distance (bucket_sum), times the table."""
+  distance (bucket_sum; one bucket for a block wholly beyond distance k),
+  times the table."""
   out = chunked.dot_values(p, v, params, q_pos, k_pos)
   table = params.get('rel_value_table')
   if table is None:
     return out
-  buckets = bucket_sum(k, p, _block_indices(k, q_pos, k_pos))  # [b, h, bq, 2k+1]
+  zeros = jnp.zeros(p.shape[:-1] + (2 * k,), jnp.float32)
+  buckets = jax.lax.switch(_side(k, q_pos, k_pos), [
+      lambda p: jnp.concatenate([jnp.sum(p, -1, keepdims=True), zeros], -1),
+      lambda p: bucket_sum(k, p, _block_indices(k, q_pos, k_pos)),
+      lambda p: jnp.concatenate([zeros, jnp.sum(p, -1, keepdims=True)], -1)], p)
   return out + jnp.einsum('bhqr,rd->bhqd', buckets, table.astype(jnp.float32))
 
 

@@ -129,14 +129,25 @@ def _block_logits(bucket_kw, q, k, params, q_pos, k_pos):
   The offset j - p is constant along a block's diagonals: the bias is looked
   up once per diagonal (a one-hot matmul, so the table's gradient is a
   matmul too, deterministic) and spread over the block by chunked.by_offset.
+  A block whose offsets all fall in one bucket (far from the diagonal, past
+  bucket_max_distance) adds one number per head instead.
   """
   table = params['rel_embedding'].astype(jnp.float32)  # [buckets, h]
-  bq, bk = q_pos.shape[0], k_pos.shape[0]
+  b, bq, bk = q.shape[0], q_pos.shape[0], k_pos.shape[0]
   offsets = k_pos[0] - q_pos[0] - (bq - 1) + jnp.arange(bq + bk - 1)  # per diagonal
   buckets = t5_relative_position_bucket(offsets, **bucket_kw)
-  per_diagonal = jax.nn.one_hot(buckets, table.shape[0], dtype=jnp.float32) @ table  # [L, h]
-  bias = chunked.by_offset(per_diagonal.T, bq, bk)  # [h, bq, bk]
-  return chunked.dot_logits(q, k, params, q_pos, k_pos) + bias[None]
+  s = chunked.dot_logits(q, k, params, q_pos, k_pos)
+
+  def one_bucket(s, table):
+    return s + (jax.nn.one_hot(buckets[0], table.shape[0]) @ table)[None, :, None, None]
+
+  def per_diagonal(s, table):
+    bias = jax.nn.one_hot(buckets, table.shape[0], dtype=jnp.float32) @ table  # [L, h]
+    # b copies, not a broadcast: the transpose is then adds of slices (see
+    # broadcast_batch), not XLA:CPU's slow reduction over the leading axis.
+    return s + broadcast_batch(chunked.by_offset(bias.T, bq, bk)[None], b)
+
+  return jax.lax.cond(jnp.all(buckets == buckets[0]), one_bucket, per_diagonal, s, table)
 
 
 def t5_bias_chunked(query, key, value, rel_embedding, *, mask=None, q_offset=0,

@@ -1,0 +1,95 @@
+"""The chunked attention kernel against each variant's dense form.
+
+  .venv/bin/python benchmarks/chunked_attention.py [--variants dot_product shaw ...]
+      [--lengths 512 2048 ...] [--batch_at 2048:4] [--causal/--nocausal]
+
+For each variant and length: MultiHeadAttention (d_model 512, 8 heads,
+float32 by default) forward+backward (grad of sum(y^2) w.r.t. the parameters
+and the input) with attention_kwargs.implementation='dense' and 'chunked',
+the two timed interleaved in one run. Prints per row: time (median ms) and
+XLA's compiled temp memory (MiB) of each, chunked/dense for both, and the
+chunked time over dot_product's chunked time at the same length. Dense is
+skipped ('-') where its [b, h, n, n] float32 scores alone would pass
+--dense_limit_mib.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import timing  # noqa: E402
+from flaxformer_lite.attention import registry  # noqa: E402
+from flaxformer_lite.attention.masks import MaskSpec  # noqa: E402
+from flaxformer_lite.layers import MultiHeadAttention  # noqa: E402
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def _step(variant, implementation, args, x):
+  layer = MultiHeadAttention(
+      num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype],
+      attention_kwargs={'implementation': implementation, 'chunk_size': args.chunk_size})
+  spec = MaskSpec(causal=args.causal)
+  params = layer.init(jax.random.key(0), x[:, :8], mask=MaskSpec(causal=args.causal))
+
+  def loss(params, x):
+    return jnp.sum(layer.apply(params, x, mask=spec).astype(jnp.float32) ** 2)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--variants', nargs='+', default=registry.chunked_names())
+  parser.add_argument('--lengths', nargs='+', type=int, default=[512, 1024, 2048, 4096])
+  parser.add_argument('--batch_at', nargs='*', default=['512:4', '1024:4', '2048:4'],
+                      help='length:batch pairs; other lengths use batch 1')
+  parser.add_argument('--d_model', type=int, default=512)
+  parser.add_argument('--heads', type=int, default=8)
+  parser.add_argument('--chunk_size', type=int, default=512)
+  parser.add_argument('--dtype', choices=sorted(DTYPES), default='float32')
+  parser.add_argument('--causal', action=argparse.BooleanOptionalAction, default=True)
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--dense_limit_mib', type=float, default=4096)
+  args = parser.parse_args(argv)
+  batch_at = {int(k): int(v) for k, v in (p.split(':') for p in args.batch_at)}
+  print(f'# MultiHeadAttention fwd+bwd, d_model {args.d_model}, {args.heads} heads, '
+        f'{args.dtype}, {"causal" if args.causal else "bidirectional"}, chunk '
+        f'{args.chunk_size}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores')
+  print(f'{"variant":14s} {"n":>6s} {"b":>2s} {"dense ms":>9s} {"chunk ms":>9s} '
+        f'{"time c/d":>8s} {"dense MiB":>9s} {"chunk MiB":>9s} {"mem c/d":>7s} '
+        f'{"c/dot_c":>7s}', flush=True)
+  variants = list(dict.fromkeys(['dot_product'] + args.variants))
+  for n in args.lengths:
+    b = batch_at.get(n, 1)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, args.d_model)),
+                    DTYPES[args.dtype])
+    dot_chunked = None
+    for variant in variants:
+      fns = {'chunked': _step(variant, 'chunked', args, x)}
+      if b * args.heads * n * n * 4 / 2**20 <= args.dense_limit_mib:
+        fns['dense'] = _step(variant, 'dense', args, x)
+      mem = {k: timing.memory(fn, a)['temp'] for k, (fn, a) in fns.items()}
+      times = {k: timing.median(t) for k, t in
+               timing.interleaved_times(fns, args.repeats).items()}
+      if variant == 'dot_product':
+        dot_chunked = times['chunked']
+      dense = 'dense' in fns
+      fmt = lambda v, spec: format(v, spec) if dense else format('-', spec[:-3] + 's')  # noqa
+      if variant in args.variants:
+        print(f'{variant:14s} {n:6d} {b:2d} {fmt(times.get("dense", 0), "9.0f")} '
+              f'{times["chunked"]:9.0f} {fmt(times["chunked"] / times.get("dense", 1), "8.2f")} '
+              f'{fmt(mem.get("dense", 0), "9.0f")} {mem["chunked"]:9.0f} '
+              f'{fmt(mem["chunked"] / mem.get("dense", 1), "7.2f")} '
+              f'{times["chunked"] / dot_chunked:7.2f}', flush=True)
+
+
+if __name__ == '__main__':
+  main()
