@@ -85,6 +85,11 @@ def test_differences_ignore_resumable_keys():
      "cannot be used in model.type='rnn_seq2seq'; it works in: encoder_decoder, decoder_only"),
     (['--config.model.num_heads=5'], 'does not divide'),
     (['--config=experiments/missing.py'], 'experiments/missing.py'),
+    (['--config.model.attention=luong_local_m',
+      '--config.model.attention_kwargs.implementation=chunked'],
+     "attention='luong_local_m' has no chunked form"),
+    (['--config.model.attention_kwargs.implementation=chunked',
+      '--config.model.attention_dropout_rate=0.1'], 'has no attention dropout'),
 ])
 def test_cli_bad_config_exits_2_with_message(args, expected, tmp_path, run_main):
   proc = run_main(*args, f'--workdir={tmp_path}/w')
