@@ -97,10 +97,13 @@ def _attention(cfg: TransformerConfig, name: str, num_layers: int, decode: bool 
                cross: bool = False):
   """Self-attention uses the configured variant. Cross-attention does too,
   unless the variant is about positions: decoder and encoder positions are
-  not on one axis, so relative schemes there fall back to dot_product."""
+  not on one axis, so relative schemes there fall back to dot_product (on
+  the configured kernel)."""
   attention, kwargs = cfg.attention, cfg.attention_kwargs
   if cross and registry.get(attention).uses_positions:
-    attention, kwargs = 'dot_product', None
+    kernel = {k: v for k, v in dict(kwargs or {}).items()
+              if k in registry.KERNEL_OPTIONS and v is not None}
+    attention, kwargs = 'dot_product', kernel or None
   return MultiHeadAttention(
       num_heads=cfg.num_heads, attention=attention, attention_kwargs=kwargs,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, decode=decode,
