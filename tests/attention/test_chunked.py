@@ -1,0 +1,443 @@
+"""The chunked kernel (chunked.attend) and every variant's chunked form,
+against the dense path (the reference for every fast path) and float64 loops.
+
+Every variant in the live registry that has a chunked form is called as
+MultiHeadAttention calls it: the dense form with the MaskSpec made dense
+(`to_dense`), the chunked form with the MaskSpec itself. Two static mask
+configurations, each with a chunk size (8) that divides neither length:
+  causal:        n=19 queries at positions 3..21, m=27 keys, causal, key and
+                 query padding;
+  bidirectional: n=27 queries at positions 5..31, m=19 keys (queries past
+                 the last key: local's windows run empty), padding and an
+                 explicit `dense` part (what the layer passes for a boolean mask).
+Example 0 has random key and query padding, example 1 no key at all (every
+row fully masked: the dense path's uniform rule), example 2 none.
+
+The outputs and the gradients of query, key, value and every parameter table
+must match the dense form's. All cases are traced into one jit and compiled
+once with XLA:CPU's LLVM code generation at -O0: far less compile time than a
+compilation per case at full optimisation (XLA's HLO passes still run).
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.masks import MaskSpec
+
+B, H, D, CHUNK = 3, 2, 4, 8
+CONFIGS = {
+    'causal': dict(n=19, m=27, q_offset=3, causal=True, dense=False),
+    'bidirectional': dict(n=27, m=19, q_offset=5, causal=False, dense=True),
+}
+# Options that make far blocks occur at these lengths (shaw: blocks wholly
+# beyond the clipping distance; t5: blocks wholly in one bucket), and every
+# form whose option picks a code path.
+FORMS = {
+    'shaw': [{'max_distance': 3}, {'max_distance': 1, 'relative_keys': False}],
+    'local': [{'window': 4, 'causal': False}, {'window': 4, 'causal': True}],
+    't5_bias': [{'num_buckets': 8, 'bucket_max_distance': 4},
+                {'num_buckets': 8, 'bucket_max_distance': 6, 'bidirectional': False}],
+}
+VARIANTS = [(name, extra) for name in registry.chunked_names()
+            for extra in FORMS.get(name, [{}])]
+VARIANT_IDS = [name + ''.join(f'-{k}={v}' for k, v in extra.items()) for name, extra in VARIANTS]
+CASES = [(i, config) for i in range(len(VARIANTS)) for config in CONFIGS]
+CASE_IDS = [f'{VARIANT_IDS[i]}-{config}' for i, config in CASES]
+# XLA:CPU's LLVM code generation at -O0 (the HLO passes still run): half the compile time.
+FAST_COMPILE = {'xla_backend_optimization_level': 0}
+
+
+def _compile(fn, *args):
+  return jax.jit(fn).lower(*args).compile(FAST_COMPILE)
+
+
+def _inputs(config, dtype=np.float32):
+  """q [b, n, h, d], k, v [b, m, h, d], cotangent [b, n, h, d] and the
+  MaskSpec's arrays, for a configuration."""
+  c = CONFIGS[config]
+  n, m = c['n'], c['m']
+  rng = np.random.default_rng(len(config))
+  normal = lambda *shape: rng.normal(size=shape).astype(dtype)  # noqa: E731
+  key_valid = np.ones((B, m), bool)
+  key_valid[0] = rng.random(m) < 0.75
+  key_valid[0, -1] = False
+  key_valid[1] = False  # no key at all
+  query_valid = np.ones((B, n), bool)
+  query_valid[0] = rng.random(n) < 0.8
+  query_valid[0, 0] = False
+  arrays = dict(q=normal(B, n, H, D), k=normal(B, m, H, D), v=normal(B, m, H, D),
+                g=normal(B, n, H, D), key_valid=key_valid, query_valid=query_valid)
+  if c['dense']:
+    arrays['dense'] = rng.random((B, 1, n, m)) < 0.85
+  return arrays
+
+
+def _spec(config, arrays):
+  return MaskSpec(key_valid=arrays['key_valid'], query_valid=arrays['query_valid'],
+                  dense=arrays.get('dense'), causal=CONFIGS[config]['causal'])
+
+
+def _params(index, dtype=np.float32):
+  """Random values (not the initializers': an identity W would hide W) for the
+  tables AttentionVariant.params declares."""
+  name, extra = VARIANTS[index]
+  variant = registry.get(name)
+  kwargs = registry.resolve_kwargs(name, extra)
+  tables = variant.params(H, D, kwargs) if variant.params else {}
+  rng = np.random.default_rng(100 + index)
+  return {p: (0.5 * rng.normal(size=shape)).astype(dtype)
+          for p, (shape, _) in sorted(tables.items())}
+
+
+def _dense_fn(index, spec, n, m, q_offset, dtype=jnp.float32):
+  """(q, k, v, params) -> out: the dense form, as MultiHeadAttention calls it."""
+  name, extra = VARIANTS[index]
+  variant = registry.get(name)
+  kwargs = registry.resolve_kwargs(name, extra)
+  if variant.uses_positions:
+    kwargs['q_offset'] = q_offset
+  if variant.dense_implementations:
+    kwargs['implementation'] = 'dense'
+
+  def fn(q, k, v, params):
+    return variant.fn(q, k, v, mask=spec.to_dense(n, m, q_offset), bias=None, dropout_rate=0.0,
+                      dropout_rng=None, deterministic=True, dtype=dtype, return_weights=False,
+                      **params, **kwargs)
+  return fn
+
+
+def _chunked_fn(index, spec, q_offset, dtype=jnp.float32, chunk_size=CHUNK):
+  """(q, k, v, params) -> out: the chunked form, as MultiHeadAttention calls it."""
+  name, extra = VARIANTS[index]
+  variant = registry.get(name)
+  kwargs = registry.resolve_kwargs(name, extra)
+
+  def fn(q, k, v, params):
+    return variant.chunked(q, k, v, mask=spec, q_offset=q_offset, chunk_size=chunk_size,
+                           dtype=dtype, **params, **kwargs)
+  return fn
+
+
+def _out_and_grads(fn, q, k, v, params, g):
+  out, pull = jax.vjp(fn, q, k, v, params)
+  dq, dk, dv, dparams = pull(g.astype(out.dtype))
+  return {'out': out, 'dq': dq, 'dk': dk, 'dv': dv, 'dparams': dparams}
+
+
+# chunked.attend's calls while tracing (the fixture counts them): the chunked
+# forms must run the block kernel, not fall back on a dense computation.
+_ATTEND_CALLS = []
+_TRACED_ATTEND_CALLS = {}
+
+
+def _all_cases(inputs, params, q_offsets):
+  """Every case's dense and chunked results; q_offsets {config: traced int}."""
+  results = {}
+  for index, config in CASES:
+    x, p = inputs[config], params[index]
+    c = CONFIGS[config]
+    spec = _spec(config, x)
+    args = (x['q'], x['k'], x['v'], p, x['g'])
+    dense = _out_and_grads(_dense_fn(index, spec, c['n'], c['m'], c['q_offset']), *args)
+    before = len(_ATTEND_CALLS)
+    # q_offset traced, as when decoding with a cache
+    got = _out_and_grads(_chunked_fn(index, spec, q_offsets[config]), *args)
+    _TRACED_ATTEND_CALLS[index, config] = len(_ATTEND_CALLS) - before
+    results[index, config] = {'dense': dense, 'chunked': got}
+    if config == 'causal':
+      # q_offset a python int, as in training
+      results[index, config]['chunked_int_offset'] = _chunked_fn(
+          index, spec, c['q_offset'])(*args[:4])
+      # bfloat16 compute, float32 tables (as the layer's param_dtype)
+      q, k, v = (x[t].astype(jnp.bfloat16) for t in 'qkv')
+      results[index, config]['dense_bf16'] = _dense_fn(
+          index, spec, c['n'], c['m'], c['q_offset'], jnp.bfloat16)(q, k, v, p)
+      results[index, config]['chunked_bf16'] = _chunked_fn(
+          index, spec, c['q_offset'], jnp.bfloat16)(q, k, v, p)
+  return results
+
+
+@pytest.fixture(scope='module')
+def cases():
+  """(results of every case, the compiled function and its arguments: one
+  compilation for the whole module's comparisons)."""
+  inputs = {config: _inputs(config) for config in CONFIGS}
+  params = [_params(i) for i in range(len(VARIANTS))]
+  offsets = {config: c['q_offset'] for config, c in CONFIGS.items()}
+  attend = chunked.attend
+
+  def counted(*args, **kwargs):
+    _ATTEND_CALLS.append(1)
+    return attend(*args, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(chunked, 'attend', counted)
+    compiled = _compile(_all_cases, inputs, params, offsets)
+  results = jax.tree.map(np.asarray, compiled(inputs, params, offsets))
+  return results, compiled, (inputs, params, offsets)
+
+
+def _assert_close(got, want, what, tol=1e-5):
+  """|got - want| <= tol * (|want| + max(1, max|want|)): float32 rounding of
+  sums over blocks in another order, far below any wrong term."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  assert np.all(np.isfinite(got)), f'{what}: not finite'
+  scale = max(1.0, float(np.max(np.abs(want))))
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+@pytest.mark.parametrize('index,config', CASES, ids=CASE_IDS)
+def test_output_and_every_gradient_equal_the_dense_form(cases, index, config):
+  results, _, _ = cases
+  dense, got = results[index, config]['dense'], results[index, config]['chunked']
+  assert _TRACED_ATTEND_CALLS[index, config] == 1  # the block kernel ran, once
+  assert set(got['dparams']) == set(_params(index))  # every table has a gradient
+  for what in ('out', 'dq', 'dk', 'dv'):
+    _assert_close(got[what], dense[what], what)
+  for table in dense['dparams']:
+    _assert_close(got['dparams'][table], dense['dparams'][table], f'd {table}')
+
+
+@pytest.mark.parametrize('index', range(len(VARIANTS)), ids=VARIANT_IDS)
+def test_traced_offset_equals_the_int(cases, index):
+  results, _, _ = cases
+  r = results[index, 'causal']
+  _assert_close(r['chunked']['out'], r['chunked_int_offset'], 'out', tol=1e-6)
+
+
+@pytest.mark.parametrize('index', range(len(VARIANTS)), ids=VARIANT_IDS)
+def test_bfloat16_close_to_dense_bfloat16_and_to_float32(cases, index):
+  """bfloat16 keeps 8 significant bits: the chunked form's output is within
+  that of the dense bfloat16 output, and its error against the float32
+  result (root mean square, a steadier measure than the maximum) is of the
+  dense bfloat16 form's size, not more (measured: 0.66 to 0.98 of it)."""
+  results, _, _ = cases
+  r = results[index, 'causal']
+  got, dense, exact = (np.asarray(x, np.float64)
+                       for x in (r['chunked_bf16'], r['dense_bf16'], r['dense']['out']))
+  assert r['chunked_bf16'].dtype == jnp.bfloat16 and np.all(np.isfinite(got))
+  scale = max(1.0, float(np.max(np.abs(exact))))
+  np.testing.assert_allclose(got, dense, atol=0.03 * scale)
+  rms = lambda x: float(np.sqrt(np.mean(np.square(x))))  # noqa: E731
+  assert rms(got - exact) <= 1.5 * rms(dense - exact), (rms(got - exact), rms(dense - exact))
+
+
+# ---- determinism ----------------------------------------------------------------
+
+WITH_TABLES = [i for i in range(len(VARIANTS)) if _params(i)]
+
+
+@pytest.mark.parametrize('index', WITH_TABLES, ids=[VARIANT_IDS[i] for i in WITH_TABLES])
+def test_table_gradients_are_deterministic_and_built_without_scatter(cases, index):
+  """Two runs give bitwise-equal table gradients, and their program holds no
+  scatter (XLA:GPU's scatter-add is the op whose order varies run to run; the
+  dense path's gather-based tables have one in their gradient)."""
+  results, compiled, args = cases
+  again = compiled(*args)
+  for config in CONFIGS:
+    for table, want in results[index, config]['chunked']['dparams'].items():
+      np.testing.assert_array_equal(np.asarray(again[index, config]['chunked']['dparams'][table]),
+                                    want, err_msg=f'{config} d {table}')
+  x = _inputs('causal')
+  spec = _spec('causal', x)
+  fn = _chunked_fn(index, spec, CONFIGS['causal']['q_offset'])
+  grad = jax.grad(lambda p: jnp.sum(fn(x['q'], x['k'], x['v'], p) * x['g']))
+  hlo = jax.jit(grad).lower(_params(index)).as_text()
+  assert 'scatter' not in hlo
+
+
+# ---- hidden blocks are not computed -----------------------------------------------
+
+def _poisoned_terms(structural):
+  """BlockTerms whose logits and values are NaN in a block where the causal /
+  window rule allows no pair: such a block, if it ran, would turn the output
+  (forward) or the gradients (backward) into NaN.
+
+  The block's positions are those the kernel sees, padding rows and columns
+  included: a block visible only to the padding rows of the last query block
+  does run (n=21, q_offset=7, chunk 4, causal: key block 28..31 for real query
+  position 27 alone), a cost of at most one block per row or column of blocks,
+  not a wrong result.
+  """
+  def hidden(q_pos, k_pos):
+    return ~jnp.any(structural(q_pos[:, None], k_pos[None, :]))
+
+  def logits(q, k, params, q_pos, k_pos):
+    poison = jnp.where(hidden(q_pos, k_pos), jnp.nan, 1.0)
+    return chunked.dot_logits(q, k, params, q_pos, k_pos) * poison
+
+  def values(p, v, params, q_pos, k_pos):
+    poison = jnp.where(hidden(q_pos, k_pos), jnp.nan, 1.0)
+    return chunked.dot_values(p, v, params, q_pos, k_pos) * poison
+  return chunked.BlockTerms(logits=logits, values=values)
+
+
+SKIP_MASKS = {
+    'causal': MaskSpec(causal=True),
+    'window': MaskSpec(window=3),
+    'window_causal': MaskSpec(window=5, window_causal=True),
+    'causal_and_window': MaskSpec(causal=True, window=6),
+}
+# (mask, q_offset); offset 7 is traced
+SKIP_CASES = [('causal', 7), ('window', 0), ('window', 7), ('window_causal', 7),
+              ('causal_and_window', 0)]
+
+
+def test_hidden_blocks_are_skipped_forward_and_backward():
+  """Blocks wholly hidden by the causal or window parts never run: with
+  NaN-poisoned block terms there, the output and gradients stay finite and
+  equal dense dot-product attention. n=21 queries, m=29 keys, chunk 4."""
+  n, m, chunk = 21, 29, 4
+  rng = np.random.default_rng(7)
+  q, k, v, g = (rng.normal(size=(2, length, H, D)).astype(np.float32)
+                for length in (n, m, m, n))
+
+  def run(traced_offset):
+    out = {}
+    for name, q_offset in SKIP_CASES:
+      spec = SKIP_MASKS[name]
+      offset = traced_offset if q_offset == 7 else q_offset
+      terms = _poisoned_terms(spec.structural)
+      fn = functools.partial(chunked.attend, terms=terms, mask=spec, q_offset=offset,
+                             chunk_size=chunk)
+      scale = 1 / math.sqrt(D)
+      got = _out_and_grads(lambda q, k, v, p: fn(q * scale, k, v), q, k, v, {}, g)
+
+      def dense(q, k, v, p, spec=spec, q_offset=q_offset):
+        return dot_product_attention(q, k, v, mask=spec.to_dense(n, m, q_offset))
+      out[name, q_offset] = got, _out_and_grads(dense, q, k, v, {}, g)
+    return out
+
+  results = _compile(run, 7)(7)
+  for (name, q_offset), (got, want) in results.items():
+    for what in ('out', 'dq', 'dk', 'dv'):
+      _assert_close(got[what], want[what], f'{name} q_offset={q_offset} {what}')
+
+
+# ---- table gradients against float64 loops, by central differences ------------------
+
+def _loop_softmax_rows(logits, visible):
+  """Row softmax over the visible keys; uniform over all keys where none is."""
+  w = np.zeros_like(logits)
+  for idx in np.ndindex(logits.shape[:-1]):
+    row, ok = logits[idx], visible[idx]
+    if ok.any():
+      e = np.where(ok, np.exp(row - row[ok].max()), 0.0)
+      w[idx] = e / e.sum()
+    else:
+      w[idx] = 1.0 / row.shape[-1]
+  return w
+
+
+def _shaw_loop(q, k, v, tk, tv, r, q_offset, visible):
+  """Shaw eq. 3-5 in float64, pair by pair: the table rows at
+  clip(j - (i + q_offset), -r, r) + r."""
+  b, n, h, d = q.shape
+  m = k.shape[1]
+  logits = np.zeros((b, h, n, m))
+  for bb, hh, i, j in np.ndindex(b, h, n, m):
+    rel = min(max(j - (i + q_offset), -r), r) + r
+    logits[bb, hh, i, j] = q[bb, i, hh] @ (k[bb, j, hh] + tk[rel]) / math.sqrt(d)
+  w = _loop_softmax_rows(logits, np.broadcast_to(visible, logits.shape))
+  out = np.zeros((b, n, h, d))
+  for bb, hh, i, j in np.ndindex(b, h, n, m):
+    rel = min(max(j - (i + q_offset), -r), r) + r
+    out[bb, i, hh] += w[bb, hh, i, j] * (v[bb, j, hh] + tv[rel])
+  return out
+
+
+def _t5_bucket(rel, bidirectional, num_buckets, max_distance):
+  """mesh_tensorflow's _relative_position_bucket on one python int."""
+  ret, n = 0, -rel
+  if bidirectional:
+    num_buckets //= 2
+    ret += num_buckets if n < 0 else 0
+    n = abs(n)
+  else:
+    n = max(n, 0)
+  max_exact = num_buckets // 2
+  if n < max_exact:
+    return ret + n
+  large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
+                          * (num_buckets - max_exact))
+  return ret + min(large, num_buckets - 1)
+
+
+def _t5_loop(q, k, v, table, q_offset, visible, bucket_kw):
+  b, n, h, d = q.shape
+  m = k.shape[1]
+  logits = np.zeros((b, h, n, m))
+  for bb, hh, i, j in np.ndindex(b, h, n, m):
+    bucket = _t5_bucket(j - (i + q_offset), **bucket_kw)
+    logits[bb, hh, i, j] = q[bb, i, hh] @ k[bb, j, hh] / math.sqrt(d) + table[bucket, hh]
+  w = _loop_softmax_rows(logits, np.broadcast_to(visible, logits.shape))
+  return np.einsum('bhnm,bmhd->bnhd', w, v)
+
+
+def _central_differences(loss, tables, eps=1e-4):
+  """d loss / d every entry of every table, (f(t + eps) - f(t - eps)) / 2 eps."""
+  grads = {}
+  for name, t in tables.items():
+    grads[name] = np.zeros_like(t)
+    for idx in np.ndindex(t.shape):
+      hi, lo = {**tables, name: t.copy()}, {**tables, name: t.copy()}
+      hi[name][idx] += eps
+      lo[name][idx] -= eps
+      grads[name][idx] = (loss(hi) - loss(lo)) / (2 * eps)
+  return grads
+
+
+@pytest.mark.parametrize('name', ['shaw', 't5_bias'])
+def test_table_gradients_equal_central_differences_of_a_float64_loop(name):
+  """n=6 queries at positions 2..7, m=9 keys, chunk 3: blocks wholly beyond
+  shaw's clipping distance 2 on both sides, and in one t5 bucket; example 1
+  has no key (the uniform rule's table terms)."""
+  n, m, offset, chunk = 6, 9, 2, 3
+  rng = np.random.default_rng(11)
+  q, k, v, g = (rng.normal(size=(2, length, H, 3)) for length in (n, m, m, n))
+  key_valid = np.ones((2, m), bool)
+  key_valid[0, [1, 5]] = False
+  key_valid[1] = False
+  spec = MaskSpec(key_valid=jnp.asarray(key_valid))
+  visible = key_valid[:, None, None, :]
+  if name == 'shaw':
+    r = 2
+    tables = {'rel_key_table': rng.normal(size=(2 * r + 1, 3)),
+              'rel_value_table': rng.normal(size=(2 * r + 1, 3))}
+    kwargs = {'max_distance': r}
+
+    def loop_loss(t):
+      return np.sum(g * _shaw_loop(q, k, v, t['rel_key_table'], t['rel_value_table'], r,
+                                   offset, visible))
+  else:
+    bucket_kw = dict(bidirectional=True, num_buckets=8, max_distance=4)
+    tables = {'rel_embedding': rng.normal(size=(8, H))}
+    kwargs = {'num_buckets': 8, 'bucket_max_distance': 4}
+
+    def loop_loss(t):
+      return np.sum(g * _t5_loop(q, k, v, t['rel_embedding'], offset, visible, bucket_kw))
+
+  variant = registry.get(name)
+  kwargs = registry.resolve_kwargs(name, kwargs)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+  def chunked_loss(t):
+    out = variant.chunked(f32(q), f32(k), f32(v), mask=spec, q_offset=offset, chunk_size=chunk,
+                          **t, **kwargs)
+    return jnp.sum(out * f32(g))
+
+  t32 = jax.tree.map(f32, tables)
+  loss, got = _compile(jax.value_and_grad(chunked_loss), t32)(t32)
+  want = _central_differences(loop_loss, tables)
+  # the reference itself: its loss at the tables equals the chunked form's
+  np.testing.assert_allclose(float(loss), loop_loss(tables), rtol=1e-5)
+  for table in tables:
+    assert np.abs(want[table]).max() > 0.1  # every table matters here
+    _assert_close(got[table], want[table], f'd {table}', tol=2e-5)
