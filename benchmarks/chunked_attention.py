@@ -58,6 +58,8 @@ def main(argv=None):
   parser.add_argument('--causal', action=argparse.BooleanOptionalAction, default=True)
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--dense_limit_mib', type=float, default=4096)
+  parser.add_argument('--memory_only', action='store_true',
+                      help='compile and report temp memory; no timing (long lengths)')
   args = parser.parse_args(argv)
   batch_at = {int(k): int(v) for k, v in (p.split(':') for p in args.batch_at)}
   print(f'# MultiHeadAttention fwd+bwd, d_model {args.d_model}, {args.heads} heads, '
@@ -77,8 +79,9 @@ def main(argv=None):
       if b * args.heads * n * n * 4 / 2**20 <= args.dense_limit_mib:
         fns['dense'] = _step(variant, 'dense', args, x)
       mem = {k: timing.memory(fn, a)['temp'] for k, (fn, a) in fns.items()}
-      times = {k: timing.median(t) for k, t in
-               timing.interleaved_times(fns, args.repeats).items()}
+      times = ({k: float('nan') for k in fns} if args.memory_only else
+               {k: timing.median(t) for k, t in
+                timing.interleaved_times(fns, args.repeats).items()})
       if variant == 'dot_product':
         dot_chunked = times['chunked']
       dense = 'dense' in fns
