@@ -1,6 +1,7 @@
 """Faults made for real: signals to a training process, damaged checkpoint files, NaN losses."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,42 +34,63 @@ def _start(workdir, tfds_dir, *extra):
       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_training(proc, workdir, timeout=240):
-  """Returns once metrics.jsonl holds a train point (the loop is stepping)."""
+def _last_train_step(workdir) -> int:
   path = os.path.join(workdir, 'metrics.jsonl')
+  steps = [0]
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:  # a line being written
+          continue
+        if record['split'] == 'train':
+          steps.append(record['step'])
+  return max(steps)
+
+
+def _wait_for_training(proc, workdir, after=0, timeout=240):
+  """Returns once metrics.jsonl holds a train point after step `after` (the
+  loop is stepping)."""
   deadline = time.time() + timeout
   while time.time() < deadline:
     if proc.poll() is not None:
       raise AssertionError(f'training exited early: {proc.communicate()[1][-3000:]}')
-    if os.path.exists(path) and os.path.getsize(path) > 0:
+    if _last_train_step(workdir) > after:
       return
     time.sleep(0.2)
   proc.kill()
   raise AssertionError('training did not log a step in time')
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_exits_0_and_the_same_command_resumes(
-    signum, tmp_path, tfds_dir):
-  workdir = str(tmp_path / 'w')
-  proc = _start(workdir, tfds_dir)
-  _wait_for_training(proc, workdir)
-  proc.send_signal(signum)
-  _, err = proc.communicate(timeout=120)
-  assert proc.returncode == 0, err[-3000:]
-  assert f'Stopped on {signal.Signals(signum).name}' in err and 'Re-run the same command' in err
-  (saved,) = _steps(workdir)  # no checkpoint_every step was reached: this one is the signal's
-  assert saved >= 5
+def test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes(tmp_path, tfds_dir):
+  """SIGTERM, then SIGINT to the same command run again (which resumes from
+  the SIGTERM's checkpoint): each saves a checkpoint at the step it stops and
+  exits 0; a run to a few steps later resumes from the last."""
+  workdir, saved = str(tmp_path / 'w'), []
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    proc = _start(workdir, tfds_dir)
+    _wait_for_training(proc, workdir, after=saved[-1] if saved else 0)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert f'Stopped on {signal.Signals(signum).name}' in err and 'Re-run the same command' in err
+    if saved:
+      assert f'Resumed from {workdir}/checkpoints at step {saved[-1]}' in err, err[-3000:]
+    # no checkpoint_every step was reached: the newest is this signal's
+    steps = _steps(workdir)
+    assert steps[:-1] == saved and steps[-1] >= (saved[-1] + 1 if saved else 5), (saved, steps)
+    saved.append(last := steps[-1])
 
   proc = subprocess.run(
       [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
-       f'--config.data.data_dir={tfds_dir}', *TINY, f'--config.train.num_steps={saved + 3}',
+       f'--config.data.data_dir={tfds_dir}', *TINY, f'--config.train.num_steps={last + 3}',
        '--config.train.log_every=5', '--config.train.checkpoint_every=100000',
-       '--config.train.eval_every=100000'],
+       '--config.train.eval_every=100000', '--config.eval.final_test=False'],
       cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f'at step {saved}' in proc.stderr
-  assert _steps(workdir)[-1] == saved + 3
+  assert f'at step {last}' in proc.stderr
+  assert _steps(workdir)[-1] == last + 3
 
 
 def _train_points(workdir):
@@ -82,10 +104,14 @@ def test_kill_9_at_a_random_moment_then_the_same_command_gives_the_same_run(tmp_
           '--config.train.log_every=100', '--config.train.checkpoint_every=100',
           '--config.train.eval_every=100000', '--config.eval.final_test=False']
   command = [sys.executable, '-m', 'flaxformer_lite.main', *args]
+  # The reference: never killed, and without the periodic checkpoints (saving
+  # is most of a step's time here), which must not change the run.
   reference = str(tmp_path / 'reference')
-  proc = subprocess.run([*command, f'--workdir={reference}'], cwd=REPO, capture_output=True,
-                        text=True, timeout=300)
+  proc = subprocess.run([*command, f'--workdir={reference}',
+                         '--config.train.checkpoint_every=100000'],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert _steps(reference) == [3000]
 
   workdir = str(tmp_path / 'killed')
   proc = subprocess.Popen([*command, f'--workdir={workdir}'], cwd=REPO,
@@ -147,11 +173,13 @@ def _train_loss(workdir, step):
 
 def test_unreadable_newest_checkpoint_falls_back_and_is_kept(tiny_config, tmp_path, caplog):
   c = tiny_config  # 20 steps, checkpoints at 10 and 20
+  c.eval.final_test = False  # the test splits' decoding plays no part here
   reference = str(tmp_path / 'reference')
   loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), reference)
 
+  # The same run's workdir: a copy of the reference's (training it again gives the same files).
   workdir = str(tmp_path / 'w')
-  loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), workdir)
+  shutil.copytree(reference, workdir)
   _damage(os.path.join(workdir, 'checkpoints', '20'))
   longer = config_lib.from_json(config_lib.to_json(c))
   longer.train.num_steps = 20  # the same command again
@@ -197,6 +225,7 @@ def test_skip_nonfinite_keeps_training_and_counts_skipped_steps(tiny_config, tmp
   c.train.num_steps, c.train.log_every, c.train.checkpoint_every = 6, 3, 3
   c.train.schedule, c.train.learning_rate, c.train.warmup_steps = 'rsqrt', 1e32, 10
   c.train.skip_nonfinite = True
+  c.eval.final_test = False  # the test splits' decoding plays no part here
   workdir = str(tmp_path / 'w')
   loop.train_and_evaluate(c, workdir)
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:

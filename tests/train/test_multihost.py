@@ -1,6 +1,7 @@
 """Multi-host through jax.distributed, as real processes on 127.0.0.1:
-2 processes = 1 process with the same 2 devices; a dead process stops the job;
-a signal to one process stops both at one step, with one checkpoint."""
+a dead process stops the job; a signal to one process stops both at one step,
+with one checkpoint, and the job resumed from it gives the curve of 1 process
+with the same 2 devices."""
 import json
 import os
 import re
@@ -37,26 +38,6 @@ def _env(**extra):
   return env
 
 
-def test_two_processes_give_the_curve_of_one_process_with_two_devices(tfds_dir, tmp_path):
-  one = str(tmp_path / 'one')
-  done = subprocess.run(_command(one, tfds_dir, '--config.train.num_steps=10'), cwd=REPO,
-                        env=_env(XLA_FLAGS='--xla_force_host_platform_device_count=2'),
-                        capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  two = str(tmp_path / 'two')
-  done = subprocess.run(_command(two, tfds_dir, '--config.train.num_steps=10',
-                                 '--local_processes=2'),
-                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert len(re.findall(r'launch: process \d of 2 is pid', done.stderr)) == 2
-  a, b = _losses(one), _losses(two)
-  assert sorted(a) == sorted(b) == [5, 10]
-  for step in a:
-    assert b[step] == pytest.approx(a[step], rel=2e-5)
-  # checkpoints were written collectively, once
-  assert sorted(os.listdir(os.path.join(two, 'checkpoints'))) == ['10']
-
-
 def test_a_dead_process_stops_the_others_with_an_error(tfds_dir, tmp_path):
   workdir = str(tmp_path / 'w')
   log = tmp_path / 'stderr.txt'
@@ -86,12 +67,14 @@ def test_a_dead_process_stops_the_others_with_an_error(tfds_dir, tmp_path):
     os.kill(pids[0], 0)
 
 
-def test_a_signal_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_path):
+def test_a_signal_to_one_process_stops_both_at_one_step_and_resumes_to_the_curve_of_one(tmp_path):
   """README: a signal to any process of a multi-host job stops all of them at
   the same step with a checkpoint. SIGTERM to process 1 only: both exit 0
   (the launcher's code is 0 only when every process's is), both log the stop
   at one step, one complete checkpoint holds that step, and the same command
-  resumes from it to the end."""
+  resumes from it to the end. The 2-process curve, its steps before the stop
+  and after the resume, is the curve of 1 process with the same 2 devices
+  (uninterrupted): one run checks both the multi-host step and the resume."""
   workdir, num_steps = str(tmp_path / 'w'), 40
   # Every step logged: the first train record shows both processes inside the
   # loop (each step is a collective), where the signal handler is installed.
@@ -136,8 +119,22 @@ def test_a_signal_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_
   done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
                         timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
+  assert len(re.findall(r'launch: process \d of 2 is pid', done.stderr)) == 2
   assert re.search(rf'Resumed from \S+ at step {step}\n', done.stderr), done.stderr[-3000:]
   assert 'Stopped on' not in done.stderr
   assert sorted(_losses(workdir)) == list(range(1, num_steps + 1))
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints')), key=int) == [
       str(step), str(num_steps)]
+
+  # The reference: 1 process with 2 devices, the same config, never stopped.
+  one = str(tmp_path / 'one')
+  done = subprocess.run([arg for arg in command if arg != '--local_processes=2'
+                         and not arg.startswith('--workdir=')] + [f'--workdir={one}'],
+                        cwd=REPO, env=_env(XLA_FLAGS='--xla_force_host_platform_device_count=2'),
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'over 2 device(s)' in done.stderr and 'launch: process' not in done.stderr
+  a, b = _losses(one), _losses(workdir)
+  assert sorted(a) == sorted(b) == list(range(1, num_steps + 1))
+  for s in a:
+    assert b[s] == pytest.approx(a[s], rel=2e-5), (s, step)

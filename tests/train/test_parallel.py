@@ -2,12 +2,13 @@
 (fsdp, the state sharded, with gradient accumulation), for a batch that does
 not split over the devices (padded with weight-0 rows), and an 8-device
 checkpoint resumes on 1 device; padding rows leave the update unchanged;
-gradient accumulation = the large batch; the train step compiles once; bf16
-trains.
+gradient accumulation = the large batch; the train step compiles once (float32
+and bfloat16 runs); bf16 trains.
 
 Several devices on CPU come from --xla_force_host_platform_device_count, which
 must be set before jax starts: those runs are subprocesses.
 """
+import contextlib
 import functools
 import json
 import logging
@@ -33,25 +34,32 @@ import logging, sys
 from flaxformer_lite import config as config_lib
 from flaxformer_lite.train import loop
 import jax
-assert jax.device_count() == int(sys.argv[3]), jax.devices()
+assert jax.device_count() == int(sys.argv[1]), jax.devices()
 log = logging.getLogger('flaxformer_lite')
 log.addHandler(logging.StreamHandler())
 log.setLevel(logging.INFO)
-config = config_lib.from_json(open(sys.argv[1]).read())
-loop.train_and_evaluate(config, sys.argv[2])
+for path, workdir in zip(sys.argv[2::2], sys.argv[3::2]):
+  print(f'=== run in {workdir}', file=sys.stderr, flush=True)
+  loop.train_and_evaluate(config_lib.from_json(open(path).read()), workdir)
 '''
 
 
-def _on_devices(n, config, workdir, tmp_path) -> str:
-  """Trains `config` in a subprocess with n CPU devices; -> its log."""
-  path = tmp_path / 'config.json'
-  path.write_text(config_lib.to_json(config))
+def _on_devices(n, runs, tmp_path) -> dict:
+  """Trains each (config, workdir) of `runs` in turn, in one subprocess with n
+  CPU devices (one start-up for all); -> {workdir: its log}."""
+  args = []
+  for i, (config, workdir) in enumerate(runs):
+    path = tmp_path / f'config_{n}_{i}.json'
+    path.write_text(config_lib.to_json(config))
+    args += [str(path), workdir]
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
              JAX_PLATFORMS='cpu')
-  done = subprocess.run([sys.executable, '-c', RUN_ON_DEVICES, str(path), workdir, str(n)],
+  done = subprocess.run([sys.executable, '-c', RUN_ON_DEVICES, str(n), *args],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
-  return done.stderr
+  logs = done.stderr.split('=== run in ')[1:]
+  assert [log.split('\n', 1)[0] for log in logs] == [w for _, w in runs], done.stderr[-3000:]
+  return {w: log for (_, w), log in zip(runs, logs)}
 
 
 def _curve(workdir, key='loss', split='train'):
@@ -68,14 +76,43 @@ def _parallel_config(tiny_config):
   return c
 
 
-def test_one_device_equals_several_for_any_batch_size_and_resumes_on_one(tiny_config, tmp_path):
+@contextlib.contextmanager
+def _train_step_compilations(caplog):
+  """-> a list that gets the 'Compiling jit(train_step)' messages (jax_log_compiles)
+  logged inside the block."""
+  compiles, start = [], len(caplog.records)
+  jax.config.update('jax_log_compiles', True)
+  try:
+    with caplog.at_level(logging.WARNING):
+      yield compiles
+  finally:
+    jax.config.update('jax_log_compiles', False)
+  compiles += [r.getMessage() for r in caplog.records[start:]
+               if r.getMessage().startswith('Compiling jit(train_step)')]
+
+
+def test_one_device_equals_several_for_any_batch_size_and_resumes_on_one(tiny_config, tmp_path,
+                                                                         caplog):
   c = _parallel_config(tiny_config)
-  loop.train_and_evaluate(c, str(tmp_path / 'one'))
+  with _train_step_compilations(caplog) as compiles:
+    loop.train_and_evaluate(c, str(tmp_path / 'one'))
+  # 20 steps, 4 logs, 2 evaluations, 2 checkpoints: one compilation
+  assert len(compiles) == 1, compiles
   curves = {'one': _curve(str(tmp_path / 'one'))}
   runs = {'jit': (8, 1), 'pmap': (4, 1), 'fsdp': (8, 2)}  # devices, accumulation steps
+  configs = {}
   for mode, (n, accum) in runs.items():
-    c.train.parallel, c.train.grad_accum_steps = mode, accum
-    log = _on_devices(n, c, str(tmp_path / mode), tmp_path)
+    configs[mode] = config_lib.from_json(config_lib.to_json(c))
+    configs[mode].train.parallel, configs[mode].train.grad_accum_steps = mode, accum
+    if mode != 'jit':  # only the jit run's checkpoint at step 10 is resumed (below)
+      configs[mode].train.checkpoint_every = 20
+  # One subprocess per device count: jit and fsdp share the 8-device one.
+  logs = {}
+  for n in sorted({n for n, _ in runs.values()}):
+    logs.update(_on_devices(n, [(configs[m], str(tmp_path / m)) for m in runs if runs[m][0] == n],
+                            tmp_path))
+  for mode, (n, accum) in runs.items():
+    log = logs[str(tmp_path / mode)]
     padded = -(-14 // (n * accum)) * n * accum
     assert (f'Train batch: 14 rows + {padded - 14} padding rows (weight 0) = {padded}, '
             f'over {n} device(s) x {accum}') in log
@@ -163,27 +200,15 @@ def test_gradient_accumulation_equals_the_large_batch():
   assert float(big_sums['tokens']) == float(np.sum(batch['targets'] != 0))
 
 
-def test_the_train_step_compiles_once(tiny_config, tmp_path, caplog):
-  c = tiny_config
-  c.train.num_steps, c.train.log_every, c.train.eval_every = 30, 10, 30
-  c.eval.final_test = False
-  jax.config.update('jax_log_compiles', True)
-  try:
-    with caplog.at_level(logging.WARNING):
-      loop.train_and_evaluate(c, str(tmp_path / 'run'))
-  finally:
-    jax.config.update('jax_log_compiles', False)
-  compiles = [r.getMessage() for r in caplog.records
-              if r.getMessage().startswith('Compiling jit(train_step)')]
-  assert len(compiles) == 1, compiles  # 30 steps, 3 logs, an eval: one compilation
-
-
-def test_bfloat16_compute_trains_with_float32_params_and_loss(tiny_config, tmp_path):
+def test_bfloat16_compute_trains_with_float32_params_and_loss_and_compiles_once(
+    tiny_config, tmp_path, caplog):
   c = tiny_config
   c.model.dtype = 'bfloat16'
   c.train.num_steps, c.train.log_every, c.train.eval_every = 30, 10, 30
   c.eval.final_test = False
-  loop.train_and_evaluate(c, str(tmp_path / 'bf16'))
+  with _train_step_compilations(caplog) as compiles:
+    loop.train_and_evaluate(c, str(tmp_path / 'bf16'))
+  assert len(compiles) == 1, compiles  # 30 steps, 3 logs, an eval: one compilation
   curve = _curve(str(tmp_path / 'bf16'))
   assert curve[30] < 0.9 * curve[10]
   model = models.build(dict(c.model, vocab_size=9))
