@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
 
 def alibi_slopes(num_heads):
@@ -85,13 +85,11 @@ def _block_logits(slopes, q, k, params, q_pos, k_pos):
 def alibi_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None):
   """alibi_attention block by block (chunked.attend): the bias of each block
   from its positions, never an [n, m] array."""
-  dtype = dtype or query.dtype
   alibi_slopes(query.shape[2])  # checks num_heads
   slopes = _slopes(query.shape[2])  # a constant: closed over
   terms = chunked.BlockTerms(logits=functools.partial(_block_logits, slopes))
-  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
-  return chunked.attend(scaled, key, value, terms, mask=mask, q_offset=q_offset,
-                        chunk_size=chunk_size, dtype=dtype)
+  return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
+                             chunk_size=chunk_size, dtype=dtype)
 
 
 registry.register(registry.AttentionVariant(

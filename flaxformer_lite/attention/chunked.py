@@ -36,7 +36,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention.masks import MaskSpec
+from flaxformer_lite.attention.masks import MaskSpec, pad_to
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -86,31 +86,6 @@ class BlockTerms:
   uniform: Callable[..., Any] = mean_values
 
 
-def _pad_axis(x, axis, size, value=0):
-  if x is None or x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=value)
-
-
-def _padded_mask(mask: MaskSpec, n_pad: int, m_pad: int) -> MaskSpec:
-  dense = mask.dense
-  if dense is not None:
-    dense = jnp.asarray(dense).astype(bool)
-    dense = dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
-    if dense.shape[2] > 1:
-      dense = _pad_axis(dense, 2, n_pad, False)
-    if dense.shape[3] > 1:
-      dense = _pad_axis(dense, 3, m_pad, False)
-  return mask.replace(
-      key_valid=_pad_axis(None if mask.key_valid is None else mask.key_valid.astype(bool),
-                          1, m_pad, False),
-      query_valid=_pad_axis(None if mask.query_valid is None
-                            else mask.query_valid.astype(bool), 1, n_pad, False),
-      dense=dense)
-
-
 def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
            mask: MaskSpec | None = None, q_offset=0, chunk_size: int = DEFAULT_CHUNK_SIZE,
            dtype=None):
@@ -136,11 +111,11 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
     raise ValueError(f'chunk_size={chunk_size!r}; must be an int >= 1')
   bq, bk = min(chunk_size, n), min(chunk_size, m)
   nq, nk = -(-n // bq), -(-m // bk)
-  mask = _padded_mask(mask if mask is not None else MaskSpec(), nq * bq, nk * bk)
+  mask = (mask if mask is not None else MaskSpec()).padded(nq * bq, nk * bk)
   q_offset = jnp.asarray(q_offset, jnp.int32)
   kernel = _kernel(terms, n, m, bq, bk, nq, nk)
-  out, lse = kernel(_pad_axis(query, 1, nq * bq), _pad_axis(key, 1, nk * bk),
-                    _pad_axis(value, 1, nk * bk), params, mask, q_offset)
+  out, lse = kernel(pad_to(query, 1, nq * bq), pad_to(key, 1, nk * bk),
+                    pad_to(value, 1, nk * bk), params, mask, q_offset)
   out = out[:, :n]
   empty = jnp.isneginf(lse[:, :, :n]).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
   # A query that sees no key gets the dense path's uniform weights; that

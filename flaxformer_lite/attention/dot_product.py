@@ -151,11 +151,13 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
                                       implementation=implementation)
 
 
-def dot_product_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None,
-                        dtype=None):
+def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
+                        mask=None, q_offset=0, chunk_size=None, dtype=None):
   """dot_product_attention block by block (chunked.attend): mask a
-  masks.MaskSpec; O(n) memory, no dropout."""
+  masks.MaskSpec; O(n) memory, no dropout. The queries are scaled by
+  1/sqrt(d) here, once; `terms` and `params` add a variant's own block terms
+  to q.k (alibi, t5_bias, shaw, local)."""
   dtype = dtype or query.dtype
   scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
-  return chunked.attend(scaled, key, value, mask=mask, q_offset=q_offset,
+  return chunked.attend(scaled, key, value, terms, params, mask=mask, q_offset=q_offset,
                         chunk_size=chunk_size, dtype=dtype)

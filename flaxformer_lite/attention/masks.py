@@ -24,6 +24,15 @@ import jax
 import jax.numpy as jnp
 
 
+def band(q_pos, k_pos, window: int, causal: bool):
+  """Whether the query at q_pos sees the key at k_pos inside a window
+  (broadcasting int arrays): |j - p| < window, or p - window < j <= p."""
+  rel = k_pos - q_pos
+  if causal:
+    return (rel > -window) & (rel <= 0)
+  return jnp.abs(rel) < window
+
+
 @flax.struct.dataclass
 class MaskSpec:
   """A described attention mask (module docstring). Arrays are pytree leaves;
@@ -42,10 +51,8 @@ class MaskSpec:
     if self.causal:
       ok = k_pos <= q_pos
     if self.window is not None:
-      rel = k_pos - q_pos
-      band = ((rel > -self.window) & (rel <= 0) if self.window_causal
-              else jnp.abs(rel) < self.window)
-      ok = band if ok is None else ok & band
+      inside = band(q_pos, k_pos, self.window, self.window_causal)
+      ok = inside if ok is None else ok & inside
     return ok
 
   def to_dense(self, n: int, m: int, q_offset=0):
@@ -83,14 +90,31 @@ class MaskSpec:
       queries = jax.lax.dynamic_slice_in_dim(self.query_valid.astype(bool), q_start, bq, 1)
       ok = _and(ok, queries[:, None, :, None])
     if self.dense is not None:
-      dense = jnp.asarray(self.dense).astype(bool)
-      dense = dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
+      dense = _dense4(self.dense)
       if dense.shape[2] > 1:
         dense = jax.lax.dynamic_slice_in_dim(dense, q_start, bq, axis=2)
       if dense.shape[3] > 1:
         dense = jax.lax.dynamic_slice_in_dim(dense, k_start, bk, axis=3)
       ok = _and(ok, dense)
     return ok
+
+  def padded(self, n_pad: int, m_pad: int) -> MaskSpec:
+    """The same mask for n_pad >= n queries and m_pad >= m keys: the arrays
+    padded with False (nothing sees or is seen there), so `block` can slice
+    whole blocks."""
+    dense = self.dense
+    if dense is not None:
+      dense = _dense4(dense)
+      if dense.shape[2] > 1:
+        dense = pad_to(dense, 2, n_pad)
+      if dense.shape[3] > 1:
+        dense = pad_to(dense, 3, m_pad)
+    return self.replace(
+        key_valid=None if self.key_valid is None else pad_to(
+            self.key_valid.astype(bool), 1, m_pad),
+        query_valid=None if self.query_valid is None else pad_to(
+            self.query_valid.astype(bool), 1, n_pad),
+        dense=dense)
 
   def key_block_range(self, q_first, q_last, bk: int, num_blocks: int):
     """Key blocks [lo, hi) that queries at absolute positions q_first..q_last
@@ -115,6 +139,21 @@ class MaskSpec:
       if not self.window_causal:
         lo = jnp.maximum(lo, (k_first - self.window + 1 - q_offset) // bq)
     return jnp.maximum(lo, 0), jnp.maximum(jnp.maximum(lo, 0), hi)
+
+
+def _dense4(dense):
+  """An explicit mask as bool with 4 axes ([b|1, h|1, n|1, m|1])."""
+  dense = jnp.asarray(dense).astype(bool)
+  return dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
+
+
+def pad_to(x, axis: int, size: int):
+  """x padded with zeros (False for a mask) along `axis` up to `size`."""
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
 
 
 def _and(a, b):

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import masked_logits, softmax_weights
+from flaxformer_lite.attention.dot_product import (dot_product_chunked, masked_logits,
+                                                   softmax_weights)
 
 FORMS = ('auto', 'naive', 'matmul', 'banded')
 # 'auto' picks 'banded' once a materialised [n, m, d] table would have this many
@@ -413,16 +414,14 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
   both: per block, q meets the 2k+1 key-table rows and the weights are summed
   per clipped distance, so no [n, m] or [n, m, d] array exists; both tables'
   gradients are summed over the blocks."""
-  dtype = dtype or query.dtype
   tables = {name: t for name, t in (('rel_key_table', rel_key_table),
                                     ('rel_value_table', rel_value_table)) if t is not None}
   k = (next(iter(tables.values())).shape[0] - 1) // 2
   terms = chunked.BlockTerms(logits=functools.partial(_block_logits, k),
                              values=functools.partial(_block_values, k),
                              uniform=functools.partial(_uniform, k))
-  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
-  return chunked.attend(scaled, key, value, terms, tables, mask=mask, q_offset=q_offset,
-                        chunk_size=chunk_size, dtype=dtype)
+  return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
+                             chunk_size=chunk_size, dtype=dtype)
 
 
 def _shaw_params(num_heads, head_dim, kwargs):

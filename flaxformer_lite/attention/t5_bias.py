@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
 
 def t5_relative_position_bucket(relative_position, *, bidirectional=True,
@@ -155,13 +155,11 @@ def t5_bias_chunked(query, key, value, rel_embedding, *, mask=None, q_offset=0,
                     chunk_size=None, dtype=None):
   """t5_bias_attention block by block (chunked.attend); the table's
   gradient is summed over the blocks."""
-  dtype = dtype or query.dtype
   bucket_kw = dict(bidirectional=bidirectional, num_buckets=num_buckets,
                    max_distance=bucket_max_distance)
   terms = chunked.BlockTerms(logits=functools.partial(_block_logits, bucket_kw))
-  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
-  return chunked.attend(scaled, key, value, terms, {'rel_embedding': rel_embedding},
-                        mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
+  return dot_product_chunked(query, key, value, terms, {'rel_embedding': rel_embedding},
+                             mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
 
 
 def _validate(kwargs):
