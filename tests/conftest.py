@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny experiment config and a per-session TFDS data dir."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -130,3 +131,25 @@ SLOW_FIRST = ('tests/train/', 'tests/test_real_data.py', 'tests/test_main.py')
 
 def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))
+
+
+@pytest.fixture(scope='session')
+def counting_chunked_attend():
+  """counting_chunked_attend(calls): a context in which each call of
+  chunked.attend first appends 1 to the list `calls`. Traced inside it, a
+  chunked form shows that it ran the block kernel, not a dense fallback."""
+  from flaxformer_lite.attention import chunked
+
+  @contextlib.contextmanager
+  def counting(calls):
+    attend = chunked.attend
+
+    def counted(*args, **kwargs):
+      calls.append(1)
+      return attend(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(chunked, 'attend', counted)
+      yield
+
+  return counting

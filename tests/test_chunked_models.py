@@ -27,7 +27,7 @@ from flax.training import train_state
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import decoding, models
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry
 from flaxformer_lite.train import losses, steps
 
 V = 13
@@ -125,19 +125,12 @@ def _train_all(params, batches):
 
 
 @pytest.fixture(scope='module')
-def trained():
+def trained(counting_chunked_attend):
   raw = _batches()
   batches = {t: _lm_batches(raw, t) for t in TYPES}
   params = {name: _random_params(models.build(_config(name, t, 'dense').model), batches[t], t)
             for name, t in MODEL_CASES}
-  attend = chunked.attend
-
-  def counted(*args, **kwargs):
-    _ATTEND_CALLS.append(1)
-    return attend(*args, **kwargs)
-
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(chunked, 'attend', counted)
+  with counting_chunked_attend(_ATTEND_CALLS):
     compiled = jax.jit(_train_all).lower(params, batches).compile(FAST_COMPILE)
   return jax.tree.map(np.asarray, compiled(params, batches)), params
 

@@ -1,4 +1,5 @@
-"""Shared loop reference for the attention-variant tests."""
+"""Shared scalar references for the attention-variant tests: a loop over
+(batch, head, query, key) and T5's bucket of one offset."""
 import math
 
 import numpy as np
@@ -28,3 +29,29 @@ def _loop_attention(q, k, v, bias_fn, mask=None):
 def loop_attention():
   """loop_attention(q, k, v, bias_fn, mask=None): the slow reference, python loops."""
   return _loop_attention
+
+
+def _ref_bucket(rel, bidirectional, num_buckets, max_distance):
+  """mesh_tensorflow.transformer.transformer_layers._relative_position_bucket
+  over one python int (key_pos - query_pos), with math.log."""
+  ret = 0
+  n = -rel
+  if bidirectional:
+    num_buckets //= 2
+    if n < 0:
+      ret += num_buckets
+    n = abs(n)
+  else:
+    n = max(n, 0)
+  max_exact = num_buckets // 2
+  if n < max_exact:
+    return ret + n
+  large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
+                          * (num_buckets - max_exact))
+  return ret + min(large, num_buckets - 1)
+
+
+@pytest.fixture
+def t5_ref_bucket():
+  """t5_ref_bucket(rel, bidirectional, num_buckets, max_distance): T5's bucket, scalar reference."""
+  return _ref_bucket

@@ -164,20 +164,13 @@ def _all_cases(inputs, params, q_offsets):
 
 
 @pytest.fixture(scope='module')
-def cases():
+def cases(counting_chunked_attend):
   """(results of every case, the compiled function and its arguments: one
   compilation for the whole module's comparisons)."""
   inputs = {config: _inputs(config) for config in CONFIGS}
   params = [_params(i) for i in range(len(VARIANTS))]
   offsets = {config: c['q_offset'] for config, c in CONFIGS.items()}
-  attend = chunked.attend
-
-  def counted(*args, **kwargs):
-    _ATTEND_CALLS.append(1)
-    return attend(*args, **kwargs)
-
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(chunked, 'attend', counted)
+  with counting_chunked_attend(_ATTEND_CALLS):
     compiled = _compile(_all_cases, inputs, params, offsets)
   results = jax.tree.map(np.asarray, compiled(inputs, params, offsets))
   return results, compiled, (inputs, params, offsets)
@@ -353,29 +346,12 @@ def _shaw_loop(q, k, v, tk, tv, r, q_offset, visible):
   return out
 
 
-def _t5_bucket(rel, bidirectional, num_buckets, max_distance):
-  """mesh_tensorflow's _relative_position_bucket on one python int."""
-  ret, n = 0, -rel
-  if bidirectional:
-    num_buckets //= 2
-    ret += num_buckets if n < 0 else 0
-    n = abs(n)
-  else:
-    n = max(n, 0)
-  max_exact = num_buckets // 2
-  if n < max_exact:
-    return ret + n
-  large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
-                          * (num_buckets - max_exact))
-  return ret + min(large, num_buckets - 1)
-
-
-def _t5_loop(q, k, v, table, q_offset, visible, bucket_kw):
+def _t5_loop(q, k, v, table, q_offset, visible, bucket_kw, bucket_fn):
   b, n, h, d = q.shape
   m = k.shape[1]
   logits = np.zeros((b, h, n, m))
   for bb, hh, i, j in np.ndindex(b, h, n, m):
-    bucket = _t5_bucket(j - (i + q_offset), **bucket_kw)
+    bucket = bucket_fn(j - (i + q_offset), **bucket_kw)
     logits[bb, hh, i, j] = q[bb, i, hh] @ k[bb, j, hh] / math.sqrt(d) + table[bucket, hh]
   w = _loop_softmax_rows(logits, np.broadcast_to(visible, logits.shape))
   return np.einsum('bhnm,bmhd->bnhd', w, v)
@@ -395,7 +371,7 @@ def _central_differences(loss, tables, eps=1e-4):
 
 
 @pytest.mark.parametrize('name', ['shaw', 't5_bias'])
-def test_table_gradients_equal_central_differences_of_a_float64_loop(name):
+def test_table_gradients_equal_central_differences_of_a_float64_loop(name, t5_ref_bucket):
   """n=6 queries at positions 2..7, m=9 keys, chunk 3: blocks wholly beyond
   shaw's clipping distance 2 on both sides, and in one t5 bucket; example 1
   has no key (the uniform rule's table terms)."""
@@ -422,7 +398,8 @@ def test_table_gradients_equal_central_differences_of_a_float64_loop(name):
     kwargs = {'num_buckets': 8, 'bucket_max_distance': 4}
 
     def loop_loss(t):
-      return np.sum(g * _t5_loop(q, k, v, t['rel_embedding'], offset, visible, bucket_kw))
+      return np.sum(g * _t5_loop(q, k, v, t['rel_embedding'], offset, visible, bucket_kw,
+                                  t5_ref_bucket))
 
   variant = registry.get(name)
   kwargs = registry.resolve_kwargs(name, kwargs)

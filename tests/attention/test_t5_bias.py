@@ -1,11 +1,11 @@
 """T5 relative position bias against scalar python references.
 
-`_ref_bucket` is mesh-tensorflow's `_relative_position_bucket` rewritten over
-one python int with `math.log`; `loop_attention` (tests/attention/conftest.py) walks batch, head, query and
-key in python floats with the bias looked up per (head, query, key).
+`t5_ref_bucket` is mesh-tensorflow's `_relative_position_bucket` rewritten over
+one python int with `math.log`; `loop_attention` walks batch, head, query and
+key in python floats with the bias looked up per (head, query, key). Both are
+fixtures of tests/attention/conftest.py.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,25 +15,6 @@ import pytest
 from flaxformer_lite.attention import registry
 from flaxformer_lite.attention import t5_bias as t5
 from flaxformer_lite.layers import MultiHeadAttention
-
-
-def _ref_bucket(rel, bidirectional, num_buckets, max_distance):
-  """mesh_tensorflow.transformer.transformer_layers._relative_position_bucket."""
-  ret = 0
-  n = -rel
-  if bidirectional:
-    num_buckets //= 2
-    if n < 0:
-      ret += num_buckets
-    n = abs(n)
-  else:
-    n = max(n, 0)
-  max_exact = num_buckets // 2
-  if n < max_exact:
-    return ret + n
-  large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
-                          * (num_buckets - max_exact))
-  return ret + min(large, num_buckets - 1)
 
 
 def _qkv(seed, b=2, n=4, m=4, h=2, d=4):
@@ -59,11 +40,12 @@ RELS = np.arange(-300, 301)
 @pytest.mark.parametrize('bidirectional', [True, False])
 @pytest.mark.parametrize('num_buckets,max_distance',
                          [(32, 128), (16, 64), (8, 20), (64, 256), (10, 50), (4, 3)])
-def test_buckets_match_mesh_tensorflow(bidirectional, num_buckets, max_distance):
+def test_buckets_match_mesh_tensorflow(bidirectional, num_buckets, max_distance,
+                                        t5_ref_bucket):
   got = np.asarray(_bucket(
       jnp.asarray(RELS), bidirectional=bidirectional, num_buckets=num_buckets,
       max_distance=max_distance))
-  want = [_ref_bucket(int(r), bidirectional, num_buckets, max_distance) for r in RELS]
+  want = [t5_ref_bucket(int(r), bidirectional, num_buckets, max_distance) for r in RELS]
   assert got.dtype == np.int32
   np.testing.assert_array_equal(got, want)
   assert got.min() >= 0 and got.max() < num_buckets
@@ -72,18 +54,18 @@ def test_buckets_match_mesh_tensorflow(bidirectional, num_buckets, max_distance)
 @pytest.mark.parametrize('rel,bucket', [
     (0, 0), (1, 17), (-1, 1), (7, 23), (-7, 7), (-8, 8), (-15, 9), (-16, 10),
     (-127, 15), (-128, 15), (-5000, 15), (2, 18), (16, 26), (128, 31), (5000, 31)])
-def test_hand_checked_buckets_bidirectional_32_128(rel, bucket):
+def test_hand_checked_buckets_bidirectional_32_128(rel, bucket, t5_ref_bucket):
   # 16 buckets per direction, 8 exact; -16 -> 8 + floor(log(16/8)/log(128/8) * 8) = 10.
-  assert _ref_bucket(rel, True, 32, 128) == bucket
+  assert t5_ref_bucket(rel, True, 32, 128) == bucket
   assert int(_bucket(jnp.array(rel))) == bucket
 
 
 @pytest.mark.parametrize('rel,bucket', [
     (5, 0), (1, 0), (0, 0), (-1, 1), (-15, 15), (-16, 16), (-31, 21), (-32, 21),
     (-128, 31), (-1000, 31)])
-def test_hand_checked_buckets_unidirectional_32_128(rel, bucket):
+def test_hand_checked_buckets_unidirectional_32_128(rel, bucket, t5_ref_bucket):
   # Future keys share bucket 0; 16 exact; -32 -> 16 + floor(log(2)/log(8) * 16) = 21.
-  assert _ref_bucket(rel, False, 32, 128) == bucket
+  assert t5_ref_bucket(rel, False, 32, 128) == bucket
   assert int(_bucket(jnp.array(rel), bidirectional=False)) == bucket
 
 
@@ -96,7 +78,7 @@ def test_bucket_keeps_shape():
 
 
 @pytest.mark.parametrize('q_len,k_len,q_offset', [(3, 5, 0), (2, 6, 3), (5, 5, 0)])
-def test_bias_looks_up_bucket_of_key_minus_query(q_len, k_len, q_offset):
+def test_bias_looks_up_bucket_of_key_minus_query(q_len, k_len, q_offset, t5_ref_bucket):
   table = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
   got = np.asarray(_bias(jnp.asarray(table), q_len, k_len, q_offset=q_offset,
                          num_buckets=8, max_distance=6))
@@ -104,12 +86,12 @@ def test_bias_looks_up_bucket_of_key_minus_query(q_len, k_len, q_offset):
   for h in range(3):
     for i in range(q_len):
       for j in range(k_len):
-        assert got[0, h, i, j] == table[_ref_bucket(j - (q_offset + i), True, 8, 6), h]
+        assert got[0, h, i, j] == table[t5_ref_bucket(j - (q_offset + i), True, 8, 6), h]
 
 
 @pytest.mark.parametrize('bidirectional', [True, False])
 @pytest.mark.parametrize('n,m,q_offset', [(4, 4, 0), (2, 5, 3), (3, 2, 0)])
-def test_attention_matches_loop(bidirectional, n, m, q_offset, loop_attention):
+def test_attention_matches_loop(bidirectional, n, m, q_offset, loop_attention, t5_ref_bucket):
   nb, md = 8, 5
   q, k, v = _qkv(1, n=n, m=m)
   table = np.random.default_rng(2).normal(size=(nb, 2)).astype(np.float32)
@@ -119,13 +101,13 @@ def test_attention_matches_loop(bidirectional, n, m, q_offset, loop_attention):
   got = _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
                    mask=jnp.asarray(mask), bias=jnp.asarray(extra), q_offset=q_offset,
                    bidirectional=bidirectional, num_buckets=nb, bucket_max_distance=md)
-  bias_fn = lambda h, i, j: (table[_ref_bucket(j - q_offset - i, bidirectional, nb, md), h]
+  bias_fn = lambda h, i, j: (table[t5_ref_bucket(j - q_offset - i, bidirectional, nb, md), h]
                              + extra[0, h, i, j])
   np.testing.assert_allclose(np.asarray(got), loop_attention(q, k, v, bias_fn, mask),
                              atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_attention_adds_the_bias_in_float32(loop_attention):
+def test_bfloat16_attention_adds_the_bias_in_float32(loop_attention, t5_ref_bucket):
   """Bucket scalars near 100 that bfloat16 cannot hold (its spacing there is
   0.5): the weights are the float64 loop's with the float32 table to bfloat16
   precision, and far from the loop's with the table rounded to bfloat16.
@@ -135,7 +117,7 @@ def test_bfloat16_attention_adds_the_bias_in_float32(loop_attention):
   q, k = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in (q, k))
   v = np.broadcast_to(np.eye(m)[None, :, None], (2, m, 2, m))
   table = np.random.default_rng(12).uniform(100.0, 102.0, size=(nb, 2)).astype(np.float32)
-  bias_fn = lambda t: lambda h, i, j: float(t[_ref_bucket(j - i, True, nb, md), h])
+  bias_fn = lambda t: lambda h, i, j: float(t[t5_ref_bucket(j - i, True, nb, md), h])
   want = loop_attention(q, k, v, bias_fn(table))
   rounded = np.asarray(jnp.asarray(table, jnp.bfloat16), np.float32)
   assert np.abs(loop_attention(q, k, v, bias_fn(rounded)) - want).max() > 0.05
@@ -146,7 +128,8 @@ def test_bfloat16_attention_adds_the_bias_in_float32(loop_attention):
 
 
 @pytest.mark.parametrize('b', [1, 3, 4])
-def test_table_and_query_gradients_match_finite_differences_of_loop(b, loop_attention):
+def test_table_and_query_gradients_match_finite_differences_of_loop(b, loop_attention,
+                                                                   t5_ref_bucket):
   """d/d(table, query) of sum(out * w) against central differences of the
   float64 loop reference, for odd and even batches (the bias is broadcast to
   the batch as copies, whose transpose sums over the batch)."""
@@ -165,7 +148,7 @@ def test_table_and_query_gradients_match_finite_differences_of_loop(b, loop_atte
   k64, v64 = k.astype(np.float64), v.astype(np.float64)  # float64 all through
 
   def loop_loss(q, table):
-    bias_fn = lambda h, i, j: table[_ref_bucket(j - 1 - i, True, nb, md), h]
+    bias_fn = lambda h, i, j: table[t5_ref_bucket(j - 1 - i, True, nb, md), h]
     return float(np.sum(loop_attention(q, k64, v64, bias_fn, mask) * w))
 
   g_q, g_table = jax.grad(loss, argnums=(0, 1))(jnp.asarray(q), jnp.asarray(table))
