@@ -4,8 +4,9 @@
       [--lengths 512 2048 ...] [--batch_at 2048:4] [--causal/--nocausal]
 
 For each variant and length: MultiHeadAttention (d_model 512, 8 heads,
-float32 by default) forward+backward (grad of sum(y^2) w.r.t. the parameters
-and the input) with attention_kwargs.implementation='dense' and 'chunked',
+float32 by default) forward+backward (the vjp of y = layer(x) with a given
+random cotangent dy, w.r.t. the parameters and x, as FlashAttention's
+benchmarks call out.backward(dout)) with attention_kwargs.implementation='dense' and 'chunked',
 the two timed interleaved in one run. Prints per row: time (median ms) and
 XLA's compiled temp memory (MiB) of each, chunked/dense for both, and the
 chunked time over dot_product's chunked time at the same length. Dense is
@@ -39,10 +40,11 @@ def _step(variant, implementation, args, x):
   spec = MaskSpec(causal=args.causal)
   params = layer.init(jax.random.key(0), x[:, :8], mask=MaskSpec(causal=args.causal))
 
-  def loss(params, x):
-    return jnp.sum(layer.apply(params, x, mask=spec).astype(jnp.float32) ** 2)
+  def loss(params, x, d_y):  # its gradient is the layer's vjp with cotangent d_y
+    return jnp.sum(layer.apply(params, x, mask=spec).astype(jnp.float32) * d_y)
 
-  return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x)
+  d_y = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
+  return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x, d_y)
 
 
 def main(argv=None):

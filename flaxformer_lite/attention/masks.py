@@ -44,6 +44,17 @@ class MaskSpec:
   window: int | None = flax.struct.field(pytree_node=False, default=None)
   window_causal: bool = flax.struct.field(pytree_node=False, default=False)
 
+  def may_hide_rows(self, n: int, m: int, q_offset=0) -> bool:
+    """Whether some of n queries (query i at q_offset + i) may see none of m
+    keys. Without padding or an explicit mask none can: causally every query
+    sees key 0, and inside a window a query at p < m sees key p, which a
+    python-int q_offset with q_offset + n <= m guarantees."""
+    if self.key_valid is not None or self.query_valid is not None or self.dense is not None:
+      return True
+    if self.window is None:
+      return False
+    return not (isinstance(q_offset, int) and q_offset + n <= m)
+
   def structural(self, q_pos, k_pos):
     """Causal and window parts for positions q_pos [.., 1] and k_pos [1, ..]
     (broadcasting int arrays) -> bool, or None if neither is set."""

@@ -232,3 +232,28 @@ def test_block_ranges_with_a_traced_offset_equal_the_int(causal, window, window_
     got_keys, got_queries = traced(off)
     np.testing.assert_array_equal(got_keys, want_keys)
     np.testing.assert_array_equal(got_queries, want_queries)
+
+
+# ---- may_hide_rows --------------------------------------------------------------
+
+@pytest.mark.parametrize('causal,window,window_causal', [
+    (False, None, False), (True, None, False), (False, 3, False), (False, 3, True),
+    (True, 2, True)])
+@pytest.mark.parametrize('n,m,q_offset', [(6, 6, 0), (4, 9, 5), (5, 9, 3), (7, 3, 0), (1, 8, 7)])
+def test_may_hide_rows_is_false_only_where_every_row_sees_a_key(causal, window, window_causal,
+                                                              n, m, q_offset):
+  """A False answer lets the chunked kernel skip the empty-row fallback, so
+  it must never be wrong: checked against the numpy rule, every row."""
+  spec = MaskSpec(causal=causal, window=window, window_causal=window_causal)
+  empty_rows = not _numpy_rule(n, m, q_offset, causal, window, window_causal).any(1).all()
+  if not spec.may_hide_rows(n, m, q_offset):
+    assert not empty_rows
+  if window is not None and q_offset + n > m:
+    assert spec.may_hide_rows(n, m, q_offset)
+  # padding, an explicit mask or a traced offset with a window: always maybe
+  ones = jnp.ones((1, m), bool)
+  assert spec.replace(key_valid=ones).may_hide_rows(n, m, q_offset)
+  assert spec.replace(dense=jnp.ones((n, m), bool)).may_hide_rows(n, m, q_offset)
+  assert spec.replace(query_valid=jnp.ones((1, n), bool)).may_hide_rows(n, m, q_offset)
+  if window is not None:
+    assert spec.may_hide_rows(n, m, jnp.int32(q_offset))
