@@ -81,11 +81,22 @@ def luong_dot_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=No
 
 def luong_general_chunked(query, key, value, general_w, *, mask=None, q_offset=0,
                           chunk_size=None, dtype=None):
-  """luong_general_attention block by block: W_h applied to the queries once
-  (O(n d^2)), then the unscaled chunked kernel."""
-  qw = jnp.einsum('bnhd,hde->bnhe', query.astype(jnp.float32), general_w.astype(jnp.float32))
-  return luong_dot_chunked(qw, key, value, mask=mask, q_offset=q_offset,
-                           chunk_size=chunk_size, dtype=dtype or query.dtype)
+  """luong_general_attention block by block: unscaled (q_i W_h) . k_j in
+  float32. W_h is applied to each query block as it is read (d / block more
+  work than the block's dot): q W_h for all queries at once would be one
+  more [b, n, h, d] array forward and another, its gradient, backward."""
+  f32 = jnp.float32
+  out = chunked.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
+                       chunked.BlockTerms(logits=_general_block_logits),
+                       {'general_w': general_w.astype(f32)}, mask=mask, q_offset=q_offset,
+                       chunk_size=chunk_size, dtype=f32)
+  return out.astype(dtype or query.dtype)
+
+
+def _general_block_logits(q, k, params, q_pos, k_pos):
+  """(q W_h) . k for one block -> float32 [b, h, bq, bk]."""
+  qw = jnp.einsum('bqhd,hde->bqhe', q, params['general_w'], preferred_element_type=jnp.float32)
+  return chunked.dot_logits(qw, k, None, q_pos, k_pos)
 
 
 def visible_keys(mask, m):

@@ -6,9 +6,11 @@ positions only through j - i.
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
 
@@ -59,14 +61,21 @@ def rotary_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
       return_weights=return_weights)
 
 
+def _block_logits(max_wavelength, q, k, params, q_pos, k_pos):
+  """q_rot . k_rot for one block, each rotated by its absolute positions."""
+  q = apply_rotary(q, q_pos, max_wavelength=max_wavelength)
+  k = apply_rotary(k, k_pos, max_wavelength=max_wavelength)
+  return chunked.dot_logits(q, k, params, q_pos, k_pos)
+
+
 def rotary_chunked(query, key, value, *, mask=None, q_offset=0, max_wavelength=10000.0,
                    chunk_size=None, dtype=None):
-  """rotary_attention block by block: the rotation first (O(n)), then the
-  chunked dot-product kernel."""
-  query = apply_rotary(query, q_offset + jnp.arange(query.shape[1]),
-                       max_wavelength=max_wavelength)
-  key = apply_rotary(key, jnp.arange(key.shape[1]), max_wavelength=max_wavelength)
-  return dot_product_chunked(query, key, value, mask=mask, q_offset=q_offset,
+  """rotary_attention block by block. The rotation is applied to each block
+  as it is read (O(block * d) beside the block's O(block^2 * d) dot): rotated
+  copies of q and k would be two more [b, n, h, d] arrays in the forward
+  pass and two more, their gradients, in the backward."""
+  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, max_wavelength))
+  return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
                              chunk_size=chunk_size, dtype=dtype)
 
 
