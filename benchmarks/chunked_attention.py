@@ -1,13 +1,13 @@
 """The chunked attention kernel against each variant's dense form.
 
   .venv/bin/python benchmarks/chunked_attention.py [--variants dot_product shaw ...]
-      [--lengths 512 2048 ...] [--batch_at 2048:4] [--causal/--nocausal]
+      [--lengths 512 2048 ...] [--batch_at 2048:4] [--causal/--no-causal]
 
 For each variant and length: MultiHeadAttention (d_model 512, 8 heads,
 float32 by default) forward+backward (the vjp of y = layer(x) with a given
 random cotangent dy, w.r.t. the parameters and x, as FlashAttention's
-benchmarks call out.backward(dout)) with attention_kwargs.implementation='dense' and 'chunked',
-the two timed interleaved in one run. Prints per row: time (median ms) and
+benchmarks call out.backward(dout)) with attention_kwargs.implementation
+'dense' and 'chunked', the two timed interleaved in one run. Prints per row: time (median ms) and
 XLA's compiled temp memory (MiB) of each, chunked/dense for both, and the
 chunked time over dot_product's chunked time at the same length. Dense is
 skipped ('-') where its [b, h, n, n] float32 scores alone would pass

@@ -69,13 +69,15 @@ def luong_general_attention(query, key, value, general_w, *, dtype=None, **commo
                 **common)
 
 
-def luong_dot_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None,
-                      dtype=None):
+def luong_dot_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
+                      mask=None, q_offset=0, chunk_size=None, dtype=None):
   """luong_dot_attention block by block (chunked.attend): unscaled q.k in
-  float32, as the dense form."""
+  float32, as the dense form; `terms` and `params` change the block's
+  scores (luong_general)."""
   f32 = jnp.float32
   out = chunked.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
-                       mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=f32)
+                       terms, params, mask=mask, q_offset=q_offset, chunk_size=chunk_size,
+                       dtype=f32)
   return out.astype(dtype or query.dtype)
 
 
@@ -85,12 +87,9 @@ def luong_general_chunked(query, key, value, general_w, *, mask=None, q_offset=0
   float32. W_h is applied to each query block as it is read (d / block more
   work than the block's dot): q W_h for all queries at once would be one
   more [b, n, h, d] array forward and another, its gradient, backward."""
-  f32 = jnp.float32
-  out = chunked.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
-                       chunked.BlockTerms(logits=_general_block_logits),
-                       {'general_w': general_w.astype(f32)}, mask=mask, q_offset=q_offset,
-                       chunk_size=chunk_size, dtype=f32)
-  return out.astype(dtype or query.dtype)
+  return luong_dot_chunked(query, key, value, chunked.BlockTerms(logits=_general_block_logits),
+                           {'general_w': general_w.astype(jnp.float32)}, mask=mask,
+                           q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
 
 
 def _general_block_logits(q, k, params, q_pos, k_pos):
