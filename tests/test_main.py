@@ -86,7 +86,8 @@ def test_every_experiment_starts_unchanged_on_several_devices(devices):
   validates, its train batch (padded with weight-0 rows where it does not
   split) and its eval batch are placed on the mesh, and (8 devices) its train
   step lowers. (Training on padded batches = unpadded: tests/train/test_parallel.py.)"""
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+  flags = os.environ.get('XLA_FLAGS', '')  # tests/conftest.py's, kept
+  env = dict(os.environ, XLA_FLAGS=f'{flags} --xla_force_host_platform_device_count={devices}',
              JAX_PLATFORMS='cpu')
   lower = 'lower' if devices == 8 else 'place'
   done = subprocess.run([sys.executable, '-c', START_ON_DEVICES, lower, *EXPERIMENTS], cwd=REPO,

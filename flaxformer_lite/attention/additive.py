@@ -65,15 +65,19 @@ def luong_concat_attention(query, key, value, concat_wq, concat_wk, concat_v, *,
 
 
 def _block_logits(q, k, params, q_pos, k_pos):
-  """v_h . tanh(q_i + k_j) for one block (chunked.BlockTerms.logits)."""
+  """v_h . tanh(Wq_h q_i + Wk_h k_j) for one block (chunked.BlockTerms.logits);
+  bahdanau has no Wq, Wk."""
   del q_pos, k_pos
+  project = lambda x, w: jnp.einsum('bnhd,hde->bnhe', x, w.astype(jnp.float32))  # noqa: E731
+  if 'wq' in params:
+    q, k = project(q, params['wq']), project(k, params['wk'])
   return additive_logits(q, k, params['v'])
 
 
-def _chunked(q, k, value, v, *, mask, q_offset, chunk_size, dtype):
+def _chunked(q, k, value, params, *, mask, q_offset, chunk_size, dtype):
   chunk_size = min(chunk_size or ADDITIVE_CHUNK_SIZE, ADDITIVE_CHUNK_SIZE)
   out = chunked.attend(q.astype(jnp.float32), k.astype(jnp.float32), value,
-                       chunked.BlockTerms(logits=_block_logits), {'v': v}, mask=mask,
+                       chunked.BlockTerms(logits=_block_logits), params, mask=mask,
                        q_offset=q_offset, chunk_size=chunk_size, dtype=jnp.float32)
   return out.astype(dtype)
 
@@ -82,19 +86,18 @@ def bahdanau_chunked(query, key, value, additive_v, *, mask=None, q_offset=0,
                      chunk_size=None, dtype=None):
   """bahdanau_attention block by block (chunked.attend; blocks of at most
   ADDITIVE_CHUNK_SIZE)."""
-  return _chunked(query, key, value, additive_v, mask=mask, q_offset=q_offset,
+  return _chunked(query, key, value, {'v': additive_v}, mask=mask, q_offset=q_offset,
                   chunk_size=chunk_size, dtype=dtype or query.dtype)
 
 
 def luong_concat_chunked(query, key, value, concat_wq, concat_wk, concat_v, *, mask=None,
                          q_offset=0, chunk_size=None, dtype=None):
-  """luong_concat_attention block by block: Wq q and Wk k once (O(n d^2)),
-  then as bahdanau_chunked."""
-  f32 = jnp.float32
-  q = jnp.einsum('bnhd,hde->bnhe', query.astype(f32), concat_wq.astype(f32))
-  k = jnp.einsum('bmhd,hde->bmhe', key.astype(f32), concat_wk.astype(f32))
-  return _chunked(q, k, value, concat_v, mask=mask, q_offset=q_offset,
-                  chunk_size=chunk_size, dtype=dtype or query.dtype)
+  """luong_concat_attention block by block: Wq and Wk applied to each block
+  as it is read (bq d^2 beside the block's bq bk d tanh), so no projected
+  [b, n, h, d] copy of q or k is kept for the backward pass."""
+  return _chunked(query, key, value, {'v': concat_v, 'wq': concat_wq, 'wk': concat_wk},
+                  mask=mask, q_offset=q_offset, chunk_size=chunk_size,
+                  dtype=dtype or query.dtype)
 
 
 def _v_init(head_dim):

@@ -130,7 +130,8 @@ def test_a_signal_to_one_process_stops_both_at_one_step_and_resumes_to_the_curve
   one = str(tmp_path / 'one')
   done = subprocess.run([arg for arg in command if arg != '--local_processes=2'
                          and not arg.startswith('--workdir=')] + [f'--workdir={one}'],
-                        cwd=REPO, env=_env(XLA_FLAGS='--xla_force_host_platform_device_count=2'),
+                        cwd=REPO, env=_env(XLA_FLAGS=os.environ.get('XLA_FLAGS', '')
+                                 + ' --xla_force_host_platform_device_count=2'),
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   assert 'over 2 device(s)' in done.stderr and 'launch: process' not in done.stderr

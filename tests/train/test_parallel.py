@@ -52,7 +52,8 @@ def _on_devices(n, runs, tmp_path) -> dict:
     path = tmp_path / f'config_{n}_{i}.json'
     path.write_text(config_lib.to_json(config))
     args += [str(path), workdir]
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={n}',
+  flags = os.environ.get('XLA_FLAGS', '')  # tests/conftest.py's, kept
+  env = dict(os.environ, XLA_FLAGS=f'{flags} --xla_force_host_platform_device_count={n}',
              JAX_PLATFORMS='cpu')
   done = subprocess.run([sys.executable, '-c', RUN_ON_DEVICES, str(n), *args],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -242,7 +243,8 @@ print(json.dumps({'before': before, 'after': shards(new.params), 'mu': shards(ne
 
 
 def test_fsdp_shards_params_and_optimizer_state_and_keeps_them_sharded():
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
+  flags = os.environ.get('XLA_FLAGS', '')  # tests/conftest.py's, kept
+  env = dict(os.environ, XLA_FLAGS=f'{flags} --xla_force_host_platform_device_count=4',
              JAX_PLATFORMS='cpu')
   done = subprocess.run([sys.executable, '-c', FSDP_LAYOUT], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
