@@ -359,35 +359,42 @@ def _side(k, q_pos, k_pos):
 def _block_logits(k, q, key, params, q_pos, k_pos):
   """(q.k + q.a^K) for one block, q already scaled: the block's queries meet
   the 2k+1 table rows once and bucket_spread places the result by clipped
-  distance, as in the banded form; a block wholly beyond distance k adds one
-  column of that (one bucket)."""
+  distance, as in the banded form; a block wholly beyond distance k meets
+  one row (its bucket) and adds one column."""
   s = chunked.dot_logits(q, key, params, q_pos, k_pos)
   table = params.get('rel_key_table')
   if table is None:
     return s
-  qa = jnp.einsum('bqhd,rd->bhqr', q, table.astype(q.dtype),
-                  preferred_element_type=jnp.float32)  # [b, h, bq, 2k+1]
+
+  def meet(rows):  # [r, d] -> [b, h, bq, r]
+    return jnp.einsum('bqhd,rd->bhqr', q, rows.astype(q.dtype),
+                      preferred_element_type=jnp.float32)
+
   bk = k_pos.shape[0]
   return jax.lax.switch(_side(k, q_pos, k_pos), [
-      lambda s, qa: s + qa[..., :1],
-      lambda s, qa: s + bucket_spread(k, qa, _block_indices(k, q_pos, k_pos), bk),
-      lambda s, qa: s + qa[..., -1:]], s, qa)
+      lambda s: s + meet(table[:1]),
+      lambda s: s + bucket_spread(k, meet(table), _block_indices(k, q_pos, k_pos), bk),
+      lambda s: s + meet(table[-1:])], s)
 
 
 def _block_values(k, p, v, params, q_pos, k_pos):
   """sum_j p_ij (v_j + a^V_ij) for one block: the weights summed per clipped
-  distance (bucket_sum; one bucket for a block wholly beyond distance k),
-  times the table."""
+  distance (bucket_sum) times the table; a block wholly beyond distance k
+  has one bucket, its row sum."""
   out = chunked.dot_values(p, v, params, q_pos, k_pos)
   table = params.get('rel_value_table')
   if table is None:
     return out
-  zeros = jnp.zeros(p.shape[:-1] + (2 * k,), jnp.float32)
-  buckets = jax.lax.switch(_side(k, q_pos, k_pos), [
-      lambda p: jnp.concatenate([jnp.sum(p, -1, keepdims=True), zeros], -1),
-      lambda p: bucket_sum(k, p, _block_indices(k, q_pos, k_pos)),
-      lambda p: jnp.concatenate([zeros, jnp.sum(p, -1, keepdims=True)], -1)], p)
-  return out + jnp.einsum('bhqr,rd->bhqd', buckets, table.astype(jnp.float32))
+  table = table.astype(jnp.float32)
+
+  def one_row(p, row):  # [b, h, bq, bk], [d] -> [b, h, bq, d]
+    return jnp.sum(p, -1, keepdims=True) * row
+
+  return out + jax.lax.switch(_side(k, q_pos, k_pos), [
+      lambda p: one_row(p, table[0]),
+      lambda p: jnp.einsum('bhqr,rd->bhqd', bucket_sum(k, p, _block_indices(k, q_pos, k_pos)),
+                           table),
+      lambda p: one_row(p, table[-1])], p)
 
 
 def _uniform(k, value, params, q_pos, m):

@@ -125,8 +125,10 @@ def test_one_device_equals_several_for_any_batch_size_and_resumes_on_one(tiny_co
       assert curves[mode][step] == pytest.approx(loss, rel=2e-5), (mode, step)
   norms = [_curve(str(tmp_path / m), 'grad_norm')[20] for m in ('one', *runs)]
   np.testing.assert_allclose(norms, norms[0], rtol=1e-4)
+  # Evaluated with parameters after 20 Adam steps, which carry each run's float32 reduction
+  # order; a padding row counted with weight 1 moves this loss by percents, not by 1e-4.
   evals = [_curve(str(tmp_path / m), 'loss', 'eval')[20] for m in ('one', *runs)]
-  np.testing.assert_allclose(evals, evals[0], rtol=2e-5)
+  np.testing.assert_allclose(evals, evals[0], rtol=1e-4)
   accuracy = [_curve(str(tmp_path / m), 'sequence_accuracy', 'eval')[20] for m in ('one', *runs)]
   assert accuracy == [accuracy[0]] * 4  # decoding: the padding rows' output is dropped
 
