@@ -9,7 +9,8 @@ random cotangent dy, w.r.t. the parameters and x, as FlashAttention's
 benchmarks call out.backward(dout)) with attention_kwargs.implementation
 'dense' and 'chunked', the two timed interleaved in one run. Prints per row: time (median ms) and
 XLA's compiled temp memory (MiB) of each, chunked/dense for both, and the
-chunked time over dot_product's chunked time at the same length. Dense is
+chunked time over dot_product's chunked time at the same length (timed
+interleaved with it, so that the ratio is side by side too). Dense is
 skipped ('-') where its [b, h, n, n] float32 scores alone would pass
 --dense_limit_mib.
 """
@@ -75,17 +76,18 @@ def main(argv=None):
     b = batch_at.get(n, 1)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, args.d_model)),
                     DTYPES[args.dtype])
-    dot_chunked = None
+    dot_chunked = _step('dot_product', 'chunked', args, x)
     for variant in variants:
       fns = {'chunked': _step(variant, 'chunked', args, x)}
       if b * args.heads * n * n * 4 / 2**20 <= args.dense_limit_mib:
         fns['dense'] = _step(variant, 'dense', args, x)
       mem = {k: timing.memory(fn, a)['temp'] for k, (fn, a) in fns.items()}
+      if variant != 'dot_product':  # c/dot_c from times taken side by side, not rows apart
+        fns['dot_chunked'] = dot_chunked
       times = ({k: float('nan') for k in fns} if args.memory_only else
                {k: timing.median(t) for k, t in
                 timing.interleaved_times(fns, args.repeats).items()})
-      if variant == 'dot_product':
-        dot_chunked = times['chunked']
+      times.setdefault('dot_chunked', times['chunked'])
       dense = 'dense' in fns
       fmt = lambda v, spec: format(v, spec) if dense else format('-', spec[:-3] + 's')  # noqa
       if variant in args.variants:
@@ -93,7 +95,7 @@ def main(argv=None):
               f'{times["chunked"]:9.0f} {fmt(times["chunked"] / times.get("dense", 1), "8.2f")} '
               f'{fmt(mem.get("dense", 0), "9.0f")} {mem["chunked"]:9.0f} '
               f'{fmt(mem["chunked"] / mem.get("dense", 1), "7.2f")} '
-              f'{times["chunked"] / dot_chunked:7.2f}', flush=True)
+              f'{times["chunked"] / times["dot_chunked"]:7.2f}', flush=True)
 
 
 if __name__ == '__main__':
