@@ -49,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.vocab_size = 0  # 0: taken from the dataset
   m.d_model = 128
   m.num_heads = 4
+  # Key/value heads: 0 = num_heads; 1 = multi-query; a divisor of num_heads in
+  # between = grouped-query attention (every variant; layers/attention.py).
+  m.num_kv_heads = 0
   m.num_encoder_layers = 2
   m.num_decoder_layers = 2
   m.mlp_dim = 512
@@ -191,6 +194,10 @@ def validate(config) -> None:
   _check(m.d_model % m.num_heads == 0,
          f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; '
          f'valid num_heads: {[h for h in range(1, m.d_model + 1) if m.d_model % h == 0]}')
+  kv_valid = [g for g in range(1, m.num_heads + 1) if m.num_heads % g == 0]
+  _check(m.num_kv_heads == 0 or m.num_kv_heads in kv_valid,
+         f'model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; '
+         f'valid: 0 (= num_heads) or {kv_valid}')
   _check(m.attention != 'rotary' or (m.d_model // m.num_heads) % 2 == 0,
          f'attention=rotary rotates pairs of features: the head size '
          f'model.d_model/model.num_heads={m.d_model // m.num_heads} must be even')

@@ -161,6 +161,7 @@ def transformer_config(model_config: Mapping[str, Any], *, decode=False,
   c = model_config
   return TransformerConfig(
       vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
+      num_kv_heads=c.get('num_kv_heads', 0),
       num_encoder_layers=c['num_encoder_layers'],
       num_decoder_layers=c['num_decoder_layers'], mlp_dim=c['mlp_dim'],
       dropout_rate=c['dropout_rate'],
@@ -177,6 +178,7 @@ def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
   c = model_config
   return RNNConfig(
       vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
+      num_kv_heads=c.get('num_kv_heads', 0),
       num_encoder_layers=c['num_encoder_layers'],
       num_decoder_layers=c['num_decoder_layers'], cell=c['rnn_cell'],
       input_feeding=c['rnn_input_feeding'], dropout_rate=c['dropout_rate'],

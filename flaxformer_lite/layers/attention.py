@@ -17,17 +17,22 @@ class MultiHeadAttention(nn.Module):
   Called as `(inputs_q [b, n, f], inputs_kv [b, m, f] | None, *, mask, bias,
   deterministic)` -> [b, n, out_features]. `inputs_kv=None` is
   self-attention. Parameter names and shapes are flax's
-  MultiHeadDotProductAttention's ('query', 'key', 'value' [f, h, d], 'out').
+  MultiHeadDotProductAttention's ('query' [f, h, d], 'key', 'value' [f, g, d], 'out').
 
   With `decode=True` (self-attention only) the layer keeps `cached_key`,
-  `cached_value` [b, max_len, h, d] and `cache_index` in the 'cache'
+  `cached_value` [b, max_len, g, d] and `cache_index` in the 'cache'
   collection. The first `apply` after `init` may pass any number of tokens
   (a prompt: prefill), later ones as many as wanted (usually one); each call
   appends its keys/values at `cache_index` and its queries see every cached
   position at or before their own. `mask`, if given, is and-ed with that rule.
 
   Attributes:
-    num_heads: number of heads h; must divide qkv_features.
+    num_heads: number of query heads h; must divide qkv_features.
+    num_kv_heads: key/value heads g (None: h). g < h is grouped-query
+      attention (Ainslie et al. 2023; g = 1: multi-query, Shazeer 2019):
+      'key' and 'value' are [f, g, d], the decoding cache holds g heads, and
+      query head i reads key/value head i // (h / g), as in the GQA paper and
+      Llama. Every variant sees h heads of keys and values.
     qkv_features: h * d (default: the input features).
     out_features: output features (default: the input features).
     attention: registry name of the attention function.
@@ -52,6 +57,7 @@ class MultiHeadAttention(nn.Module):
   whole (dense) or one block at a time (chunked).
   """
   num_heads: int
+  num_kv_heads: int | None = None
   qkv_features: int | None = None
   out_features: int | None = None
   attention: str = 'dot_product'
@@ -76,6 +82,10 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f'qkv_features={qkv_features} is not divisible by '
                        f'num_heads={self.num_heads}')
     h, d = self.num_heads, qkv_features // self.num_heads
+    g = self.num_kv_heads or h
+    if g < 1 or h % g:
+      raise ValueError(f'num_kv_heads={self.num_kv_heads} does not divide num_heads={h}; '
+                       f'valid: {[x for x in range(1, h + 1) if h % x == 0]}')
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init,
@@ -90,8 +100,8 @@ class MultiHeadAttention(nn.Module):
     # form's backward (slicing, then re-stacking the gradient) measured ~6%
     # slower than flax (benchmarks/attention.py).
     query = dense(features=(h, d), name='query')(inputs_q)  # [b, n, h, d]
-    key = dense(features=(h, d), name='key')(inputs_kv)  # [b, m, h, d]
-    value = dense(features=(h, d), name='value')(inputs_kv)  # [b, m, h, d]
+    key = dense(features=(g, d), name='key')(inputs_kv)  # [b, m, g, d]
+    value = dense(features=(g, d), name='value')(inputs_kv)  # [b, m, g, d]
 
     if self.decode:
       if q_offset is not None:
@@ -99,6 +109,8 @@ class MultiHeadAttention(nn.Module):
       key, value, mask, q_offset = self._update_cache(key, value, mask)
     elif q_offset is None:
       q_offset = 0
+    if g != h:  # contiguous groups: heads [0, h/g) read key/value head 0, and so on
+      key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
 
     variant = registry.get(self.attention)
     kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
@@ -153,9 +165,9 @@ class MultiHeadAttention(nn.Module):
         use_bias=self.use_bias, name='out')(x)
 
   def _update_cache(self, key, value, mask):
-    """Writes key/value [b, L, h, d] at cache_index; returns the full cache.
+    """Writes key/value [b, L, g, d] at cache_index; returns the full cache.
 
-    Returns (key, value [b, max_len, h, d], mask [.., L, max_len], q_offset).
+    Returns (key, value [b, max_len, g, d], mask [.., L, max_len], q_offset).
     The pass that creates the cache (inside `init`) attends over its own
     inputs only, with the caller's mask.
     """

@@ -52,6 +52,7 @@ class RNNConfig:
   vocab_size: int
   d_model: int = 128
   num_heads: int = 1
+  num_kv_heads: int = 0  # key/value heads; 0: num_heads
   num_encoder_layers: int = 1
   num_decoder_layers: int = 1
   cell: str = 'lstm'
@@ -119,7 +120,7 @@ class _DecoderStep(nn.Module):
     state = x  # s_t [b, d]
     uses_alignment = registry.get(cfg.attention).uses_alignment
     context, weights = MultiHeadAttention(
-        num_heads=cfg.num_heads, attention=cfg.attention,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads or None, attention=cfg.attention,
         attention_kwargs=cfg.attention_kwargs,
         dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, name='attention')(
             state[:, None], encoded, mask=mask, deterministic=self.deterministic,

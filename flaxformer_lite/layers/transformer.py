@@ -24,6 +24,7 @@ class TransformerConfig:
   vocab_size: int
   d_model: int = 128
   num_heads: int = 4
+  num_kv_heads: int = 0  # key/value heads; 0: num_heads
   num_encoder_layers: int = 2
   num_decoder_layers: int = 2
   mlp_dim: int = 512
@@ -105,7 +106,8 @@ def _attention(cfg: TransformerConfig, name: str, num_layers: int, decode: bool 
               if k in registry.KERNEL_OPTIONS and v is not None}
     attention, kwargs = 'dot_product', kernel or None
   return MultiHeadAttention(
-      num_heads=cfg.num_heads, attention=attention, attention_kwargs=kwargs,
+      num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads or None, attention=attention,
+      attention_kwargs=kwargs,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, decode=decode,
       sow_weights=cfg.sow_weights, name=name, **kernel_inits(cfg, num_layers))
 

@@ -293,9 +293,11 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
       objective=objective, mlm_rate=config.data.mlm_rate, vocab_size=config.model.vocab_size,
       data_vocab_size=dataset.vocab_size, grad_accum_steps=t.grad_accum_steps)
   schedule = schedules.create(t, config.model.d_model)
-  log.info('Model %s, %s parameters, attention=%s; training steps %d..%d, '
-           'batch %s on %d device(s)', config.model.type, f'{num_params:,}',
-           config.model.attention, start, t.num_steps,
+  mc = config.model
+  kv_heads = f' ({mc.num_kv_heads} key/value)' if mc.num_kv_heads not in (0, mc.num_heads) else ''
+  log.info('Model %s, %s parameters, %d heads%s, attention=%s; training steps %d..%d, '
+           'batch %s on %d device(s)', mc.type, f'{num_params:,}', mc.num_heads, kv_heads,
+           mc.attention, start, t.num_steps,
            f'~{t.batch_tokens} tokens' if t.batch_tokens else t.batch_size, jax.device_count())
   # A batch that does not split over the devices (x accumulation steps) gets
   # all-PAD rows, which weigh nothing: the update is the unpadded batch's.

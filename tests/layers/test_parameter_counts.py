@@ -79,6 +79,16 @@ def test_attention_layer_has_4d2_weights_and_4d_biases(d, heads):
   assert counted(init_shapes(no_bias, x)) == {'weights': 4 * d * d, 'other': 0}
 
 
+@pytest.mark.parametrize('d,heads,kv_heads', [(16, 4, 1), (64, 8, 2), (96, 4, 2)])
+def test_grouped_query_attention_has_2d2_plus_2d2g_over_h_weights(d, heads, kv_heads):
+  # W^Q and W^O stay d x d; W^K and W^V project onto g heads of d/h: d x (d g / h) each.
+  x = jnp.zeros((1, 3, d))
+  layer = MultiHeadAttention(num_heads=heads, num_kv_heads=kv_heads)
+  kv = d * kv_heads // heads
+  assert counted(init_shapes(layer, x)) == {'weights': 2 * d * d + 2 * d * kv,
+                                           'other': 2 * d + 2 * kv}
+
+
 @pytest.mark.parametrize('d,d_ff', [(16, 64), (32, 48)])
 def test_ffn_has_2_d_dff_weights(d, d_ff):
   assert counted(init_shapes(MlpBlock(d_ff), jnp.zeros((1, 3, d)))) == ffn_count(d, d_ff)
