@@ -35,7 +35,8 @@ TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only')
 # Small options so that far blocks occur at these lengths (shaw: beyond the
 # clipping distance; t5: one bucket; local: outside the window).
 OPTIONS = {'shaw': {'max_distance': 2}, 'local': {'window': 3},
-           't5_bias': {'num_buckets': 8, 'bucket_max_distance': 4}}
+           't5_bias': {'num_buckets': 8, 'bucket_max_distance': 4},
+           'deberta': {'position_buckets': 4, 'max_relative_positions': 6}}
 FAST_COMPILE = {'xla_backend_optimization_level': 0}  # XLA:CPU's LLVM at -O0: same HLO
 
 

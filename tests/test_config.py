@@ -8,6 +8,8 @@ BAD = [
     ('model.type', 'rnn', 'encoder_decoder'),
     ('model.attention', 'nope', 'dot_product'),
     ('model.num_heads', 3, 'does not divide'),
+    ('model.num_kv_heads', 3, 'valid: 0 (= num_heads) or [1, 2, 4]'),
+    ('model.num_kv_heads', -1, 'valid: 0 (= num_heads) or [1, 2, 4]'),
     ('model.positions', 'rotary_abs', 'sinusoidal'),
     ('model.dtype', 'float16', 'bfloat16'),
     ('model.dropout_rate', 1.0, '[0, 1)'),
@@ -77,8 +79,9 @@ def test_differences_ignore_resumable_keys():
     (['--config.model.d_modl=3'], "Did you mean 'model.d_model'"),
     (['--config.model.d_model=abc'], 'd_model=abc'),
     (['--config.model.attention=nope'],
-     'valid: alibi, bahdanau, dot_product, hard, local, location_sensitive, luong_concat, '
-     'luong_dot, luong_general, luong_local_m, luong_local_p, rotary, shaw, t5_bias'),
+     'valid: alibi, bahdanau, deberta, dot_product, hard, local, location_sensitive, '
+     'luong_concat, luong_dot, luong_general, luong_local_m, luong_local_p, rotary, shaw, '
+     't5_bias, transformer_xl\n'),
     (['--config.model.attention=location_sensitive'],
      "cannot be used in model.type='encoder_decoder'; it works in: rnn_seq2seq"),
     (['--config.model.type=rnn_seq2seq', '--config.model.attention=shaw'],

@@ -4,6 +4,7 @@ Importing this package registers every variant (see registry.py).
 """
 from flaxformer_lite.attention import additive
 from flaxformer_lite.attention import alibi
+from flaxformer_lite.attention import deberta
 from flaxformer_lite.attention import hard
 from flaxformer_lite.attention import local
 from flaxformer_lite.attention import location
@@ -12,6 +13,7 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.attention import relative
 from flaxformer_lite.attention import rotary
 from flaxformer_lite.attention import t5_bias
+from flaxformer_lite.attention import transformer_xl
 from flaxformer_lite.attention.dot_product import dot_product_attention
 from flaxformer_lite.attention.dot_product import dot_product_attention_weights
 from flaxformer_lite.attention.registry import AttentionVariant
@@ -24,6 +26,7 @@ from flaxformer_lite.attention.t5_bias import t5_relative_position_bucket
 __all__ = [
     'AttentionVariant',
     'alibi',
+    'deberta',
     'dot_product_attention',
     'dot_product_attention_weights',
     'registry',
@@ -35,4 +38,5 @@ __all__ = [
     'shaw_relative_values',
     't5_bias',
     't5_relative_position_bucket',
+    'transformer_xl',
 ]

@@ -60,22 +60,48 @@ def mean_values(value, params, q_pos, m):
   return jnp.broadcast_to(mean, (value.shape[0], q_pos.shape[0]) + value.shape[2:])
 
 
+def rel_shift(x):
+  """x [..., n, L] -> [..., n, L - n + 1], out[..., i, j] = x[..., i, j - i + n - 1].
+
+  Column c of x holds the key-minus-query offset c - (n - 1); the output
+  puts each at its key. Transformer-XL's relative shift (Dai et al. 2019,
+  appendix B; the skew of Music Transformer's relative attention): one pad,
+  one reshape, slices, never a gather, so its derivative is slices and pads
+  too (deterministic table gradients).
+  """
+  n, length = x.shape[-2:]
+  lead = x.shape[:-2]
+  x = jnp.pad(x, [(0, 0)] * (len(lead) + 1) + [(0, 1)])  # rows of length L + 1 ...
+  # ... read with stride L: row i starts i places further left.
+  flat = jax.lax.slice_in_dim(x.reshape(lead + (-1,)), n - 1, n - 1 + n * length, axis=-1)
+  return flat.reshape(lead + (n, length))[..., :length - n + 1]
+
+
 def by_offset(x, bq: int, bk: int):
   """x [..., bq + bk - 1], indexed by j - i + bq - 1 -> [..., bq, bk] with
-  out[..., i, j] = x[..., j - i + bq - 1].
+  out[..., i, j] = x[..., j - i + bq - 1]: a value per diagonal of a block,
+  spread over the block (rel_shift of x tiled over the rows)."""
+  return rel_shift(jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (bq, bq + bk - 1)))
 
-  A value per diagonal of a block, spread over the block by a tile, one
-  reshape and slices (the skew of Music Transformer's relative attention):
-  its derivative is slices and a sum, never a scatter, so a table gradient
-  through it is deterministic.
-  """
-  length = bq + bk - 1
-  lead = x.shape[:-1]
-  x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 1)])  # rows of length L + 1 ...
-  tiled = jnp.broadcast_to(x[..., None, :], lead + (bq, length + 1)).reshape(lead + (-1,))
-  # ... read with stride L: row i starts i places further left.
-  flat = jax.lax.slice_in_dim(tiled, bq - 1, bq - 1 + bq * length, axis=-1)
-  return flat.reshape(lead + (bq, length))[..., :bk]
+
+def distance_range(n: int, m: int, q_offset, chunk_size):
+  """Every query-minus-key distance a (padded) block of this call can meet,
+  largest first: (top float32 [], distances int32 [n + m - 1 + 2 chunk]),
+  distances[r] = top - r. For variants that look up one row per distance
+  once per call and slice a block's rows with `distance_slice`. `top` is a
+  float so that it can travel with the block parameters (its gradient is 0);
+  exact below 2**24."""
+  pad = chunk_size or DEFAULT_CHUNK_SIZE  # blocks may run past n and m by < a chunk
+  top = q_offset + n - 1 + pad  # q_offset may be traced
+  return jnp.asarray(top, jnp.float32), top - jnp.arange(n + m - 1 + 2 * pad)
+
+
+def distance_slice(rows, top, q_pos, k_pos):
+  """The bq + bk - 1 rows [L, ...] of one block's distances q_pos - k_pos,
+  largest first, from rows laid out by `distance_range` (its `top`)."""
+  bq, bk = q_pos.shape[0], k_pos.shape[0]
+  first = top.astype(jnp.int32) - (q_pos[0] + bq - 1 - k_pos[0])
+  return jax.lax.dynamic_slice_in_dim(rows, first, bq + bk - 1, axis=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,13 +36,14 @@ CONFIGS = {
     'bidirectional': dict(n=27, m=19, q_offset=5, causal=False, dense=True),
 }
 # Options that make far blocks occur at these lengths (shaw: blocks wholly
-# beyond the clipping distance; t5: blocks wholly in one bucket), and every
-# form whose option picks a code path.
+# beyond the clipping distance; t5: blocks wholly in one bucket; deberta: log
+# buckets and clamped rows), and every form whose option picks a code path.
 FORMS = {
     'shaw': [{'max_distance': 3}, {'max_distance': 1, 'relative_keys': False}],
     'local': [{'window': 4, 'causal': False}, {'window': 4, 'causal': True}],
     't5_bias': [{'num_buckets': 8, 'bucket_max_distance': 4},
                 {'num_buckets': 8, 'bucket_max_distance': 6, 'bidirectional': False}],
+    'deberta': [{'position_buckets': 4, 'max_relative_positions': 9}],
 }
 VARIANTS = [(name, extra) for name in registry.chunked_names()
             for extra in FORMS.get(name, [{}])]

@@ -282,7 +282,7 @@ def test_registry_holds_exactly_the_expected_variants():
   assert set(registry.names()) == {
       'dot_product', 'shaw', 't5_bias', 'alibi', 'rotary', 'local', 'bahdanau', 'luong_dot',
       'luong_general', 'luong_concat', 'luong_local_p', 'luong_local_m',
-      'location_sensitive', 'hard'}
+      'location_sensitive', 'hard', 'transformer_xl', 'deberta'}
   for name in registry.names():
     fields = registry.describe(registry.get(name)).split('\t')
     assert fields[0] == name and fields[1].startswith('models=') and fields[3]

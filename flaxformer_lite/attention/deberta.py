@@ -1,0 +1,183 @@
+"""DeBERTa disentangled attention (He et al. 2021, section 3.1, eq. 4;
+DeBERTa-v2's log-bucketed relative positions).
+
+For query i at absolute position p_i = q_offset + i and key j, per head:
+
+  A_ij = (q_i . k_j + q_i . K^r_{idx(p_i - j)} + k_j . Q^r_{idx(j - p_i)}) / sqrt(3d)
+
+content-to-content, content-to-position and position-to-content. K^r = P W_k,r
+and Q^r = P W_q,r project one relative-position embedding table P
+[2s, h*d] onto each head; s = `position_buckets`. idx(r) = clamp(bucket(r) + s,
+0, 2s - 1) with `log_bucket`: offsets shorter than s/2 keep their own row,
+longer ones share log-spaced rows up to `max_relative_positions`.
+
+P and the projections are per layer here (the paper shares P across layers
+and layer-normalises it; v2 reuses the content projections for W_k,r, W_q,r).
+Both position terms are computed once per distance that occurs (a matmul
+with one K^r or Q^r row per distance, [b, h, n, n + m - 1]) and moved to
+their keys by `chunked.rel_shift`, as Transformer-XL's; the chunked form
+does the same per block.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
+
+
+def log_bucket(relative_position, *, position_buckets: int, max_relative_positions: int):
+  """DeBERTa-v2's bucket of an offset r: r itself where |r| <= s/2, else
+  sign(r) (s/2 + ceil(log(|r| / (s/2)) / log((max - 1) / (s/2)) * (s/2 - 1))).
+
+  relative_position: int array, any shape -> int32, same shape.
+  """
+  r = jnp.asarray(relative_position, jnp.int32)
+  mid = position_buckets // 2
+  far = jnp.maximum(jnp.abs(r), mid).astype(jnp.float32)  # >= mid: log() finite
+  # The denominator's log in float32 as the numerator's, so that |r| = max - 1
+  # gives a ratio of exactly 1 (bucket s - 1), never 1 + an ulp.
+  top = jnp.full((), max_relative_positions - 1, jnp.float32)
+  log_pos = jnp.ceil(jnp.log(far / mid) / jnp.log(top / mid) * (mid - 1)) + mid
+  return jnp.where(jnp.abs(r) <= mid, r, jnp.sign(r) * log_pos.astype(jnp.int32))
+
+
+def row_index(relative_position, position_buckets: int, max_relative_positions: int):
+  """The row of P for an offset: clamp(log_bucket(r) + s, 0, 2s - 1)."""
+  s = position_buckets
+  bucket = log_bucket(relative_position, position_buckets=s,
+                      max_relative_positions=max_relative_positions)
+  return jnp.clip(bucket + s, 0, 2 * s - 1)
+
+
+def position_projections(rel_embeddings, position_key_kernel, position_query_kernel):
+  """P [2s, h*d], W_k,r and W_q,r [h*d, h, d] -> K^r, Q^r float32 [2s, h, d]."""
+  p = rel_embeddings.astype(jnp.float32)
+  return (jnp.einsum('rf,fhd->rhd', p, position_key_kernel.astype(jnp.float32)),
+          jnp.einsum('rf,fhd->rhd', p, position_query_kernel.astype(jnp.float32)))
+
+
+def _distance_rows(kr, qr, distances, buckets, one_hot: bool):
+  """Per distance t = p - j: K^r_idx(t) and Q^r_idx(-t), float32 [L, h, d]
+  each. A one-hot matmul (gradient: a matmul, deterministic) or a gather
+  (cheaper; gradient: a scatter-add)."""
+  rows = []
+  for table, sign in ((kr, 1), (qr, -1)):
+    index = row_index(sign * distances, *buckets)
+    if one_hot:
+      rows.append(jnp.einsum('lr,rhd->lhd', jax.nn.one_hot(index, table.shape[0]), table))
+    else:
+      rows.append(jnp.take(table, index, axis=0))
+  return rows
+
+
+def _position_logits(q, k, k_rows, q_rows):
+  """q_i . K^r_idx(p_i - j) + k_j . Q^r_idx(j - p_i): q [b, n, h, d],
+  k [b, m, h, d]; k_rows, q_rows [n + m - 1, h, d] for the block's distances
+  p_i - j from the largest (p_{n-1} - j_0) down -> float32 [b, h, n, m].
+
+  Each term is a matmul with one row per distance, moved to its keys by
+  chunked.rel_shift (the position-to-content one by key rows, then transposed)."""
+  c2p = jnp.einsum('bnhd,lhd->bhnl', q, k_rows.astype(q.dtype), preferred_element_type=jnp.float32)
+  p2c = jnp.einsum('bmhd,lhd->bhml', k, q_rows[::-1].astype(k.dtype),
+                   preferred_element_type=jnp.float32)  # distances ascending
+  return chunked.rel_shift(c2p) + jnp.swapaxes(chunked.rel_shift(p2c), -1, -2)
+
+
+def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
+                      position_query_kernel, *, mask=None, bias=None, q_offset=0,
+                      position_buckets=256, max_relative_positions=512, dropout_rate=0.0,
+                      dropout_rng=None, deterministic=True, dtype=None, return_weights=False):
+  """DeBERTa disentangled attention (module docstring).
+
+  Args:
+    query: [b, n, h, d], query i at absolute position q_offset + i.
+    key, value: [b, m, h, d], key j at position j.
+    rel_embeddings: P [2 * position_buckets, h*d];
+    position_key_kernel, position_query_kernel: W_k,r, W_q,r [h*d, h, d].
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    bias: broadcastable to [b, h, n, m]; added to the scaled logits.
+  Returns:
+    [b, n, h, d] in `dtype` (default: query's dtype).
+  """
+  n, d = query.shape[1], query.shape[-1]
+  m = key.shape[1]
+  cdt = dtype or query.dtype
+  kr, qr = position_projections(rel_embeddings, position_key_kernel, position_query_kernel)
+  distances = q_offset + n - 1 - jnp.arange(n + m - 1)
+  k_rows, q_rows = _distance_rows(kr, qr, distances, (position_buckets, max_relative_positions),
+                                  one_hot=False)
+  position = _position_logits(query.astype(cdt), key.astype(cdt), k_rows, q_rows) / np.sqrt(3 * d)
+  if bias is not None:
+    position = position + bias.astype(jnp.float32)
+  # dot_product_attention divides q.k by sqrt(d); the extra 1/sqrt(3) makes it sqrt(3d).
+  return dot_product_attention(
+      query / np.sqrt(3.0).astype(query.dtype), key, value, mask=mask, bias=position,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng, deterministic=deterministic,
+      dtype=dtype, return_weights=return_weights)
+
+
+def _block_logits(q, k, params, q_pos, k_pos):
+  """All three terms of one block; q arrives scaled by 1/sqrt(3d), the Q^r
+  rows scaled the same in deberta_chunked."""
+  k_rows, q_rows = (chunked.distance_slice(params[name], params['top'], q_pos, k_pos)
+                    for name in ('k_rows', 'q_rows'))
+  return chunked.dot_logits(q, k, params, q_pos, k_pos) + _position_logits(q, k, k_rows, q_rows)
+
+
+def deberta_chunked(query, key, value, rel_embeddings, position_key_kernel,
+                    position_query_kernel, *, mask=None, q_offset=0, position_buckets=256,
+                    max_relative_positions=512, chunk_size=None, dtype=None):
+  """deberta_attention block by block (chunked.attend). The K^r and Q^r rows
+  of every distance a (padded) block can meet are looked up once, by a
+  one-hot matmul (a deterministic gradient); each block slices its own."""
+  n, d = query.shape[1], query.shape[-1]
+  m = key.shape[1]
+  kr, qr = position_projections(rel_embeddings, position_key_kernel, position_query_kernel)
+  top, distances = chunked.distance_range(n, m, q_offset, chunk_size)
+  k_rows, q_rows = _distance_rows(kr, qr, distances, (position_buckets, max_relative_positions),
+                                  one_hot=True)
+  params = {'k_rows': k_rows, 'q_rows': q_rows / np.sqrt(3 * d), 'top': top}
+  # dot_product_chunked scales the queries by 1/sqrt(d); / sqrt(3) completes 1/sqrt(3d).
+  return dot_product_chunked(query / np.sqrt(3.0).astype(query.dtype), key, value,
+                             chunked.BlockTerms(logits=_block_logits), params, mask=mask,
+                             q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
+
+
+def _params(num_heads, head_dim, kwargs):
+  width = num_heads * head_dim
+  projection = nn.initializers.normal(width ** -0.5)
+  return {'rel_embeddings': ((2 * kwargs['position_buckets'], width),
+                             nn.initializers.normal(0.02)),
+          'position_key_kernel': ((width, num_heads, head_dim), projection),
+          'position_query_kernel': ((width, num_heads, head_dim), projection)}
+
+
+def _validate(kwargs):
+  """position_buckets >= 2; max_relative_positions > position_buckets / 2 + 1,
+  else the log-spaced range is empty."""
+  s, top = kwargs['position_buckets'], kwargs['max_relative_positions']
+  for name, v in (('position_buckets', s), ('max_relative_positions', top)):
+    if not isinstance(v, int) or isinstance(v, bool):
+      raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int')
+  if s < 2:
+    raise ValueError(f'attention_kwargs.position_buckets={s}; must be >= 2')
+  if top <= s // 2 + 1:
+    raise ValueError(f'attention_kwargs.max_relative_positions={top}; must be > '
+                     f'{s // 2 + 1} (position_buckets / 2 + 1 for position_buckets={s})')
+
+
+registry.register(registry.AttentionVariant(
+    name='deberta',
+    models=registry.TRANSFORMER_MODELS,
+    fn=deberta_attention,
+    chunked=deberta_chunked,
+    kwargs={'position_buckets': 256, 'max_relative_positions': 512},
+    params=_params,
+    validate=_validate,
+    uses_positions=True,
+    doc='disentangled content-to-content, content-to-position and position-to-content '
+        'terms over log-bucketed offsets, scale 1/sqrt(3d) (DeBERTa, He et al. 2021)'))

@@ -1,0 +1,129 @@
+"""DeBERTa disentangled attention against the paper's formula, position by position.
+
+He et al. 2021, eq. 4: A_ij = Q^c_i K^c_j + Q^c_i K^r_{d(i,j)} + K^c_j Q^r_{d(j,i)}, divided by
+sqrt(3d), K^r = P W_k,r, Q^r = P W_q,r, d(i,j) = clamp(bucket(i - j) + s, 0, 2s - 1) with
+DeBERTa-v2's log buckets (`make_log_bucket_position` in the released code), written here as a
+scalar Python function. The loops are float64; the code under test gathers rows of matmuls.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.attention.deberta import deberta_attention, log_bucket
+
+
+def _bucket(r, s, top):
+  """DeBERTa-v2's make_log_bucket_position for one offset, in Python floats."""
+  mid = s // 2
+  if abs(r) <= mid:
+    return r
+  log_pos = math.ceil(math.log(abs(r) / mid) / math.log((top - 1) / mid) * (mid - 1)) + mid
+  return int(math.copysign(log_pos, r))
+
+
+@pytest.mark.parametrize('s,top', [(8, 20), (256, 512), (2, 5), (7, 30)])
+def test_log_bucket_equals_the_released_formula(s, top):
+  r = np.arange(-3 * top, 3 * top + 1)
+  got = np.asarray(log_bucket(jnp.asarray(r), position_buckets=s, max_relative_positions=top))
+  np.testing.assert_array_equal(got, [_bucket(int(x), s, top) for x in r])
+
+
+def test_log_bucket_hand_computed():
+  # s = 8: offsets up to 4 exact; 5..19 share log-spaced buckets; max 20 reaches bucket 7.
+  # bucket(10) = 4 + ceil(log(10/4) / log(19/4) * 3) = 4 + ceil(1.764) = 6;
+  # bucket(1000) = 4 + ceil(log(250) / log(19/4) * 3) = 4 + ceil(10.63) = 15.
+  got = log_bucket(jnp.asarray([0, 3, -4, 10, -10, 19, 1000]), position_buckets=8,
+                   max_relative_positions=20)
+  assert np.asarray(got).tolist() == [0, 3, -4, 6, -6, 7, 15]
+
+
+def _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top):
+  """Float64 outputs and weights of eq. 4; a row with no visible key is uniform."""
+  b, n, h, d = q.shape
+  m = k.shape[1]
+  idx = lambda r: min(max(_bucket(r, s, top) + s, 0), 2 * s - 1)  # noqa: E731
+  weights = np.zeros((b, h, n, m))
+  out = np.zeros((b, n, h, d))
+  for bi in range(b):
+    for hi in range(h):
+      for i in range(n):
+        pi = q_offset + i
+        logits = np.array([
+            (q[bi, i, hi] @ k[bi, j, hi]
+             + q[bi, i, hi] @ (p[idx(pi - j)] @ w_kr[:, hi, :])
+             + k[bi, j, hi] @ (p[idx(j - pi)] @ w_qr[:, hi, :])) / math.sqrt(3 * d)
+            for j in range(m)])
+        visible = mask[bi, i]
+        if visible.any():
+          e = np.where(visible, np.exp(logits - logits[visible].max()), 0.0)
+          weights[bi, hi, i] = e / e.sum()
+        else:
+          weights[bi, hi, i] = 1.0 / m
+        out[bi, i, hi] = weights[bi, hi, i] @ v[bi, :, hi]
+  return out, weights
+
+
+@pytest.mark.parametrize('q_offset', [0, 6])
+def test_output_and_weights_equal_the_paper_formula(q_offset):
+  # s = 4, max 9: offsets past 2 are log-bucketed and past 8 clamped, all within 9 keys.
+  b, n, m, h, d, s, top = 2, 5, 9, 2, 4, 4, 9
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.normal(size=x) for x in ((b, n, h, d), (b, m, h, d), (b, m, h, d)))
+  p = rng.normal(size=(2 * s, h * d))
+  w_kr, w_qr = rng.normal(size=(2, h * d, h, d)) / 3
+  mask = np.zeros((b, n, m), bool)
+  mask[0] = np.arange(m)[None] <= q_offset + np.arange(n)[:, None]
+  mask[1, 1:, :7] = True  # example 1: keys 0..6, its first row sees nothing
+  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  got, weights = deberta_attention(
+      f32(q), f32(k), f32(v), f32(p), f32(w_kr), f32(w_qr), mask=jnp.asarray(mask[:, None]),
+      q_offset=q_offset, position_buckets=s, max_relative_positions=top, return_weights=True)
+  want, want_weights = _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top)
+  np.testing.assert_allclose(np.asarray(weights), want_weights, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
+
+
+def test_each_position_term_changes_the_output():
+  # A term the code dropped (or a projection it ignored) would leave this unchanged.
+  rng = np.random.default_rng(2)
+  args = [jnp.asarray(rng.normal(size=x), jnp.float32) for x in
+          ((1, 4, 2, 4), (1, 6, 2, 4), (1, 6, 2, 4), (8, 8), (8, 2, 4), (8, 2, 4))]
+  kw = dict(position_buckets=4, max_relative_positions=6)
+  base = np.asarray(deberta_attention(*args, **kw))
+  for i in (3, 4, 5):
+    moved = list(args)
+    moved[i] = jnp.zeros_like(args[i])
+    assert np.abs(np.asarray(deberta_attention(*moved, **kw)) - base).max() > 1e-3, i
+
+
+def test_gradients_equal_central_differences_of_the_loop():
+  b, n, m, h, d, s, top = 1, 3, 4, 1, 2, 2, 4
+  rng = np.random.default_rng(3)
+  x = {name: rng.normal(size=shape) for name, shape in (
+      ('q', (b, n, h, d)), ('k', (b, m, h, d)), ('v', (b, m, h, d)), ('p', (2 * s, h * d)),
+      ('w_kr', (h * d, h, d)), ('w_qr', (h * d, h, d)))}
+  mask = np.ones((b, n, m), bool)
+  cot = rng.normal(size=(b, n, h, d))
+
+  def loss64(y):
+    return float(np.sum(_loop(y['q'], y['k'], y['v'], y['p'], y['w_kr'], y['w_qr'], mask, 1, s,
+                              top)[0] * cot))
+
+  def loss32(y):
+    out = deberta_attention(y['q'], y['k'], y['v'], y['p'], y['w_kr'], y['w_qr'], q_offset=1,
+                            position_buckets=s, max_relative_positions=top)
+    return jnp.sum(out * cot)
+
+  grads = jax.grad(loss32)({key: jnp.asarray(v, jnp.float32) for key, v in x.items()})
+  eps = 1e-5
+  for name, value in x.items():
+    for index in np.ndindex(value.shape):
+      up, down = dict(x), dict(x)
+      up[name], down[name] = value.copy(), value.copy()
+      up[name][index] += eps
+      down[name][index] -= eps
+      want = (loss64(up) - loss64(down)) / (2 * eps)
+      assert float(grads[name][index]) == pytest.approx(want, abs=2e-3, rel=2e-3), (name, index)
