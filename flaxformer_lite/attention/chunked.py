@@ -98,9 +98,12 @@ def distance_range(n: int, m: int, q_offset, chunk_size):
 
 def distance_slice(rows, top, q_pos, k_pos):
   """The bq + bk - 1 rows [L, ...] of one block's distances q_pos - k_pos,
-  largest first, from rows laid out by `distance_range` (its `top`)."""
+  largest first, from rows laid out by `distance_range` (its `top`). A slice
+  that would leave the table is moved inside it, which a table whose end
+  rows repeat may rely on (jax's dynamic_slice would wrap a negative start)."""
   bq, bk = q_pos.shape[0], k_pos.shape[0]
   first = top.astype(jnp.int32) - (q_pos[0] + bq - 1 - k_pos[0])
+  first = jnp.clip(first, 0, rows.shape[0] - (bq + bk - 1))
   return jax.lax.dynamic_slice_in_dim(rows, first, bq + bk - 1, axis=0)
 
 

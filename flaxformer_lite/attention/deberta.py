@@ -128,16 +128,38 @@ def _block_logits(q, k, params, q_pos, k_pos):
   return chunked.dot_logits(q, k, params, q_pos, k_pos) + _position_logits(q, k, k_rows, q_rows)
 
 
+def saturation(position_buckets: int, max_relative_positions: int, cap: int = 1 << 20):
+  """An R with row_index(t) the same for every t >= R, and for every t <= -R
+  (the clamped rows), or None if R would pass `cap`. From the float64 bucket
+  one past the clamp, so that float32's rounding (a bucket at most one lower)
+  cannot move it."""
+  mid = position_buckets // 2
+  if mid == 1:  # every |t| >= 1 is bucket +-1
+    return 2
+  # mid + ceil(x (mid - 1)) >= s + 1 where x = log(a / mid) / log((max - 1) / mid).
+  exponent = (position_buckets - mid) / (mid - 1)
+  log_a = np.log(mid) + exponent * np.log((max_relative_positions - 1) / mid)
+  return int(np.exp(log_a)) + 2 if log_a < np.log(cap) else None
+
+
 def deberta_chunked(query, key, value, rel_embeddings, position_key_kernel,
                     position_query_kernel, *, mask=None, q_offset=0, position_buckets=256,
                     max_relative_positions=512, chunk_size=None, dtype=None):
   """deberta_attention block by block (chunked.attend). The K^r and Q^r rows
-  of every distance a (padded) block can meet are looked up once, by a
-  one-hot matmul (a deterministic gradient); each block slices its own."""
+  of every distance a block can meet are looked up once, by a one-hot matmul
+  (a deterministic gradient), and each block slices its own. Distances past
+  `saturation` share one row, so the table stops there (+ a block, where a
+  block's slice, clamped by XLA, still reads only that row): O(buckets + chunk)
+  rows at any length."""
   n, d = query.shape[1], query.shape[-1]
   m = key.shape[1]
   kr, qr = position_projections(rel_embeddings, position_key_kernel, position_query_kernel)
   top, distances = chunked.distance_range(n, m, q_offset, chunk_size)
+  far = saturation(position_buckets, max_relative_positions)
+  if far is not None:
+    bound = far + 2 * (chunk_size or chunked.DEFAULT_CHUNK_SIZE) - 1  # + a block's distances
+    if 2 * bound + 1 < distances.shape[0]:
+      top, distances = jnp.asarray(bound, jnp.float32), bound - jnp.arange(2 * bound + 1)
   k_rows, q_rows = _distance_rows(kr, qr, distances, (position_buckets, max_relative_positions),
                                   one_hot=True)
   params = {'k_rows': k_rows, 'q_rows': q_rows / np.sqrt(3 * d), 'top': top}
