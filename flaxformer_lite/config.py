@@ -110,6 +110,10 @@ def base_config() -> ml_collections.ConfigDict:
   # (overlong). Language models: the context length.
   d.max_len = 16
   d.overlong = 'drop'  # drop | truncate (always counted and logged)
+  # Sequence-to-sequence training: several examples per row, each attending
+  # within itself (data/pipeline.py PackedBatches), instead of one padded
+  # example per row. Evaluation stays one example per row.
+  d.pack = False
   d.source_lang = 'en'  # translation: the features of the pair
   d.target_lang = 'de'
   d.tokenizer = 'sentencepiece'  # real text: sentencepiece | char | byte
@@ -241,6 +245,15 @@ def validate(config) -> None:
 
   _choice('data.task', d.task, data.TASKS)
   _check(d.max_len >= 1, f'data.max_len={d.max_len} must be >= 1')
+  if d.pack:
+    _check(m.type == 'encoder_decoder',
+           f'data.pack=True packs translation pairs for model.type=encoder_decoder; '
+           f'model.type={m.type!r} ' + ('reads a row with a recurrent encoder, across its examples'
+                                        if m.type == 'rnn_seq2seq' else
+                                        'trains on one token stream, which has no padding'))
+    _check(m.attention not in PACK_REFUSED,
+           f'data.pack=True with model.attention={m.attention!r}: ' + PACK_REFUSED.get(
+               m.attention, '') + '; valid: every other variant')
   kind = task_kind(d)
   objective = OBJECTIVE_KIND[m.type]
   _check(kind is None or kind == objective,
@@ -283,6 +296,13 @@ def validate(config) -> None:
   _check(e.beam_size >= 1, f'eval.beam_size={e.beam_size} must be >= 1 (1 = greedy)')
   _check(e.max_decode_len >= 0, f'eval.max_decode_len={e.max_decode_len} must be >= 0')
 
+
+# Variants whose output for one example depends on the whole row, not its segment.
+PACK_REFUSED = {
+    'luong_local_p': 'its predicted position p_i = S sigmoid(.) spans the whole row '
+                     '(S = the row length), not the example',
+    'luong_local_m': 'its window centre p_i (the query index, clipped to the number of '
+                     'keys it sees) is a place in the row, not in the example'}
 
 # The data each model type trains on (train/steps.py OBJECTIVES).
 OBJECTIVE_KIND = {'encoder_decoder': 'seq2seq', 'rnn_seq2seq': 'seq2seq',

@@ -20,26 +20,40 @@ MODEL_TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only', 'rnn_seq2seq')
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
-def shift_right(targets, bos_id: int = BOS_ID):
+def shift_right(targets, bos_id: int = BOS_ID, segmentation=None):
   """Decoder inputs for teacher forcing: [t0, t1, ...] -> [bos, t0, ...].
 
-  targets [b, n] int -> [b, n].
+  targets [b, n] int -> [b, n]. With `segmentation` [b, n] (packed rows), each
+  segment starts with bos, not the previous segment's last token.
   """
-  return jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+  shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+  if segmentation is None:
+    return shifted
+  starts = segmentation != jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
+  return jnp.where(starts, bos_id, shifted)
 
 
-def padding_mask(ids, causal=False) -> MaskSpec:
+def padding_mask(ids, causal=False, segmentation=None) -> MaskSpec:
   """Self-attention over ids [b, n]: PAD tokens neither attend nor are attended
-  to; causal: key j <= query i. Described (masks.MaskSpec): the attention
-  kernel builds it whole or block by block."""
+  to; causal: key j <= query i; segmentation [b, n] (packed rows): only within
+  a segment. Described (masks.MaskSpec): the attention kernel builds it whole
+  or block by block."""
   valid = ids > PAD_ID
-  return MaskSpec(key_valid=valid, query_valid=valid, causal=causal)
+  return MaskSpec(key_valid=valid, query_valid=valid, causal=causal,
+                  query_segments=segmentation, key_segments=segmentation)
 
 
 class EncoderDecoder(nn.Module):
   """Encoder-decoder Transformer with one embedding for both sides and the softmax.
 
   `__call__(inputs [b, m], decoder_inputs [b, n])` -> logits [b, n, vocab].
+  Packed rows (data.pack) also pass `inputs_segmentation`,
+  `targets_segmentation` (int [b, m], [b, n]; 0 = padding) and
+  `inputs_positions`, `targets_positions` (each token's position in its own
+  example): attention stays inside a segment (cross-attention: the decoder
+  segment's own source), absolute positions restart per segment, and the
+  relative variants need nothing more (within a segment, distances between
+  row indices are the examples' own).
   """
   cfg: TransformerConfig
 
@@ -50,11 +64,14 @@ class EncoderDecoder(nn.Module):
     self.encoder = Encoder(cfg, self.embed, name='encoder')
     self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, name='decoder')
 
-  def encode(self, inputs, *, deterministic=True):
+  def encode(self, inputs, *, deterministic=True, inputs_segmentation=None,
+             inputs_positions=None):
     """inputs [b, m] -> [b, m, d_model]."""
-    return self.encoder(inputs, mask=padding_mask(inputs), deterministic=deterministic)
+    return self.encoder(inputs, mask=padding_mask(inputs, segmentation=inputs_segmentation),
+                        positions=inputs_positions, deterministic=deterministic)
 
-  def decode(self, encoded, inputs, decoder_inputs, *, deterministic=True):
+  def decode(self, encoded, inputs, decoder_inputs, *, deterministic=True,
+             inputs_segmentation=None, targets_segmentation=None, targets_positions=None):
     """encoded [b, m, d], inputs [b, m], decoder_inputs [b, n] -> logits [b, n, V].
 
     When `cfg.decode`, decoder_inputs are the next tokens after the cache
@@ -64,15 +81,23 @@ class EncoderDecoder(nn.Module):
       self_mask = None
       queries_valid = None
     else:
-      self_mask = padding_mask(decoder_inputs, causal=True)
+      self_mask = padding_mask(decoder_inputs, causal=True, segmentation=targets_segmentation)
       queries_valid = decoder_inputs > PAD_ID
-    cross_mask = MaskSpec(key_valid=inputs > PAD_ID, query_valid=queries_valid)
+    cross_mask = MaskSpec(key_valid=inputs > PAD_ID, query_valid=queries_valid,
+                          query_segments=targets_segmentation, key_segments=inputs_segmentation)
     return self.decoder(decoder_inputs, encoded, self_mask=self_mask,
-                        cross_mask=cross_mask, deterministic=deterministic)
+                        cross_mask=cross_mask, positions=targets_positions,
+                        deterministic=deterministic)
 
-  def __call__(self, inputs, decoder_inputs, *, deterministic=True):
-    encoded = self.encode(inputs, deterministic=deterministic)
-    return self.decode(encoded, inputs, decoder_inputs, deterministic=deterministic)
+  def __call__(self, inputs, decoder_inputs, *, deterministic=True, inputs_segmentation=None,
+               targets_segmentation=None, inputs_positions=None, targets_positions=None):
+    encoded = self.encode(inputs, deterministic=deterministic,
+                          inputs_segmentation=inputs_segmentation,
+                          inputs_positions=inputs_positions)
+    return self.decode(encoded, inputs, decoder_inputs, deterministic=deterministic,
+                       inputs_segmentation=inputs_segmentation,
+                       targets_segmentation=targets_segmentation,
+                       targets_positions=targets_positions)
 
 
 class DecoderOnly(nn.Module):

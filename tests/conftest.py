@@ -166,3 +166,22 @@ def counting_chunked_attend():
       yield
 
   return counting
+
+
+# Windows, clipping and bucket ranges shorter than a dozen tokens, so that every
+# variant's position logic is at work on short test sequences.
+SMALL_ATTENTION_OPTIONS = {'window': 3, 'half_window': 3, 'max_distance': 3, 'num_buckets': 8,
+                           'bucket_max_distance': 5, 'position_buckets': 4,
+                           'max_relative_positions': 6}
+
+
+@pytest.fixture
+def small_options():
+  """small_options(name, **extra) -> the variant's attention_kwargs with
+  SMALL_ATTENTION_OPTIONS for the options it has, and `extra`."""
+  from flaxformer_lite.attention import registry
+
+  def options(name, **extra):
+    defaults = registry.get(name).kwargs
+    return {**{k: v for k, v in SMALL_ATTENTION_OPTIONS.items() if k in defaults}, **extra}
+  return options

@@ -6,6 +6,8 @@ position p = q_offset + i, key j at position j:
   window w:    |j - p| < w (window_causal: p - w < j <= p), local attention's band;
   key_valid:   bool [b, m], False for padding keys;
   query_valid: bool [b, n], False for padding queries (they see nothing);
+  segments:    query_segments int [b, n] and key_segments int [b, m]: packed
+               examples, a query sees the keys of its own segment only;
   dense:       an explicit boolean mask broadcastable to [b, h, n, m].
 A query may attend to a key where every given part allows it.
 
@@ -39,6 +41,8 @@ class MaskSpec:
   `causal`, `window` and `window_causal` are static."""
   key_valid: Any = None  # bool [b, m]
   query_valid: Any = None  # bool [b, n]
+  query_segments: Any = None  # int [b, n]; with key_segments
+  key_segments: Any = None  # int [b, m]
   dense: Any = None  # bool, broadcastable to [b, h, n, m]
   causal: bool = flax.struct.field(pytree_node=False, default=False)
   window: int | None = flax.struct.field(pytree_node=False, default=None)
@@ -49,7 +53,8 @@ class MaskSpec:
     keys. Without padding or an explicit mask none can: causally every query
     sees key 0, and inside a window a query at p < m sees key p, which a
     python-int q_offset with q_offset + n <= m guarantees."""
-    if self.key_valid is not None or self.query_valid is not None or self.dense is not None:
+    if any(x is not None for x in (self.key_valid, self.query_valid, self.dense,
+                                   self.query_segments)):
       return True
     if self.window is None:
       return False
@@ -77,6 +82,8 @@ class MaskSpec:
       parts.append(self.key_valid.astype(bool)[:, None, None, :])
     if self.query_valid is not None:
       parts.append(self.query_valid.astype(bool)[:, None, :, None])
+    if self.query_segments is not None:
+      parts.append(self.query_segments[:, None, :, None] == self.key_segments[:, None, None, :])
     if self.dense is not None:
       parts.append(jnp.asarray(self.dense).astype(bool))
     if not parts:
@@ -100,6 +107,10 @@ class MaskSpec:
     if self.query_valid is not None:
       queries = jax.lax.dynamic_slice_in_dim(self.query_valid.astype(bool), q_start, bq, 1)
       ok = _and(ok, queries[:, None, :, None])
+    if self.query_segments is not None:
+      q_seg = jax.lax.dynamic_slice_in_dim(self.query_segments, q_start, bq, axis=1)
+      k_seg = jax.lax.dynamic_slice_in_dim(self.key_segments, k_start, bk, axis=1)
+      ok = _and(ok, q_seg[:, None, :, None] == k_seg[:, None, None, :])
     if self.dense is not None:
       dense = _dense4(self.dense)
       if dense.shape[2] > 1:
@@ -125,6 +136,9 @@ class MaskSpec:
             self.key_valid.astype(bool), 1, m_pad),
         query_valid=None if self.query_valid is None else pad_to(
             self.query_valid.astype(bool), 1, n_pad),
+        query_segments=None if self.query_segments is None else pad_to(
+            self.query_segments, 1, n_pad),
+        key_segments=None if self.key_segments is None else pad_to(self.key_segments, 1, m_pad),
         dense=dense)
 
   def key_block_range(self, q_first, q_last, bk: int, num_blocks: int):

@@ -18,8 +18,8 @@ import numpy as np
 
 from flaxformer_lite.data import corpora, pipeline, synthetic, tokenizers
 from flaxformer_lite.data.corpora import DataError
-from flaxformer_lite.data.pipeline import (Batches, BucketedBatches, LMWindows, eval_batches,
-                                           lm_eval_arrays, pad_rows)
+from flaxformer_lite.data.pipeline import (Batches, BucketedBatches, LMWindows, PackedBatches,
+                                           eval_batches, lm_eval_arrays, pad_rows)
 from flaxformer_lite.models import EOS_ID
 
 REAL_TASKS = ('multi30k', 'tiny_shakespeare', 'tfds')
@@ -200,4 +200,4 @@ def _load_lm(d, builder, bad) -> Dataset:
 
 
 __all__ = ['Batches', 'BucketedBatches', 'DataError', 'Dataset', 'KINDS', 'LMWindows',
-           'OVERLONG', 'TASKS', 'eval_batches', 'lm_eval_arrays', 'load', 'pad_rows']
+           'OVERLONG', 'PackedBatches', 'TASKS', 'eval_batches', 'lm_eval_arrays', 'load', 'pad_rows']

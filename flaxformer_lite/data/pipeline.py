@@ -4,6 +4,7 @@ A sequence split is held as padded arrays {feature: [N, L]}; a language-model
 split as one token stream [T]. Three iterators draw from them:
   Batches          fixed rows per batch, a seeded permutation per epoch;
   BucketedBatches  rows of similar length, about a token budget per batch;
+  PackedBatches    several examples per row, with segment ids and positions;
   LMWindows        random windows of a token stream (nanoGPT's get_batch).
 Each one's position (get_state/set_state, a small dict of ints) is saved in
 checkpoints, so a resumed run sees the same batches. With process_count > 1
@@ -141,6 +142,95 @@ class BucketedBatches:
     rows = rows[self.process_index * share:(self.process_index + 1) * share]
     width = int(self.boundaries[self.bucket[rows[0]]])
     return {k: v[rows, :width] for k, v in self.arrays.items()}
+
+
+PACKED_FEATURES = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmentation',
+                   'inputs_positions', 'targets_positions')
+
+
+def pack_examples(arrays, order, length: int) -> dict:
+  """Examples (rows of padded {'inputs', 'targets'} [N, L]), in `order`,
+  packed into rows of `length` tokens: a row takes the next example while
+  both its inputs and its targets still fit, else a new row starts (the
+  order is kept, so a seeded order gives a seeded packing).
+
+  Returns {feature: int32 [R, length]} for PACKED_FEATURES: the tokens;
+  segmentation 1, 2, ... for the row's examples, 0 for padding; positions
+  0.. within each example (0 at padding). As the Flax WMT example's
+  pack_dataset, without its limit on examples per row.
+  """
+  lengths = {k: np.sum(arrays[k] != PAD_ID, axis=1) for k in ('inputs', 'targets')}
+  rows = []  # per row: list of example indices
+  used = {'inputs': length, 'targets': length}  # forces a first row
+  for i in order:
+    if any(used[k] + lengths[k][i] > length for k in used):
+      rows.append([])
+      used = {'inputs': 0, 'targets': 0}
+    rows[-1].append(i)
+    for k in used:
+      used[k] += lengths[k][i]
+  out = {k: np.zeros((len(rows), length), np.int32) for k in PACKED_FEATURES}
+  for r, members in enumerate(rows):
+    for k in ('inputs', 'targets'):
+      start = 0
+      for segment, i in enumerate(members, 1):
+        n = lengths[k][i]
+        out[k][r, start:start + n] = arrays[k][i, :n]
+        out[f'{k}_segmentation'][r, start:start + n] = segment
+        out[f'{k}_positions'][r, start:start + n] = np.arange(n)
+        start += n
+  return out
+
+
+class PackedBatches:
+  """Endless batches of packed rows (pack_examples) of `length` tokens.
+
+  Each epoch, seeded by (seed, epoch): the examples are shuffled, packed in
+  that order, and cut into batches of `rows` consecutive packed rows (the
+  ragged tail is dropped). rows = batch_size, or with batch_tokens > 0
+  batch_tokens // length (a multiple of `row_multiple`). Every example is in
+  exactly one row of an epoch. A batch is {PACKED_FEATURES: [rows, length]}
+  (the process's share of the rows).
+  """
+
+  def __init__(self, arrays, *, length: int, seed: int, batch_size: int = 0,
+               batch_tokens: int = 0, row_multiple: int = 1, process_index: int = 0,
+               process_count: int = 1):
+    self.arrays, self.length, self.seed = arrays, length, seed
+    self.num = len(arrays['inputs'])
+    multiple = row_multiple * process_count
+    self.rows = max(multiple, batch_tokens // length // multiple * multiple) if batch_tokens \
+        else batch_size
+    self.process_index, self.process_count = process_index, process_count
+    self.epoch, self.index = 0, 0
+    self._packed = self._pack(0)
+
+  def _pack(self, epoch) -> dict:
+    order = np.random.default_rng([self.seed, epoch]).permutation(self.num)
+    packed = pack_examples(self.arrays, order, self.length)
+    if len(packed['inputs']) < self.rows:
+      raise ValueError(f'{self.num} examples pack into {len(packed["inputs"])} rows of '
+                       f'{self.length} tokens, fewer than a batch of {self.rows} rows')
+    return packed
+
+  def get_state(self) -> dict:
+    return {'epoch': int(self.epoch), 'index': int(self.index)}
+
+  def set_state(self, state: dict):
+    self.epoch, self.index = int(state['epoch']), int(state['index'])
+    self._packed = self._pack(self.epoch)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.index + self.rows > len(self._packed['inputs']):
+      self.epoch, self.index = self.epoch + 1, 0
+      self._packed = self._pack(self.epoch)
+    share = self.rows // self.process_count
+    start = self.index + self.process_index * share
+    self.index += self.rows
+    return {k: v[start:start + share] for k, v in self._packed.items()}
 
 
 class LMWindows:

@@ -19,13 +19,18 @@ def sinusoidal_positions(length: int, features: int, *, offset=0,
 
   Returns [length, features] float32. `offset` may be traced (decoding).
   """
+  return sinusoid(offset + jnp.arange(length), features, max_timescale=max_timescale)
+
+
+def sinusoid(positions, features: int, *, max_timescale: float = 10000.0):
+  """The table's rows at int positions [...] -> float32 [..., features]."""
   if features % 2:
     raise ValueError(f'sinusoidal positions need an even feature size, got {features}')
-  position = (offset + jnp.arange(length, dtype=jnp.float32))[:, None]  # [n, 1]
   inv_freq = max_timescale ** (-np.arange(0, features, 2, dtype=np.float32) / features)
-  angles = position * inv_freq[None, :]  # [n, f/2]
+  angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., f/2]
   # stack on a new last axis then flatten: sin, cos, sin, cos, ...
-  return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(length, features)
+  return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(
+      angles.shape[:-1] + (features,))
 
 
 class AddPositions(nn.Module):
@@ -33,14 +38,15 @@ class AddPositions(nn.Module):
 
   kind: 'sinusoidal' (fixed), 'learned' ([max_len, f] table) or 'none'.
   With `decode=True`, remembers how many positions were consumed in the
-  'cache' collection, so that step t gets position t.
+  'cache' collection, so that step t gets position t. `positions` [b, n]
+  (int) gives each token its own (packed rows: each example from 0).
   """
   kind: str = 'sinusoidal'
   max_len: int = 512
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, positions=None):
     if self.kind not in POSITIONS:
       raise ValueError(f'positions={self.kind!r}; valid: {", ".join(POSITIONS)}')
     if self.kind == 'none':
@@ -49,16 +55,17 @@ class AddPositions(nn.Module):
     offset = 0
     if self.decode:
       initialized = self.has_variable('cache', 'position_index')
-      index = self.variable('cache', 'position_index', lambda: jnp.array(0, jnp.int32))
+      consumed = self.variable('cache', 'position_index', lambda: jnp.array(0, jnp.int32))
       if initialized:
-        offset = index.value
-        index.value = offset + length
+        offset = consumed.value
+        consumed.value = offset + length
+    index = offset + jnp.arange(length) if positions is None else positions  # [n] | [b, n]
     if self.kind == 'sinusoidal':
-      pos = sinusoidal_positions(length, features, offset=offset)
+      pos = sinusoid(index, features)
     else:
       table = self.param('pos_embedding', nn.initializers.normal(stddev=0.02),
                          (self.max_len, features))
-      pos = jnp.take(table, offset + jnp.arange(length), axis=0)
+      pos = jnp.take(table, index, axis=0)
     return x + pos.astype(x.dtype)
 
 

@@ -159,21 +159,22 @@ class DecoderLayer(nn.Module):
         x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
 
 
-def _embed_tokens(cfg, embed, ids, deterministic, name, decode=False):
+def _embed_tokens(cfg, embed, ids, deterministic, name, decode=False, positions=None):
   x = embed(ids)
-  x = AddPositions(cfg.positions, cfg.max_len, decode=decode, name=name)(x)
+  x = AddPositions(cfg.positions, cfg.max_len, decode=decode, name=name)(x, positions)
   return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
 
 class Encoder(nn.Module):
-  """ids [b, n] -> [b, n, d_model]."""
+  """ids [b, n] -> [b, n, d_model]; positions [b, n]: each token's own
+  (packed rows), default 0..n-1."""
   cfg: TransformerConfig
   embed: Embed
 
   @nn.compact
-  def __call__(self, ids, *, mask, deterministic=True):
+  def __call__(self, ids, *, mask, positions=None, deterministic=True):
     cfg = self.cfg
-    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions')
+    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions', positions=positions)
     for i in range(cfg.num_encoder_layers):
       x = EncoderLayer(cfg, name=f'layer_{i}')(x, mask=mask, deterministic=deterministic)
     return nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x) if cfg.pre_ln else x
@@ -186,11 +187,11 @@ class Decoder(nn.Module):
   num_layers: int
 
   @nn.compact
-  def __call__(self, ids, encoded=None, *, self_mask, cross_mask=None,
+  def __call__(self, ids, encoded=None, *, self_mask, cross_mask=None, positions=None,
                deterministic=True):
     cfg = self.cfg
     x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
-                      decode=cfg.decode)
+                      decode=cfg.decode, positions=positions)
     for i in range(self.num_layers):
       x = DecoderLayer(cfg, name=f'layer_{i}')(
           x, encoded, self_mask=self_mask, cross_mask=cross_mask,

@@ -76,6 +76,11 @@ def _train_batches(config, dataset):
   train = dataset.splits['train']
   if dataset.kind == 'lm':
     return data.LMWindows(train, config.data.max_len, t.batch_size, seed=config.seed, **where)
+  if config.data.pack:
+    return data.PackedBatches(train, length=train['inputs'].shape[1], seed=config.seed,
+                              batch_size=t.batch_size, batch_tokens=t.batch_tokens,
+                              row_multiple=jax.local_device_count() * t.grad_accum_steps,
+                              **where)
   if t.batch_tokens:
     return data.BucketedBatches(train, t.batch_tokens, seed=config.seed,
                                 row_multiple=jax.local_device_count() * t.grad_accum_steps,
@@ -338,6 +343,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
                         skipped, window_steps)
         elapsed = time.time() - window_start
         m['steps_per_sec'] = window_steps / elapsed
+        m['tokens_per_sec'] = float(window['tokens']) / elapsed  # scored target tokens
         m['learning_rate'] = _applied_learning_rate(schedule, state.opt_state)
         writer.write(done, 'train', m)
         eta = (t.num_steps - done) / m['steps_per_sec']

@@ -1,7 +1,8 @@
 """Pure step functions: (state, batch, rng) -> (state, metrics); jit them outside.
 
 The objective follows the model type (OBJECTIVES):
-  seq2seq  batch {'inputs', 'targets'}: teacher-forced decoder on shift_right(targets);
+  seq2seq  batch {'inputs', 'targets'}: teacher-forced decoder on shift_right(targets)
+           (packed rows: also segmentation and positions, data.pack);
   lm       batch {'inputs', 'targets' = next tokens}: a causal LM on inputs;
   mlm      batch {'inputs'}: BERT's masked LM, masks drawn inside the step
            (data/masking.py); loss on the masked positions only.
@@ -40,8 +41,11 @@ def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = Tr
     return logits, targets, weights.astype(jnp.float32)
   targets = batch['targets']
   if objective == 'seq2seq':
-    logits = apply_fn({'params': params}, batch['inputs'], shift_right(targets),
-                      deterministic=deterministic, rngs=rngs)
+    packed = {k: batch[k] for k in ('inputs_segmentation', 'targets_segmentation',
+                                    'inputs_positions', 'targets_positions') if k in batch}
+    decoder_inputs = shift_right(targets, segmentation=packed.get('targets_segmentation'))
+    logits = apply_fn({'params': params}, batch['inputs'], decoder_inputs,
+                      deterministic=deterministic, rngs=rngs, **packed)
   else:
     logits = apply_fn({'params': params}, batch['inputs'], deterministic=deterministic,
                       rngs=rngs)

@@ -16,15 +16,6 @@ from flaxformer_lite.attention.masks import MaskSpec
 from flaxformer_lite.layers import MultiHeadAttention
 
 B, N, F, H = 2, 12, 16, 4
-# Windows, clipping and bucket ranges shorter than the sequence, so that every
-# variant's position logic is at work.
-SMALL = {'window': 3, 'half_window': 3, 'max_distance': 3, 'num_buckets': 8,
-         'bucket_max_distance': 5, 'position_buckets': 4, 'max_relative_positions': 6}
-
-
-def _options(name, **extra):
-  defaults = registry.get(name).kwargs
-  return {**{k: v for k, v in SMALL.items() if k in defaults}, **extra}
 
 
 def _draw(shapes, seed=0):
@@ -50,15 +41,15 @@ CASES = [(name, g, impl) for name in registry.names() for g in (1, 2)
 @pytest.mark.parametrize('name,g,implementation', CASES,
                          ids=[f'{n}-g{g}-{i}' for n, g, i in CASES])
 def test_every_variant_with_g_kv_heads_equals_h_heads_with_copied_projections(
-    name, g, implementation):
+    name, g, implementation, small_options):
   x = jnp.asarray(np.random.default_rng(1).normal(size=(B, N, F)), jnp.float32)
   # Causal, and example 1's last 3 keys padding: each kernel's mask handling is in play.
   mask = MaskSpec(causal=True, key_valid=jnp.arange(N)[None] < jnp.asarray([[N], [N - 3]]))
   grouped = MultiHeadAttention(num_heads=H, num_kv_heads=g, attention=name,
-                               attention_kwargs=_options(name, implementation=implementation,
-                                                         chunk_size=5))
+                               attention_kwargs=small_options(name, implementation=implementation,
+                                                              chunk_size=5))
   reference = MultiHeadAttention(num_heads=H, attention=name,
-                                 attention_kwargs=_options(name, implementation='dense'))
+                                 attention_kwargs=small_options(name, implementation='dense'))
   params = _draw(jax.eval_shape(grouped.init, jax.random.key(0), x, mask=mask)['params'])
   assert params['key']['kernel'].shape == (F, g, F // H)
   got = grouped.apply({'params': params}, x, mask=mask)
@@ -67,11 +58,11 @@ def test_every_variant_with_g_kv_heads_equals_h_heads_with_copied_projections(
 
 
 @pytest.mark.parametrize('attention,g', [('dot_product', 1), ('shaw', 2), ('rotary', 2)])
-def test_the_cache_holds_g_heads_and_decoding_equals_the_full_pass(attention, g):
+def test_the_cache_holds_g_heads_and_decoding_equals_the_full_pass(attention, g, small_options):
   cfg = dict(type='decoder_only', vocab_size=11, d_model=F, num_heads=H, num_kv_heads=g,
              num_encoder_layers=0, num_decoder_layers=2, mlp_dim=32, dropout_rate=0.0,
              attention_dropout_rate=0.0, attention=attention,
-             attention_kwargs=_options(attention), positions='none', max_len=N, pre_ln=True,
+             attention_kwargs=small_options(attention), positions='none', max_len=N, pre_ln=True,
              activation='relu', dtype='float32')
   model, decoder = models.build(cfg), models.build(cfg, decode=True)
   ids = jnp.asarray(np.random.default_rng(2).integers(1, 11, size=(B, N)), jnp.int32)

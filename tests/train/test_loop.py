@@ -22,6 +22,12 @@ def test_short_run_learns_and_writes_outputs(tiny_config, tmp_path):
   assert sorted(points) == list(range(10, 61, 10))
   assert points[60]['loss'] < 0.9 * points[10]['loss']  # deterministic on CPU
   assert all(np.isfinite(p['loss']) and p['steps_per_sec'] > 0 for p in points.values())
+  # tokens_per_sec counts the scored target tokens: per step, batch_size targets of
+  # min_len..max_len symbols + EOS.
+  for p in points.values():
+    per_step = p['tokens_per_sec'] / p['steps_per_sec']
+    assert c.train.batch_size * (c.data.min_len + 1) <= per_step + 1e-6
+    assert per_step <= c.train.batch_size * (c.data.max_len + 1) + 1e-6
   # a workdir holds config.json, checkpoints, events, metrics.jsonl
   files = os.listdir(workdir)
   assert 'config.json' in files and 'checkpoints' in files and 'metrics.jsonl' in files
