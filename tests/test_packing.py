@@ -110,22 +110,28 @@ def test_a_packed_row_gives_each_example_its_own_logits_and_loss(name, implement
              attention_dropout_rate=0.0, attention=name, attention_kwargs=options,
              positions=positions, max_len=L, pre_ln=True, activation='relu', dtype='float32')
   model = models.build(cfg)
-  arrays = _examples()
+  arrays = _examples(width=L)
   packed = pipeline.pack_examples(arrays, [0, 1, 2, 3, 4], L)
-  params = model.init(jax.random.key(0), arrays['inputs'][:1],
-                      models.shift_right(arrays['targets'][:1]))['params']
-  fwd = jax.jit(lambda batch: steps.forward(model.apply, params, batch, objective='seq2seq'))
-  logits, _, _ = fwd(packed)
-  alone, _, _ = fwd(arrays)
+  # Each example alone on its row, described as a row of one segment: the same
+  # arrays as the packed batch, so one compilation serves both.
+  alone = dict(arrays)
+  for k in ('inputs', 'targets'):
+    alone[f'{k}_segmentation'] = (arrays[k] > 0).astype(np.int32)
+    alone[f'{k}_positions'] = np.where(arrays[k] > 0, np.arange(L), 0).astype(np.int32)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), arrays['inputs'][:1],
+                          models.shift_right(arrays['targets'][:1]))['params']
+  rng = np.random.default_rng(1)  # random parameters: no init to compile
+  params = jax.tree.map(lambda x: jnp.asarray(0.3 * rng.normal(size=x.shape), x.dtype), shapes)
+  fwd = jax.jit(lambda p, batch: steps.forward(model.apply, p, batch, objective='seq2seq'))
+  got, want = fwd(params, packed), fwd(params, alone)
   pieces = sorted(_unpack(packed))
   for (r, s), i in zip(pieces, range(5)):
     where = np.asarray(packed['targets_segmentation'][r] == s)
-    np.testing.assert_allclose(np.asarray(logits[r][where]),
-                               np.asarray(alone[i, :LENGTHS[i][1]]), rtol=2e-5, atol=2e-5,
+    np.testing.assert_allclose(np.asarray(got[0][r][where]),
+                               np.asarray(want[0][i, :LENGTHS[i][1]]), rtol=2e-5, atol=2e-5,
                                err_msg=f'example {i}')
   # The loss counts each real token once: packed and one-per-row sums agree.
-  m_packed = losses.token_metrics(*fwd(packed), 0.1)
-  m_alone = losses.token_metrics(*fwd(arrays), 0.1)
+  m_packed, m_alone = (losses.token_metrics(*out, 0.1) for out in (got, want))
   assert float(m_packed['tokens']) == sum(b for _, b in LENGTHS) == float(m_alone['tokens'])
   np.testing.assert_allclose(float(m_packed['loss']), float(m_alone['loss']), rtol=1e-5)
 

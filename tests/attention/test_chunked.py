@@ -43,9 +43,9 @@ FORMS = {
     'local': [{'window': 4, 'causal': False}, {'window': 4, 'causal': True}],
     't5_bias': [{'num_buckets': 8, 'bucket_max_distance': 4},
                 {'num_buckets': 8, 'bucket_max_distance': 6, 'bidirectional': False}],
-    # deberta: one row per distance; then rows only up to where they repeat (2 here).
-    'deberta': [{'position_buckets': 4, 'max_relative_positions': 9},
-                {'position_buckets': 2, 'max_relative_positions': 3}],
+    # deberta: offsets past 2 share clamped rows, so its row table stops at
+    # deberta.saturation (6) plus a block, and far blocks read its end rows.
+    'deberta': [{'position_buckets': 4, 'max_relative_positions': 4}],
 }
 VARIANTS = [(name, extra) for name in registry.chunked_names()
             for extra in FORMS.get(name, [{}])]
