@@ -93,10 +93,13 @@ def test_shift_right_starts_each_segment_with_bos():
   np.testing.assert_array_equal(np.asarray(got), [[1, 5, 6, 1, 7, 1]])
 
 
-# Every Transformer variant a packed run may use (the config refuses the others), each kernel.
-CASES = [(name, impl) for name in registry.names()
-         if 'encoder_decoder' in registry.get(name).models and name not in config_lib.PACK_REFUSED
-         for impl in (('dense', 'chunked') if registry.get(name).chunked else ('dense',))]
+# Every Transformer variant a packed run may use (the config refuses the others):
+# on the chunked kernel where it has one (its per-block segment masks and
+# positions), else dense; and dot_product dense, the dense kernel's segment mask.
+CASES = [(name, 'chunked' if registry.get(name).chunked else 'dense')
+         for name in registry.names()
+         if 'encoder_decoder' in registry.get(name).models and name not in config_lib.PACK_REFUSED]
+CASES.append(('dot_product', 'dense'))
 
 
 @pytest.mark.parametrize('name,implementation', CASES, ids=[f'{n}-{i}' for n, i in CASES])
