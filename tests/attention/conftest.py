@@ -1,5 +1,6 @@
-"""Shared scalar references for the attention-variant tests: a loop over
-(batch, head, query, key) and T5's bucket of one offset."""
+"""Shared scalar references for the attention-variant tests: loops over
+(batch, head, query, key) for a dot-product score plus a bias and for any
+score, and T5's bucket of one offset."""
 import math
 
 import numpy as np
@@ -29,6 +30,34 @@ def _loop_attention(q, k, v, bias_fn, mask=None):
 def loop_attention():
   """loop_attention(q, k, v, bias_fn, mask=None): the slow reference, python loops."""
   return _loop_attention
+
+
+def _loop_softmax(logit, v, mask):
+  """Float64 (out [b, n, h, dv], weights [b, h, n, m]): softmax over the visible
+  keys (mask bool [b, n, m]) of logit(batch, head, i, j), then sum_j w v_j; a
+  query that sees no key weighs every key alike (the project's rule)."""
+  b, n, m = mask.shape
+  h = v.shape[2]
+  weights = np.zeros((b, h, n, m))
+  out = np.zeros((b, n, h, v.shape[3]))
+  for bi in range(b):
+    for hi in range(h):
+      for i in range(n):
+        logits = np.array([logit(bi, hi, i, j) for j in range(m)])
+        visible = mask[bi, i]
+        if visible.any():
+          e = np.where(visible, np.exp(logits - logits[visible].max()), 0.0)
+          weights[bi, hi, i] = e / e.sum()
+        else:
+          weights[bi, hi, i] = 1.0 / m
+        out[bi, i, hi] = weights[bi, hi, i] @ v[bi, :, hi]
+  return out, weights
+
+
+@pytest.fixture
+def loop_softmax():
+  """loop_softmax(logit, v, mask) -> (out, weights): the slow reference for any score."""
+  return _loop_softmax
 
 
 def _ref_bucket(rel, bidirectional, num_buckets, max_distance):

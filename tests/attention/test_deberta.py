@@ -40,34 +40,22 @@ def test_log_bucket_hand_computed():
   assert np.asarray(got).tolist() == [0, 3, -4, 6, -6, 7, 15]
 
 
-def _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top):
-  """Float64 outputs and weights of eq. 4; a row with no visible key is uniform."""
-  b, n, h, d = q.shape
-  m = k.shape[1]
+def _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top, softmax):
+  """Float64 outputs and weights of eq. 4 (softmax: the loop_softmax fixture)."""
+  d = q.shape[-1]
   idx = lambda r: min(max(_bucket(r, s, top) + s, 0), 2 * s - 1)  # noqa: E731
-  weights = np.zeros((b, h, n, m))
-  out = np.zeros((b, n, h, d))
-  for bi in range(b):
-    for hi in range(h):
-      for i in range(n):
-        pi = q_offset + i
-        logits = np.array([
-            (q[bi, i, hi] @ k[bi, j, hi]
-             + q[bi, i, hi] @ (p[idx(pi - j)] @ w_kr[:, hi, :])
-             + k[bi, j, hi] @ (p[idx(j - pi)] @ w_qr[:, hi, :])) / math.sqrt(3 * d)
-            for j in range(m)])
-        visible = mask[bi, i]
-        if visible.any():
-          e = np.where(visible, np.exp(logits - logits[visible].max()), 0.0)
-          weights[bi, hi, i] = e / e.sum()
-        else:
-          weights[bi, hi, i] = 1.0 / m
-        out[bi, i, hi] = weights[bi, hi, i] @ v[bi, :, hi]
-  return out, weights
+
+  def logit(bi, hi, i, j):
+    pi = q_offset + i
+    return (q[bi, i, hi] @ k[bi, j, hi]
+            + q[bi, i, hi] @ (p[idx(pi - j)] @ w_kr[:, hi, :])
+            + k[bi, j, hi] @ (p[idx(j - pi)] @ w_qr[:, hi, :])) / math.sqrt(3 * d)
+
+  return softmax(logit, v, mask)
 
 
 @pytest.mark.parametrize('q_offset', [0, 6])
-def test_output_and_weights_equal_the_paper_formula(q_offset):
+def test_output_and_weights_equal_the_paper_formula(q_offset, loop_softmax):
   # s = 4, max 9: offsets past 2 are log-bucketed and past 8 clamped, all within 9 keys.
   b, n, m, h, d, s, top = 2, 5, 9, 2, 4, 4, 9
   rng = np.random.default_rng(1)
@@ -81,7 +69,7 @@ def test_output_and_weights_equal_the_paper_formula(q_offset):
   got, weights = deberta_attention(
       f32(q), f32(k), f32(v), f32(p), f32(w_kr), f32(w_qr), mask=jnp.asarray(mask[:, None]),
       q_offset=q_offset, position_buckets=s, max_relative_positions=top, return_weights=True)
-  want, want_weights = _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top)
+  want, want_weights = _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top, loop_softmax)
   np.testing.assert_allclose(np.asarray(weights), want_weights, atol=2e-5)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
 
@@ -99,7 +87,7 @@ def test_each_position_term_changes_the_output():
     assert np.abs(np.asarray(deberta_attention(*moved, **kw)) - base).max() > 1e-3, i
 
 
-def test_gradients_equal_central_differences_of_the_loop():
+def test_gradients_equal_central_differences_of_the_loop(loop_softmax):
   b, n, m, h, d, s, top = 1, 3, 4, 1, 2, 2, 4
   rng = np.random.default_rng(3)
   x = {name: rng.normal(size=shape) for name, shape in (
@@ -110,7 +98,7 @@ def test_gradients_equal_central_differences_of_the_loop():
 
   def loss64(y):
     return float(np.sum(_loop(y['q'], y['k'], y['v'], y['p'], y['w_kr'], y['w_qr'], mask, 1, s,
-                              top)[0] * cot))
+                              top, loop_softmax)[0] * cot))
 
   def loss32(y):
     out = deberta_attention(y['q'], y['k'], y['v'], y['p'], y['w_kr'], y['w_qr'], q_offset=1,

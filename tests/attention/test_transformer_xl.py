@@ -26,37 +26,24 @@ def test_rel_shift_moves_each_offset_to_its_key(n, m):
       np.testing.assert_array_equal(got[..., i, j], x[..., i, j - i + n - 1])
 
 
-def _loop(q, k, v, w_r, u, bias_v, mask, q_offset):
-  """Float64 outputs and weights of the paper's formula; a row with no visible key is uniform."""
-  b, n, h, d = q.shape
-  m = k.shape[1]
+def _loop(q, k, v, w_r, u, bias_v, mask, q_offset, softmax):
+  """Float64 outputs and weights of the paper's formula (softmax: the loop_softmax fixture)."""
+  d = q.shape[-1]
   width = w_r.shape[0]
 
   def r(t):
     half = [t * 10000.0 ** (-2 * i / width) for i in range(width // 2)]
     return np.array([math.sin(a) for a in half] + [math.cos(a) for a in half])
 
-  weights = np.zeros((b, h, n, m))
-  out = np.zeros((b, n, h, d))
-  for bi in range(b):
-    for hi in range(h):
-      for i in range(n):
-        logits = np.array([
-            ((q[bi, i, hi] + u[hi]) @ k[bi, j, hi]
-             + (q[bi, i, hi] + bias_v[hi]) @ (r(q_offset + i - j) @ w_r[:, hi, :])) / math.sqrt(d)
-            for j in range(m)])
-        visible = mask[bi, i]
-        if visible.any():
-          e = np.where(visible, np.exp(logits - logits[visible].max()), 0.0)
-          weights[bi, hi, i] = e / e.sum()
-        else:
-          weights[bi, hi, i] = 1.0 / m
-        out[bi, i, hi] = weights[bi, hi, i] @ v[bi, :, hi]
-  return out, weights
+  def logit(bi, hi, i, j):
+    return ((q[bi, i, hi] + u[hi]) @ k[bi, j, hi]
+            + (q[bi, i, hi] + bias_v[hi]) @ (r(q_offset + i - j) @ w_r[:, hi, :])) / math.sqrt(d)
+
+  return softmax(logit, v, mask)
 
 
 @pytest.mark.parametrize('q_offset', [0, 3])
-def test_output_and_weights_equal_the_paper_formula(q_offset):
+def test_output_and_weights_equal_the_paper_formula(q_offset, loop_softmax):
   b, n, m, h, d = 2, 5, 9, 2, 4
   rng = np.random.default_rng(1)
   q, k, v = (rng.normal(size=s) for s in ((b, n, h, d), (b, m, h, d), (b, m, h, d)))
@@ -70,7 +57,7 @@ def test_output_and_weights_equal_the_paper_formula(q_offset):
   got, weights = transformer_xl_attention(
       f32(q), f32(k), f32(v), f32(w_r), f32(u), f32(bias_v), mask=jnp.asarray(mask[:, None]),
       q_offset=q_offset, return_weights=True)
-  want, want_weights = _loop(q, k, v, w_r, u, bias_v, mask, q_offset)
+  want, want_weights = _loop(q, k, v, w_r, u, bias_v, mask, q_offset, loop_softmax)
   np.testing.assert_allclose(np.asarray(weights), want_weights, atol=2e-5)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
 
@@ -87,7 +74,7 @@ def test_u_v_and_w_r_each_change_the_output():
     assert np.abs(np.asarray(transformer_xl_attention(*moved)) - base).max() > 1e-3, i
 
 
-def test_gradients_equal_central_differences_of_the_loop():
+def test_gradients_equal_central_differences_of_the_loop(loop_softmax):
   b, n, m, h, d = 1, 3, 4, 1, 2
   rng = np.random.default_rng(3)
   x = {name: rng.normal(size=s) for name, s in (('q', (b, n, h, d)), ('k', (b, m, h, d)),
@@ -97,7 +84,8 @@ def test_gradients_equal_central_differences_of_the_loop():
   cot = rng.normal(size=(b, n, h, d))
 
   def loss64(y):
-    return float(np.sum(_loop(y['q'], y['k'], y['v'], y['w_r'], y['u'], y['bias_v'], mask, 2)[0]
+    return float(np.sum(_loop(y['q'], y['k'], y['v'], y['w_r'], y['u'], y['bias_v'], mask, 2,
+                              loop_softmax)[0]
                         * cot))
 
   def loss32(y):
