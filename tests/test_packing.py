@@ -17,7 +17,8 @@ from flaxformer_lite.train import losses, steps
 
 V, L = 13, 24
 # Source and target lengths of five examples (EOS included); packed in this
-# order into rows of L, greedily: [0, 1, 2], [3, 4] (3's source would overflow row 1).
+# order into rows of L by first fit: [0, 1, 2], [3, 4] (3's source would
+# overflow row 0, and 4's too).
 LENGTHS = [(5, 7), (9, 4), (6, 8), (11, 10), (7, 9)]
 
 
@@ -62,9 +63,56 @@ def test_pack_examples_keeps_each_example_whole_in_order():
       np.testing.assert_array_equal(row > 0, seg > 0)
 
 
+def _first_fit_reference(lengths, order, length, open_rows):
+  """First fit written as the plain loop: rows as lists of (source, target) sums."""
+  rows, fill = [], []
+  for i in order:
+    src, tgt = lengths[i]
+    for r in range(max(0, len(rows) - open_rows), len(rows)):
+      if fill[r][0] + src <= length and fill[r][1] + tgt <= length:
+        break
+    else:
+      r = len(rows)
+      rows.append([])
+      fill.append([0, 0])
+    rows[r].append(i)
+    fill[r][0] += src
+    fill[r][1] += tgt
+  return rows
+
+
+def test_pack_examples_fills_an_earlier_row_first():
+  # Row 0 takes 0 and 1; 2 (source 10) opens row 1; 3 (3, 3) still fits row 0.
+  lengths = [(8, 8), (9, 4), (10, 6), (3, 3)]
+  packed = pipeline.pack_examples(_examples(lengths), [0, 1, 2, 3], 20)
+  np.testing.assert_array_equal(packed['inputs_segmentation'][:, :20].max(axis=1), [3, 1])
+  np.testing.assert_array_equal(packed['targets'][0, 12:15], _examples(lengths)['targets'][3, :3])
+  # With one open row (next fit) 3 joins row 1 instead.
+  packed = pipeline.pack_examples(_examples(lengths), [0, 1, 2, 3], 20, open_rows=1)
+  np.testing.assert_array_equal(packed['inputs_segmentation'].max(axis=1), [2, 2])
+
+
+@pytest.mark.parametrize('open_rows', [1, 3, 64])
+def test_pack_examples_matches_the_first_fit_loop(open_rows):
+  rng = np.random.default_rng(open_rows)
+  lengths = [(int(a), int(b)) for a, b in rng.integers(2, 12, (60, 2))]
+  arrays = _examples(lengths)
+  order = rng.permutation(60)
+  packed = pipeline.pack_examples(arrays, order, L, open_rows=open_rows)
+  want = _first_fit_reference(lengths, order, L, open_rows)
+  assert len(packed['inputs']) == len(want)
+  for r, members in enumerate(want):
+    for s, i in enumerate(members, 1):
+      for k, n in zip(('inputs', 'targets'), lengths[i]):
+        where = packed[f'{k}_segmentation'][r] == s
+        np.testing.assert_array_equal(packed[k][r][where], arrays[k][i, :n])
+        np.testing.assert_array_equal(packed[f'{k}_positions'][r][where], np.arange(n))
+
+
 def test_packed_batches_hold_every_example_once_per_epoch_and_resume():
   lengths = [(int(a), int(b)) for a, b in np.random.default_rng(1).integers(2, 12, (40, 2))]
   arrays = _examples(lengths)
+  arrays['inputs'][:, 0] = 100 + np.arange(40)  # each example's id, read back below
   it = pipeline.PackedBatches(arrays, length=L, batch_size=3, seed=7)
   seen = []
   while it.epoch == 0:
@@ -72,12 +120,16 @@ def test_packed_batches_hold_every_example_once_per_epoch_and_resume():
     batch = next(it)
     if it.epoch:
       break
-    seen += [tuple(p['targets'].tolist()) for p in _unpack(batch).values()]
-  rows_per_epoch = len(pipeline.pack_examples(arrays, range(40), L)['inputs'])
-  dropped = rows_per_epoch % 3  # the ragged tail of rows
-  assert len(seen) == len(set(seen)) and len(seen) >= 40 - dropped * 4
-  want = {tuple(arrays['targets'][i, :b].tolist()) for i, (_, b) in enumerate(lengths)}
-  assert set(seen) <= want
+    for p in _unpack(batch).values():
+      i = int(p['inputs'][0]) - 100
+      seen.append(i)
+      for k, n in zip(('inputs', 'targets'), lengths[i]):
+        np.testing.assert_array_equal(p[k], arrays[k][i, :n])
+  assert len(seen) == len(set(seen))
+  # Only the ragged tail (fewer than 3 rows) is left for the next epoch.
+  unseen = sorted(set(range(40)) - set(seen))
+  for s in (0, 1):
+    assert sum(lengths[i][s] for i in unseen) <= 2 * L
   again = pipeline.PackedBatches(arrays, length=L, batch_size=3, seed=7)
   again.set_state(state)
   it.set_state(state)

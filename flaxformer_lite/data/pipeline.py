@@ -148,33 +148,45 @@ PACKED_FEATURES = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmenta
                    'inputs_positions', 'targets_positions')
 
 
-def pack_examples(arrays, order, length: int) -> dict:
+# Rows still open to the first fit. Each example scans at most this many, and
+# a row older than the last OPEN_ROWS opened is closed, so packing stays
+# O(examples * OPEN_ROWS) and an example lands near its place in the order.
+OPEN_ROWS = 64
+
+
+def pack_examples(arrays, order, length: int, open_rows: int = OPEN_ROWS) -> dict:
   """Examples (rows of padded {'inputs', 'targets'} [N, L]), in `order`,
-  packed into rows of `length` tokens: a row takes the next example while
-  both its inputs and its targets still fit, else a new row starts (the
-  order is kept, so a seeded order gives a seeded packing).
+  packed into rows of `length` tokens by first fit: each example goes into
+  the earliest of the last `open_rows` rows where both its inputs and its
+  targets still fit, else it opens a new row. A seeded order gives a seeded
+  packing; within a row the examples keep their order.
 
   Returns {feature: int32 [R, length]} for PACKED_FEATURES: the tokens;
   segmentation 1, 2, ... for the row's examples, 0 for padding; positions
   0.. within each example (0 at padding). As the Flax WMT example's
-  pack_dataset, without its limit on examples per row.
+  pack_dataset (which fills one row at a time), with first fit over several
+  rows: closing a row when one side is full leaves the other side's tail
+  empty.
   """
-  lengths = {k: np.sum(arrays[k] != PAD_ID, axis=1) for k in ('inputs', 'targets')}
+  sides = ('inputs', 'targets')
+  lengths = np.stack([np.sum(arrays[k] != PAD_ID, axis=1) for k in sides], axis=1)
+  order = np.asarray(order)
+  used = np.zeros((len(order), 2), np.int64)  # tokens per row and side
   rows = []  # per row: list of example indices
-  used = {'inputs': length, 'targets': length}  # forces a first row
   for i in order:
-    if any(used[k] + lengths[k][i] > length for k in used):
+    lo = max(0, len(rows) - open_rows)
+    fits = np.all(used[lo:len(rows)] + lengths[i] <= length, axis=1)
+    r = lo + int(np.argmax(fits)) if fits.any() else len(rows)
+    if r == len(rows):
       rows.append([])
-      used = {'inputs': 0, 'targets': 0}
-    rows[-1].append(i)
-    for k in used:
-      used[k] += lengths[k][i]
+    rows[r].append(i)
+    used[r] += lengths[i]
   out = {k: np.zeros((len(rows), length), np.int32) for k in PACKED_FEATURES}
   for r, members in enumerate(rows):
-    for k in ('inputs', 'targets'):
+    for s, k in enumerate(sides):
       start = 0
       for segment, i in enumerate(members, 1):
-        n = lengths[k][i]
+        n = lengths[i, s]
         out[k][r, start:start + n] = arrays[k][i, :n]
         out[f'{k}_segmentation'][r, start:start + n] = segment
         out[f'{k}_positions'][r, start:start + n] = np.arange(n)
