@@ -51,6 +51,8 @@ SCHEMES = {
     't5_bias': ('none', 't5_bias', {'bidirectional': False}),
     'shaw_k16': ('none', 'shaw', {'max_distance': 16}),
     'shaw_k64': ('none', 'shaw', {'max_distance': 64}),
+    'transformer_xl': ('none', 'transformer_xl', {}),
+    'deberta': ('none', 'deberta', {}),
 }
 
 

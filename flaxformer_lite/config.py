@@ -19,7 +19,7 @@ from flaxformer_lite import data, models
 from flaxformer_lite.data import corpora, tokenizers
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import embeddings, rnn, transformer
-from flaxformer_lite.train import schedules
+from flaxformer_lite.train import profiling, schedules
 
 PARALLEL_MODES = ('jit', 'pmap', 'fsdp')  # train/partitioning.py
 # Keys that may change between a run and its resumption.
@@ -27,7 +27,8 @@ RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',
                      'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite',
                      'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
-                     'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir')
+                     'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir',
+                     'train.profile_steps', 'model.remat')
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Transformer initialisation: 'default' (flax's, embeddings scaled by sqrt(d))
   # | 'gpt2' (N(0, 0.02), residual outputs / sqrt(2L), unscaled embeddings).
   m.init = 'default'
+  # Rematerialisation of each Transformer block in training (layers/transformer.py
+  # REMAT): none | block (recompute all but the block's input) | dots_saveable.
+  m.remat = 'none'
   # model.type=rnn_seq2seq (layers/rnn.py): the cell, and Luong's input feeding
   # (the previous attentional state joins the next decoder input).
   m.rnn_cell = 'lstm'  # lstm | gru
@@ -99,6 +103,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 500
   t.keep_checkpoints = 3
   t.parallel = 'jit'  # jit (data parallel) | fsdp (+ sharded state) | pmap; train/partitioning.py
+  # 'START:STOP': a jax.profiler trace of steps START..STOP-1 (0-based) under
+  # WORKDIR/plugins/profile, for TensorBoard's Profile tab; '' = off (train/profiling.py).
+  t.profile_steps = ''
 
   c.data = d = ml_collections.ConfigDict()
   d.task = 'reverse'  # data.TASKS: synthetic (reverse, copy, sort), multi30k, tiny_shakespeare, tfds
@@ -210,6 +217,10 @@ def validate(config) -> None:
          f'sinusoidal positions need an even model.d_model, got {m.d_model}')
   _choice('model.activation', m.activation, tuple(transformer.ACTIVATIONS))
   _choice('model.init', m.init, transformer.INITS)
+  _choice('model.remat', m.remat, tuple(transformer.REMAT))
+  _check(m.remat == 'none' or m.type != 'rnn_seq2seq',
+         f'model.remat={m.remat!r} rematerialises Transformer blocks; model.type=rnn_seq2seq '
+         f"has none (use model.remat='none')")
   _choice('model.dtype', m.dtype, tuple(models.DTYPES))
   for key in ('dropout_rate', 'attention_dropout_rate'):
     _check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')
@@ -237,6 +248,10 @@ def validate(config) -> None:
   for key in ('log_every', 'eval_every', 'checkpoint_every', 'keep_checkpoints'):
     _check(t[key] > 0, f'train.{key}={t[key]} must be > 0')
   _choice('train.parallel', t.parallel, PARALLEL_MODES)
+  try:
+    profiling.parse(t.profile_steps)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   _check(t.grad_accum_steps >= 1, f'train.grad_accum_steps={t.grad_accum_steps} must be >= 1')
   hosts = jax.process_count()  # each process reads batch_size / hosts rows
   _check(t.batch_size % hosts == 0,

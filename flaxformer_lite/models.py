@@ -194,7 +194,7 @@ def transformer_config(model_config: Mapping[str, Any], *, decode=False,
       attention=c['attention'], attention_kwargs=_attention_kwargs(c),
       positions=c['positions'], max_len=c['max_len'], pre_ln=c['pre_ln'],
       activation=c['activation'], dtype=DTYPES[c['dtype']], decode=decode,
-      sow_weights=sow_weights, init=c.get('init', 'default'))
+      sow_weights=sow_weights, init=c.get('init', 'default'), remat=c.get('remat', 'none'))
 
 
 def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:

@@ -16,6 +16,8 @@ BAD = [
     ('train.schedule', 'cosine', 'warmup_cosine'),
     ('train.parallel', 'magic', 'jit'),
     ('train.grad_accum_steps', 0, 'must be >= 1'),
+    ('train.profile_steps', '10-15', "'10-15' is not 'START:STOP'"),
+    ('train.profile_steps', '5:5', 'needs 0 <= START < STOP'),
     ('train.num_steps', 0, 'num_steps'),
     ('data.task', 'unsort', 'reverse'),
     ('data.min_len', 20, 'min_len <= max_len'),

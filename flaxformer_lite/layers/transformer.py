@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, Mapping
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
@@ -44,9 +45,24 @@ class TransformerConfig:
   # embedding N(0, 0.02), residual output projections N(0, 0.02/sqrt(2L)),
   # no embedding scale (GPT-2 / nanoGPT).
   init: str = 'default'
+  remat: str = 'none'  # REMAT: what a training block keeps for its backward pass
 
 
 INITS = ('default', 'gpt2')
+# Rematerialisation per Transformer block (jax.checkpoint): 'block' keeps only
+# each block's input and recomputes the rest in the backward pass; 'dots_saveable'
+# keeps the matmul outputs and recomputes the cheap elementwise work between them.
+REMAT = {'none': None, 'block': jax.checkpoint_policies.nothing_saveable,
+         'dots_saveable': jax.checkpoint_policies.dots_saveable}
+
+
+def _remat(layer_class, cfg: TransformerConfig, deterministic_argnum: int):
+  """layer_class, or it under cfg.remat's policy. The cache's decoding is never
+  rematerialised. Its call's `deterministic` (at deterministic_argnum, self
+  being 0) must then be positional: it is static, a Python bool."""
+  if cfg.remat == 'none' or cfg.decode:
+    return layer_class
+  return nn.remat(layer_class, policy=REMAT[cfg.remat], static_argnums=(deterministic_argnum,))
 
 
 def kernel_inits(cfg: TransformerConfig, num_layers: int) -> dict:
@@ -121,7 +137,7 @@ class EncoderLayer(nn.Module):
   cfg: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, *, mask, deterministic=True):
+  def __call__(self, x, mask=None, deterministic=True):
     cfg = self.cfg
     attn = _attention(cfg, 'self_attention', cfg.num_encoder_layers)
     x = _Residual(cfg, name='attention_block')(
@@ -140,7 +156,7 @@ class DecoderLayer(nn.Module):
   cfg: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, encoded=None, *, self_mask, cross_mask=None,
+  def __call__(self, x, encoded=None, self_mask=None, cross_mask=None,
                deterministic=True):
     cfg = self.cfg
     layers = cfg.num_decoder_layers
@@ -175,8 +191,9 @@ class Encoder(nn.Module):
   def __call__(self, ids, *, mask, positions=None, deterministic=True):
     cfg = self.cfg
     x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions', positions=positions)
+    layer = _remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
-      x = EncoderLayer(cfg, name=f'layer_{i}')(x, mask=mask, deterministic=deterministic)
+      x = layer(cfg, name=f'layer_{i}')(x, mask, deterministic)
     return nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x) if cfg.pre_ln else x
 
 
@@ -192,10 +209,9 @@ class Decoder(nn.Module):
     cfg = self.cfg
     x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
                       decode=cfg.decode, positions=positions)
+    layer = _remat(DecoderLayer, cfg, deterministic_argnum=5)
     for i in range(self.num_layers):
-      x = DecoderLayer(cfg, name=f'layer_{i}')(
-          x, encoded, self_mask=self_mask, cross_mask=cross_mask,
-          deterministic=deterministic)
+      x = layer(cfg, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, deterministic)
     if cfg.pre_ln:
       x = nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x)
     # The paper multiplies the embedding by sqrt(d) on the way in; tied logits

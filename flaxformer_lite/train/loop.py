@@ -15,7 +15,7 @@ from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, decoding, models
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.train import (checkpoints, metrics as metrics_lib, multihost,
-                                   partitioning, preemption, schedules, steps)
+                                   partitioning, preemption, profiling, schedules, steps)
 from flaxformer_lite.train import state as state_lib
 
 
@@ -319,11 +319,14 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
 
   window, window_start, window_steps = None, time.time(), 0
   train_start, eval_seconds, results = time.time(), 0.0, {}
+  tracer = profiling.StepTracer(t.profile_steps, workdir)
   with preemption.Preemption() as preempt:
     for step in range(start, t.num_steps):
       batch = next(train_iter)
       batch = data.pad_rows(batch, partitioning.padded_rows(len(batch['inputs']), row_multiple))
+      tracer.before(step)
       state, sums = train_step(state, parallel.place_batch(batch), dropout_rng)
+      tracer.after(step + 1, state)
       sums = parallel.unplace_sums(sums)
       window = sums if window is None else _add(window, sums)
       window_steps += 1
@@ -367,12 +370,14 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         ckpt.save(done, parallel.unplace_state(state), train_iter.get_state())
       if stop:
         reason = preempt.requested or 'a signal to another process'
+        tracer.close()
         ckpt.close()
         writer.close()
         log.warning('Stopped on %s at step %d of %d; checkpoint saved in %s. Re-run the '
                     'same command to resume.', reason, done, t.num_steps, ckpt.directory)
         return {'preempted': reason, 'step': done, **results}
 
+  tracer.close()
   train_time = time.time() - train_start
   recorded = _recorded_results(workdir, t.num_steps) if start == t.num_steps else {}
   if 'eval' not in results:  # resumed a finished run

@@ -1,4 +1,5 @@
 """End to end through train_and_evaluate: learning, outputs, resume."""
+import glob
 import json
 import os
 
@@ -50,7 +51,11 @@ def test_resume_continues_at_the_right_step_with_the_same_numbers(tiny_config, t
   first.train.num_steps = 10
   loop.train_and_evaluate(first, parts)
   assert sorted(_train_points(parts)) == [10]
-  loop.train_and_evaluate(c, parts)  # same command, longer: resumes from step 10
+  again = config_lib.from_json(config_lib.to_json(c))
+  again.train.profile_steps = '8:13'  # a resumable change: traces steps 10..12 of this leg
+  loop.train_and_evaluate(again, parts)  # same command, longer: resumes from step 10
+  traces = glob.glob(os.path.join(parts, 'plugins', 'profile', '*', '*.xplane.pb'))
+  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
   a, b = _train_points(whole), _train_points(parts)
   assert sorted(b) == [10, 20]
   for step in (10, 20):
