@@ -28,7 +28,9 @@ RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite',
                      'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
                      'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir',
-                     'train.profile_steps', 'model.remat')
+                     'train.profile_steps', 'model.remat',
+                     # the update does not depend on them: a run may move to another device count
+                     'train.parallel', 'train.grad_accum_steps')
 
 
 class ConfigError(ValueError):

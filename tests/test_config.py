@@ -72,6 +72,8 @@ def test_json_round_trip_keeps_tuples_and_values():
 def test_differences_ignore_resumable_keys():
   a, b = config_lib.base_config(), config_lib.base_config()
   b.train.num_steps += 100
+  b.train.parallel, b.train.grad_accum_steps = 'fsdp', 4  # another device count
+  b.model.remat, b.train.profile_steps = 'block', '10:20'
   assert config_lib.differences(a, b) == []
   b.model.d_model = 64
   assert config_lib.differences(a, b) == ['model.d_model: 128 -> 64']

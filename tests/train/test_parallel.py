@@ -1,7 +1,8 @@
 """Data parallelism: 1 device = 8 devices (jit) = 4 devices (pmap) = 8 devices
 (fsdp, the state sharded, with gradient accumulation), for a batch that does
-not split over the devices (padded with weight-0 rows), and an 8-device
-checkpoint resumes on 1 device; padding rows leave the update unchanged;
+not split over the devices (padded with weight-0 rows); a checkpoint resumes
+on another device count (1 -> 8, 8 -> 4 with FSDP, 8 -> 1) on the curve of the
+uninterrupted run; padding rows leave the update unchanged;
 gradient accumulation = the large batch; the train step compiles once (float32
 and bfloat16 runs); bf16 trains.
 
@@ -92,8 +93,17 @@ def _train_step_compilations(caplog):
                if r.getMessage().startswith('Compiling jit(train_step)')]
 
 
-def test_one_device_equals_several_for_any_batch_size_and_resumes_on_one(tiny_config, tmp_path,
-                                                                         caplog):
+def _resume_copy(workdir, copy, step):
+  """A copy of workdir as it was at checkpoint `step` (later checkpoints removed)."""
+  shutil.copytree(workdir, copy)
+  for s in os.listdir(os.path.join(copy, 'checkpoints')):
+    if s.isdigit() and int(s) > step:
+      shutil.rmtree(os.path.join(copy, 'checkpoints', s))
+  return copy
+
+
+def test_one_device_equals_several_and_a_checkpoint_resumes_on_another_count(
+    tiny_config, tmp_path, caplog):
   c = _parallel_config(tiny_config)
   with _train_step_compilations(caplog) as compiles:
     loop.train_and_evaluate(c, str(tmp_path / 'one'))
@@ -105,13 +115,22 @@ def test_one_device_equals_several_for_any_batch_size_and_resumes_on_one(tiny_co
   for mode, (n, accum) in runs.items():
     configs[mode] = config_lib.from_json(config_lib.to_json(c))
     configs[mode].train.parallel, configs[mode].train.grad_accum_steps = mode, accum
-    if mode != 'jit':  # only the jit run's checkpoint at step 10 is resumed (below)
-      configs[mode].train.checkpoint_every = 20
-  # One subprocess per device count: jit and fsdp share the 8-device one.
+  # Resumed from step 10 on another device count, orbax restoring onto the
+  # new mesh: the 1-device jit run on 8 devices with FSDP, the 8-device FSDP
+  # run (its state sharded 8 ways) on 4 without accumulation, and the 8-device
+  # jit run on 1 (in this process, below). train.parallel and
+  # train.grad_accum_steps may change on resuming: they leave the update as it was.
+  moved = {name: config_lib.from_json(config_lib.to_json(c)) for name in ('one_on_8', 'fsdp_on_4')}
+  moved['one_on_8'].train.parallel = 'fsdp'
+  moved['fsdp_on_4'].train.parallel = 'fsdp'
+  resumes = {'one_on_8': (8, 'one', moved['one_on_8']),
+             'fsdp_on_4': (4, 'fsdp', moved['fsdp_on_4'])}
   logs = {}
-  for n in sorted({n for n, _ in runs.values()}):
-    logs.update(_on_devices(n, [(configs[m], str(tmp_path / m)) for m in runs if runs[m][0] == n],
-                            tmp_path))
+  for n in (8, 4):  # one subprocess per device count; the 8-device runs first
+    todo = [(configs[m], str(tmp_path / m)) for m in runs if runs[m][0] == n]
+    todo += [(config, _resume_copy(str(tmp_path / source), str(tmp_path / name), 10))
+             for name, (count, source, config) in resumes.items() if count == n]
+    logs.update(_on_devices(n, todo, tmp_path))
   for mode, (n, accum) in runs.items():
     log = logs[str(tmp_path / mode)]
     padded = -(-14 // (n * accum)) * n * accum
@@ -123,24 +142,29 @@ def test_one_device_equals_several_for_any_batch_size_and_resumes_on_one(tiny_co
   for mode in runs:
     for step, loss in curves['one'].items():
       assert curves[mode][step] == pytest.approx(loss, rel=2e-5), (mode, step)
+  # The gradient norm at step 20 and the eval loss are taken with parameters after
+  # 15-20 Adam steps, which carry each run's float32 reduction order: Adam's update
+  # g / sqrt(v) is full-sized for a near-zero gradient whatever its rounding (2e-4
+  # apart on one host's CPU, 3e-5 on another). A padding row counted with weight 1
+  # moves them by percents.
   norms = [_curve(str(tmp_path / m), 'grad_norm')[20] for m in ('one', *runs)]
-  np.testing.assert_allclose(norms, norms[0], rtol=1e-4)
-  # Evaluated with parameters after 20 Adam steps, which carry each run's float32 reduction
-  # order; a padding row counted with weight 1 moves this loss by percents, not by 1e-4.
+  np.testing.assert_allclose(norms, norms[0], rtol=1e-3)
   evals = [_curve(str(tmp_path / m), 'loss', 'eval')[20] for m in ('one', *runs)]
-  np.testing.assert_allclose(evals, evals[0], rtol=1e-4)
+  np.testing.assert_allclose(evals, evals[0], rtol=1e-3)
   accuracy = [_curve(str(tmp_path / m), 'sequence_accuracy', 'eval')[20] for m in ('one', *runs)]
   assert accuracy == [accuracy[0]] * 4  # decoding: the padding rows' output is dropped
 
-  # The 8-device run's checkpoint at step 10 resumes here, on 1 device (orbax
-  # restores onto this process's abstract target).
-  parts = str(tmp_path / 'jit')
-  shutil.rmtree(os.path.join(parts, 'checkpoints', '20'))
+  parts = _resume_copy(str(tmp_path / 'jit'), str(tmp_path / 'jit_on_1'), 10)
   c.train.parallel, c.train.grad_accum_steps = 'jit', 1
   loop.train_and_evaluate(c, parts)
-  resumed = _curve(parts)
-  for step in (15, 20):
-    assert resumed[step] == pytest.approx(curves['one'][step], rel=2e-5)
+  for name, n in (('one_on_8', 8), ('fsdp_on_4', 4), ('jit_on_1', 1)):
+    if n > 1:
+      assert 'Resumed from' in logs[str(tmp_path / name)] and \
+          f'over {n} device(s)' in logs[str(tmp_path / name)]
+    resumed = _curve(str(tmp_path / name))
+    assert sorted(resumed) == [5, 10, 15, 20]
+    for step in (15, 20):
+      assert resumed[step] == pytest.approx(curves['one'][step], rel=2e-5), (name, step)
 
 
 @pytest.mark.parametrize('model_type', ['encoder_decoder', 'decoder_only', 'encoder_only'])
