@@ -15,7 +15,7 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from flaxformer_lite import data, models
+from flaxformer_lite import data, model_types, models
 from flaxformer_lite.data import corpora, tokenizers
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import embeddings, rnn, transformer
@@ -48,7 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 0
 
   c.model = m = ml_collections.ConfigDict()
-  m.type = 'encoder_decoder'  # models.MODEL_TYPES
+  m.type = 'encoder_decoder'  # model_types.MODEL_TYPES
   m.vocab_size = 0  # 0: taken from the dataset
   m.d_model = 128
   m.num_heads = 4
@@ -190,7 +190,7 @@ def validate(config) -> None:
   split over the devices is padded with weight-0 rows (train/loop.py)."""
   check_keys(config)
   m, t, d = config.model, config.train, config.data
-  _choice('model.type', m.type, models.MODEL_TYPES)
+  _choice('model.type', m.type, tuple(model_types.MODEL_TYPES))
   _choice('model.attention', m.attention, registry.names())
   variant = registry.get(m.attention)
   _check(m.type in variant.models,
@@ -321,9 +321,8 @@ PACK_REFUSED = {
     'luong_local_m': 'its window centre p_i (the query index, clipped to the number of '
                      'keys it sees) is a place in the row, not in the example'}
 
-# The data each model type trains on (train/steps.py OBJECTIVES).
-OBJECTIVE_KIND = {'encoder_decoder': 'seq2seq', 'rnn_seq2seq': 'seq2seq',
-                  'decoder_only': 'lm', 'encoder_only': 'lm'}
+# The data each model type trains on.
+OBJECTIVE_KIND = {name: t.data for name, t in model_types.MODEL_TYPES.items()}
 
 
 def task_kind(data_config) -> str | None:

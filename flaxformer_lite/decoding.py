@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.models import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 def init_cache(decode_model, *example_args):

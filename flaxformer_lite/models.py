@@ -1,8 +1,4 @@
-"""build(model_config) -> a linen Module.
-
-Token ids: PAD_ID=0 (masked everywhere), BOS_ID=1 (first decoder input),
-EOS_ID=2 (ends every target).
-"""
+"""build(model_config) -> a linen Module (token ids: flaxformer_lite/tokens.py)."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -14,23 +10,10 @@ from flaxformer_lite.attention.masks import MaskSpec
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
                                     RNNEncoder, TransformerConfig)
 from flaxformer_lite.layers.transformer import ACTIVATIONS, embed_kwargs
+from flaxformer_lite.model_types import MODEL_TYPES
+from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID, shift_right  # noqa: F401 (re-exported)
 
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-MODEL_TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only', 'rnn_seq2seq')
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-
-
-def shift_right(targets, bos_id: int = BOS_ID, segmentation=None):
-  """Decoder inputs for teacher forcing: [t0, t1, ...] -> [bos, t0, ...].
-
-  targets [b, n] int -> [b, n]. With `segmentation` [b, n] (packed rows), each
-  segment starts with bos, not the previous segment's last token.
-  """
-  shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
-  if segmentation is None:
-    return shifted
-  starts = segmentation != jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
-  return jnp.where(starts, bos_id, shifted)
 
 
 def padding_mask(ids, causal=False, segmentation=None) -> MaskSpec:

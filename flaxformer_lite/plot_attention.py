@@ -28,7 +28,7 @@ from flax import traverse_util
 from matplotlib.figure import Figure
 
 from flaxformer_lite import config as config_lib
-from flaxformer_lite import data, decoding, models
+from flaxformer_lite import data, decoding, models, tokens
 from flaxformer_lite.attention import registry
 from flaxformer_lite.train import checkpoints
 from flaxformer_lite.train import state as state_lib
@@ -44,7 +44,7 @@ flags.DEFINE_integer('example', 0, 'Index of the example in the split.', flag_va
 flags.DEFINE_string('out', None, 'Output folder (default: WORKDIR/attention).',
                     flag_values=FLAGS)
 
-SPECIAL_TOKENS = {models.PAD_ID: '<pad>', models.BOS_ID: '<s>', models.EOS_ID: '</s>'}
+SPECIAL_TOKENS = {tokens.PAD_ID: '<pad>', tokens.BOS_ID: '<s>', tokens.EOS_ID: '</s>'}
 
 
 class UsageError(ValueError):
@@ -109,8 +109,8 @@ def load_run(workdir: str) -> Run:
 def trim(ids) -> np.ndarray:
   """ids [L] -> the tokens before any padding, up to and including the first EOS."""
   ids = np.asarray(ids)
-  ids = ids[:np.argmax(ids == models.PAD_ID)] if np.any(ids == models.PAD_ID) else ids
-  eos = np.flatnonzero(ids == models.EOS_ID)
+  ids = ids[:np.argmax(ids == tokens.PAD_ID)] if np.any(ids == tokens.PAD_ID) else ids
+  eos = np.flatnonzero(ids == tokens.EOS_ID)
   return ids[:eos[0] + 1] if eos.size else ids
 
 
@@ -136,7 +136,7 @@ def attention_maps(config, params, inputs, decoded) -> list[AttentionMap]:
   otherwise the input tokens.
   """
   model = models.build(config.model, sow_weights=True)
-  decoder_inputs = models.shift_right(decoded[None])
+  decoder_inputs = tokens.shift_right(decoded[None])
   forward = jax.jit(functools.partial(model.apply, mutable=['intermediates']))
   _, state = forward({'params': params}, inputs[None], decoder_inputs)
   labels = {'input': [_token(t) for t in inputs], 'output': [_token(t) for t in decoded],

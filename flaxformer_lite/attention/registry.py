@@ -30,10 +30,11 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite import model_types
 from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
-TRANSFORMER_MODELS = ('encoder_decoder', 'decoder_only', 'encoder_only')
-ALL_MODELS = TRANSFORMER_MODELS + ('rnn_seq2seq',)
+TRANSFORMER_MODELS = model_types.TRANSFORMER_TYPES
+ALL_MODELS = tuple(model_types.MODEL_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from flaxformer_lite.data import corpora, pipeline, synthetic, tokenizers
 from flaxformer_lite.data.corpora import DataError
 from flaxformer_lite.data.pipeline import (Batches, BucketedBatches, LMWindows, PackedBatches,
                                            eval_batches, lm_eval_arrays, pad_rows)
-from flaxformer_lite.models import EOS_ID
+from flaxformer_lite.tokens import EOS_ID
 
 REAL_TASKS = ('multi30k', 'tiny_shakespeare', 'tfds')
 BUILDER_NAMES = {'multi30k': 'multi30k', 'tiny_shakespeare': 'tiny_shakespeare_char'}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.models import PAD_ID
+from flaxformer_lite.tokens import PAD_ID
 
 FIRST_TOKEN_ID = 3  # after PAD, BOS, EOS
 MASK_FRACTION, RANDOM_FRACTION = 0.8, 0.1  # the rest of the selected is kept

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flaxformer_lite.models import PAD_ID
+from flaxformer_lite.tokens import PAD_ID
 
 
 def pad_examples(examples, lengths: dict[str, int]):

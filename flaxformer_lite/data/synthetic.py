@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.models import EOS_ID
+from flaxformer_lite.tokens import EOS_ID
 
 TASKS = {
     'reverse': lambda x: x[::-1],

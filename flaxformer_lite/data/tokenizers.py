@@ -22,7 +22,7 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
-from flaxformer_lite.models import BOS_ID, EOS_ID, PAD_ID
+from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID
 
 FIRST_ID = 3  # the first id of real text; also sentencepiece's unk id
 TOKENIZERS = ('sentencepiece', 'char', 'byte')

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from flaxformer_lite import config as config_lib
-from flaxformer_lite import data, decoding, models
+from flaxformer_lite import data, decoding, models, tokens
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.train import (checkpoints, metrics as metrics_lib, multihost,
                                    partitioning, preemption, profiling, schedules, steps)
@@ -246,7 +246,7 @@ _add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
 
 
 def _tokens(ids) -> str:
-  return ' '.join(str(int(t)) for t in ids if t != models.PAD_ID)
+  return ' '.join(str(int(t)) for t in ids if t != tokens.PAD_ID)
 
 
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from flaxformer_lite.models import shift_right
+from flaxformer_lite.tokens import shift_right
 from flaxformer_lite.train import schedules
 
 

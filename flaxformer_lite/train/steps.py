@@ -14,11 +14,11 @@ import jax.numpy as jnp
 
 from flaxformer_lite import decoding
 from flaxformer_lite.data import masking
-from flaxformer_lite.models import PAD_ID, shift_right
+from flaxformer_lite.model_types import MODEL_TYPES
+from flaxformer_lite.tokens import PAD_ID, shift_right
 from flaxformer_lite.train import losses
 
-OBJECTIVES = {'encoder_decoder': 'seq2seq', 'rnn_seq2seq': 'seq2seq',
-              'decoder_only': 'lm', 'encoder_only': 'mlm'}
+OBJECTIVES = {name: t.objective for name, t in MODEL_TYPES.items()}
 
 
 def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = True,

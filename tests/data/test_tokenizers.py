@@ -2,6 +2,8 @@
 import gzip
 import itertools
 import os
+import subprocess
+import sys
 import threading
 
 import jax.numpy as jnp
@@ -177,3 +179,14 @@ def test_create_caches_and_reads_texts_only_when_needed(sp, tmp_path):
   loaded = tokenizers.create('sentencepiece', cache_prefix=sp.model_file[:-len('.model')],
                              texts_fn=_never_iterated, vocab_size=VOCAB, model_type=sp.model_type)
   assert loaded.encode('A dog runs.').tolist() == sp.encode('A dog runs.').tolist()
+
+
+def test_loading_a_tokenizer_imports_no_model_code():
+  """Token ids live on the ground floor (flaxformer_lite/tokens.py): reading
+  text needs neither Flax's layers nor the attention registry."""
+  code = ('import sys; import flaxformer_lite.data.tokenizers; '
+          'print(sorted(m for m in ("flax.linen", "flaxformer_lite.models", '
+          '"flaxformer_lite.layers", "flaxformer_lite.attention") if m in sys.modules))')
+  done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == '[]'

@@ -1,0 +1,22 @@
+"""The model types (config.model.type) and what each one trains on: the one
+table that the config checks, the attention registry (which types a variant
+fits) and the train step (which objective) read."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelType:
+  objective: str  # seq2seq | lm | mlm: the loss (train/steps.py)
+  data: str  # seq2seq | lm: the kind of data it reads (pairs, or one token stream)
+  transformer: bool  # built of Transformer blocks (else the RNN)
+
+
+MODEL_TYPES = {
+    'encoder_decoder': ModelType(objective='seq2seq', data='seq2seq', transformer=True),
+    'decoder_only': ModelType(objective='lm', data='lm', transformer=True),
+    'encoder_only': ModelType(objective='mlm', data='lm', transformer=True),
+    'rnn_seq2seq': ModelType(objective='seq2seq', data='seq2seq', transformer=False),
+}
+TRANSFORMER_TYPES = tuple(name for name, t in MODEL_TYPES.items() if t.transformer)
