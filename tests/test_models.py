@@ -55,7 +55,7 @@ def _params(model_type, positions, pre_ln, attention='dot_product', options=()):
   model = models.build(_config(model_type, positions, pre_ln, attention, options))
   ids = models.shift_right(TARGETS)
   args = (INPUTS, ids) if model_type == 'encoder_decoder' else (ids,)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *args)['params']
+  shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), *args))['params']
   rng = np.random.default_rng(0)
 
   def draw(path, leaf):
@@ -313,7 +313,7 @@ def test_gpt2_init_draws_the_published_scales():
   cfg = dict(BASE, type='decoder_only', vocab_size=500, d_model=64, num_heads=4, mlp_dim=256,
              num_decoder_layers=8, init='gpt2')
   model = models.build(cfg)
-  params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params']
+  params = nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32)))['params']
   out_std = 0.02 / np.sqrt(16)
   layer = params['decoder']['layer_3']
   for leaf, std in ((params['embed']['embedding'], 0.02),

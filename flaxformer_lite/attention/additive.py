@@ -109,7 +109,7 @@ registry.register(registry.AttentionVariant(
     fn=bahdanau_attention,
     chunked=bahdanau_chunked,
     params=lambda num_heads, head_dim, kwargs: {
-        'additive_v': ((num_heads, head_dim), _v_init(head_dim))},
+        'additive_v': ((num_heads, head_dim), _v_init(head_dim), ('heads', 'kv'))},
     doc='softmax(v_h . tanh(q + k)) v, additive (Bahdanau et al. 2015); '
         'O(n*m*d) memory'))
 
@@ -118,8 +118,8 @@ registry.register(registry.AttentionVariant(
     fn=luong_concat_attention,
     chunked=luong_concat_chunked,
     params=lambda num_heads, head_dim, kwargs: {
-        'concat_wq': ((num_heads, head_dim, head_dim), per_head_matrix),
-        'concat_wk': ((num_heads, head_dim, head_dim), per_head_matrix),
-        'concat_v': ((num_heads, head_dim), _v_init(head_dim))},
+        'concat_wq': ((num_heads, head_dim, head_dim), per_head_matrix, ('heads', 'kv', None)),
+        'concat_wk': ((num_heads, head_dim, head_dim), per_head_matrix, ('heads', 'kv', None)),
+        'concat_v': ((num_heads, head_dim), _v_init(head_dim), ('heads', 'kv'))},
     doc='softmax(v_h . tanh(Wq_h q + Wk_h k)) v (Luong et al. 2015, concat); '
         'O(n*m*d) memory'))

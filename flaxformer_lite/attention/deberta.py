@@ -173,9 +173,11 @@ def _params(num_heads, head_dim, kwargs):
   width = num_heads * head_dim
   projection = nn.initializers.normal(width ** -0.5)
   return {'rel_embeddings': ((2 * kwargs['position_buckets'], width),
-                             nn.initializers.normal(0.02)),
-          'position_key_kernel': ((width, num_heads, head_dim), projection),
-          'position_query_kernel': ((width, num_heads, head_dim), projection)}
+                             nn.initializers.normal(0.02), ('relative', 'embed')),
+          'position_key_kernel': ((width, num_heads, head_dim), projection,
+                                  ('embed', 'heads', 'kv')),
+          'position_query_kernel': ((width, num_heads, head_dim), projection,
+                                    ('embed', 'heads', 'kv'))}
 
 
 def _validate(kwargs):

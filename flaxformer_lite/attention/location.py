@@ -81,13 +81,16 @@ def location_sensitive_attention(query, key, value, location_v, location_b,
 
 
 def _params(num_heads, head_dim, kwargs):
-  params = {'location_v': ((num_heads, head_dim), jax.nn.initializers.normal(head_dim ** -0.5)),
-            'location_b': ((num_heads, head_dim), jax.nn.initializers.zeros)}
+  params = {'location_v': ((num_heads, head_dim), jax.nn.initializers.normal(head_dim ** -0.5),
+                           ('heads', 'kv')),
+            'location_b': ((num_heads, head_dim), jax.nn.initializers.zeros, ('heads', 'kv'))}
   if kwargs['location_mode'] != 'content_only':
     kernel, channels = kwargs['location_kernel'], kwargs['location_channels']
     params['location_filters'] = (
-        (kernel, channels), jax.nn.initializers.lecun_normal(in_axis=0, out_axis=1))
-    params['location_u'] = ((num_heads, channels, head_dim), per_head_matrix)
+        (kernel, channels), jax.nn.initializers.lecun_normal(in_axis=0, out_axis=1),
+        (None, None))
+    params['location_u'] = ((num_heads, channels, head_dim), per_head_matrix,
+                            ('heads', None, 'kv'))
   return params
 
 

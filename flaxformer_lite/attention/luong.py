@@ -196,14 +196,15 @@ def identity_init(key, shape, dtype=jnp.float32):
 
 def _general_params(num_heads, head_dim, kwargs):
   del kwargs
-  return {'general_w': ((num_heads, head_dim, head_dim), identity_init)}
+  return {'general_w': ((num_heads, head_dim, head_dim), identity_init, ('heads', 'kv', None))}
 
 
 def _local_p_params(num_heads, head_dim, kwargs):
   return {**_general_params(num_heads, head_dim, kwargs),
-          'local_wp': ((num_heads, head_dim, head_dim), per_head_matrix),
+          'local_wp': ((num_heads, head_dim, head_dim), per_head_matrix, ('heads', 'kv', None)),
           # vp . tanh(.) has variance ~1 with std d^-0.5: p starts spread around S/2.
-          'local_vp': ((num_heads, head_dim), jax.nn.initializers.normal(head_dim ** -0.5))}
+          'local_vp': ((num_heads, head_dim), jax.nn.initializers.normal(head_dim ** -0.5),
+                       ('heads', 'kv'))}
 
 
 def _validate(kwargs):

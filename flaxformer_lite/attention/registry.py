@@ -45,8 +45,12 @@ class AttentionVariant:
   fn: the pure attention function (signature above).
   kwargs: option name -> default; the types of the defaults are the types
     accepted from the command line.
-  params: (num_heads, head_dim, kwargs) -> {name: (shape, initializer)}; the
-    layer creates these parameters and passes them to `fn` by name.
+  params: (num_heads, head_dim, kwargs) -> {name: (shape, initializer,
+    logical axes)}; the layer creates these parameters and passes them to `fn`
+    by name. The logical axes (one name or None per dimension: 'heads',
+    'kv' = the head dimension, 'embed', 'relative' = rows indexed by
+    distance or bucket) say how a model axis shards the table
+    (train/partitioning.py LOGICAL_RULES).
   models: model types that can use the variant.
   validate: kwargs -> None, raising ValueError with a reason.
   uses_positions: fn takes `q_offset`.

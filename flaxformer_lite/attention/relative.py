@@ -437,7 +437,7 @@ def _shaw_params(num_heads, head_dim, kwargs):
   init = jax.nn.initializers.normal(stddev=head_dim ** -0.5)  # as tensor2tensor
   names = [n for n, on in (('rel_key_table', kwargs['relative_keys']),
                            ('rel_value_table', kwargs['relative_values'])) if on]
-  return {name: (shape, init) for name in names}
+  return {name: (shape, init, ('relative', 'kv')) for name in names}
 
 
 def _validate_shaw(kwargs):

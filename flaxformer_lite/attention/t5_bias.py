@@ -195,7 +195,7 @@ registry.register(registry.AttentionVariant(
     kwargs={'num_buckets': 32, 'bucket_max_distance': 128, 'bidirectional': True},
     params=lambda num_heads, head_dim, kwargs: {
         'rel_embedding': ((kwargs['num_buckets'], num_heads),
-                          nn.initializers.normal(0.02))},
+                          nn.initializers.normal(0.02), ('relative', 'heads'))},
     validate=_validate,
     uses_positions=True,
     doc='learned per-head bias of bucketed key-query offset (T5, Raffel et al. '

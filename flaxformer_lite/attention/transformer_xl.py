@@ -107,9 +107,10 @@ def _params(num_heads, head_dim, kwargs):
   if width % 2:
     raise ValueError(f'transformer_xl: the sinusoid R has width num_heads * head_dim = {width}; '
                      'it must be even')
-  return {'position_kernel': ((width, num_heads, head_dim), nn.initializers.normal(width ** -0.5)),
-          'content_bias': ((num_heads, head_dim), nn.initializers.zeros),
-          'position_bias': ((num_heads, head_dim), nn.initializers.zeros)}
+  return {'position_kernel': ((width, num_heads, head_dim), nn.initializers.normal(width ** -0.5),
+                              ('embed', 'heads', 'kv')),
+          'content_bias': ((num_heads, head_dim), nn.initializers.zeros, ('heads', 'kv')),
+          'position_bias': ((num_heads, head_dim), nn.initializers.zeros, ('heads', 'kv'))}
 
 
 registry.register(registry.AttentionVariant(

@@ -1,7 +1,6 @@
 """Multi-head attention: the parameters around a registry attention function."""
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -86,10 +85,15 @@ class MultiHeadAttention(nn.Module):
     if g < 1 or h % g:
       raise ValueError(f'num_kv_heads={self.num_kv_heads} does not divide num_heads={h}; '
                        f'valid: {[x for x in range(1, h + 1) if h % x == 0]}')
-    dense = functools.partial(
-        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init, bias_init=self.bias_init,
-        use_bias=self.use_bias)
+    # Logical axes (train/partitioning.py LOGICAL_RULES): a model axis shards
+    # the heads, Megatron-style: the projections in by their output heads, 'out'
+    # by its input heads.
+    def dense(heads, name):
+      return nn.DenseGeneral(
+          features=(heads[1], d), axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+          kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', heads[0], 'kv')),
+          bias_init=nn.with_logical_partitioning(self.bias_init, (heads[0], 'kv')),
+          use_bias=self.use_bias, name=name)
 
     if inputs_kv is None:
       inputs_kv = inputs_q
@@ -99,9 +103,9 @@ class MultiHeadAttention(nn.Module):
     # Three projections, not one fused [f, 3, h, d] matmul: on CPU the fused
     # form's backward (slicing, then re-stacking the gradient) measured ~6%
     # slower than flax (benchmarks/attention.py).
-    query = dense(features=(h, d), name='query')(inputs_q)  # [b, n, h, d]
-    key = dense(features=(g, d), name='key')(inputs_kv)  # [b, m, g, d]
-    value = dense(features=(g, d), name='value')(inputs_kv)  # [b, m, g, d]
+    query = dense(('heads', h), 'query')(inputs_q)  # [b, n, h, d]
+    key = dense(('kv_heads', g), 'key')(inputs_kv)  # [b, m, g, d]
+    value = dense(('kv_heads', g), 'value')(inputs_kv)  # [b, m, g, d]
 
     if self.decode:
       if q_offset is not None:
@@ -116,8 +120,9 @@ class MultiHeadAttention(nn.Module):
     kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
     implementation, chunk_size = registry.resolve_kernel(self.attention, self.attention_kwargs)
     tables = variant.params(h, d, kwargs) if variant.params else {}
-    params = {name: self.param(name, init, shape, self.param_dtype)
-              for name, (shape, init) in tables.items()}
+    params = {name: self.param(name, nn.with_logical_partitioning(init, axes), shape,
+                               self.param_dtype)
+              for name, (shape, init, axes) in tables.items()}
     dropout_active = not deterministic and self.dropout_rate > 0.0
     want_weights = self.sow_weights or return_weights
     kernel = registry.choose_kernel(variant, implementation, query, key, dropout=dropout_active,
@@ -161,7 +166,9 @@ class MultiHeadAttention(nn.Module):
     return nn.DenseGeneral(
         features=self.out_features or features, axis=(-2, -1),
         dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
+        kernel_init=nn.with_logical_partitioning(self.out_kernel_init or self.kernel_init,
+                                                 ('heads', 'kv', 'embed')),
+        bias_init=nn.with_logical_partitioning(self.bias_init, ('embed',)),
         use_bias=self.use_bias, name='out')(x)
 
   def _update_cache(self, key, value, mask):

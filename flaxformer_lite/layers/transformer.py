@@ -90,11 +90,16 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, x, *, deterministic=True):
     d = x.shape[-1]
-    x = nn.Dense(self.mlp_dim, dtype=self.dtype, kernel_init=self.kernel_init, name='wi')(x)
+    # Logical axes (train/partitioning.py): a model axis shards the hidden units.
+    x = nn.Dense(self.mlp_dim, dtype=self.dtype, name='wi',
+                 kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', 'mlp')),
+                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)))(x)
     x = ACTIVATIONS[self.activation](x)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    return nn.Dense(d, dtype=self.dtype, kernel_init=self.out_kernel_init or self.kernel_init,
-                    name='wo')(x)
+    return nn.Dense(d, dtype=self.dtype, name='wo',
+                    kernel_init=nn.with_logical_partitioning(
+                        self.out_kernel_init or self.kernel_init, ('mlp', 'embed')),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)))(x)
 
 
 class _Residual(nn.Module):

@@ -1,8 +1,8 @@
 """Train state and optimizer."""
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
@@ -24,15 +24,25 @@ def create_optimizer(train_config, d_model: int):
   return optax.chain(optax.clip_by_global_norm(t.grad_clip), opt) if t.grad_clip else opt
 
 
-def create(model, config, example_batch, rng) -> train_state.TrainState:
-  """Initialises parameters from `example_batch` shapes and the optimizer.
-  Models with one input (LMs, the MLM encoder) see only example_batch['inputs']."""
+def _init_fn(model, config):
+  """(rng, example_batch) -> the model's variables, boxed with the logical axes
+  the layers give their parameters (nn.with_logical_partitioning). Models with
+  one input (LMs, the MLM encoder) see only example_batch['inputs']."""
   if config.model.type in ('decoder_only', 'encoder_only'):
-    init = jax.jit(lambda rng, inputs: model.init(rng, inputs))
-    params = init(rng, example_batch['inputs'])['params']
-  else:
-    init = jax.jit(lambda rng, inputs, targets: model.init(rng, inputs, shift_right(targets)))
-    params = init(rng, example_batch['inputs'], example_batch['targets'])['params']
+    return lambda rng, batch: model.init(rng, batch['inputs'])
+  return lambda rng, batch: model.init(rng, batch['inputs'], shift_right(batch['targets']))
+
+
+def param_axes(model, config, example_batch):
+  """The parameters' logical axes: a tree like the params of PartitionSpecs of
+  logical names (P() where a layer gives none: replicated). Nothing is computed."""
+  shapes = jax.eval_shape(_init_fn(model, config), jax.random.key(0), example_batch)
+  return nn.get_partition_spec(shapes['params'])
+
+
+def create(model, config, example_batch, rng) -> train_state.TrainState:
+  """Initialises parameters (plain arrays) from `example_batch` shapes, and the optimizer."""
+  batch = {k: example_batch[k] for k in ('inputs', 'targets') if k in example_batch}
+  params = nn.unbox(jax.jit(_init_fn(model, config))(rng, batch)['params'])
   tx = create_optimizer(config.train, config.model.d_model)
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-

@@ -148,12 +148,12 @@ def test_bfloat16_inputs_give_bfloat16_close_to_float32():
 def test_params_shapes_and_scale():
   kwargs = registry.resolve_kwargs('bahdanau', None)
   assert kwargs == {}
-  shape, init = registry.get('bahdanau').params(3, 64, kwargs)['additive_v']
+  shape, init, _ = registry.get('bahdanau').params(3, 64, kwargs)['additive_v']
   assert shape == (3, 64)
   assert abs(float(jnp.std(init(jax.random.PRNGKey(0), shape))) - 64 ** -0.5) < 0.02
   params = registry.get('luong_concat').params(3, 64, {})
-  assert {name: s for name, (s, _) in params.items()} == {
+  assert {name: s for name, (s, _, _) in params.items()} == {
       'concat_wq': (3, 64, 64), 'concat_wk': (3, 64, 64), 'concat_v': (3, 64)}
-  shape, init = params['concat_wq']
+  shape, init, _ = params['concat_wq']
   # lecun per head: fan-in d, not h * d.
   assert abs(float(jnp.std(init(jax.random.PRNGKey(1), shape))) - 64 ** -0.5) < 0.01

@@ -95,7 +95,7 @@ def _params(index, dtype=np.float32):
   tables = variant.params(H, D, kwargs) if variant.params else {}
   rng = np.random.default_rng(100 + index)
   return {p: (0.5 * rng.normal(size=shape)).astype(dtype)
-          for p, (shape, _) in sorted(tables.items())}
+          for p, (shape, _, _) in sorted(tables.items())}
 
 
 def _dense_fn(index, spec, n, m, q_offset, dtype=jnp.float32):

@@ -53,7 +53,7 @@ def _call(name, extra, rng=None):
            bias=0.5 * normal(1, H, N, M))
   tables = variant.params(H, D, kwargs) if variant.params else {}
   # The names and shapes the layer would create; random values (an identity W would hide W).
-  x['params'] = {p: 0.5 * normal(*shape) for p, (shape, _) in sorted(tables.items())}
+  x['params'] = {p: 0.5 * normal(*shape) for p, (shape, _, _) in sorted(tables.items())}
   if variant.uses_positions:
     kwargs['q_offset'] = Q_OFFSET
   if variant.stochastic:

@@ -155,7 +155,7 @@ def test_registered_params_follow_the_options():
   assert variant.models == ('rnn_seq2seq',) and variant.uses_alignment
   kwargs = registry.resolve_kwargs('location_sensitive', {'location_kernel': 5})
   assert kwargs == {'location_channels': 32, 'location_kernel': 5, 'location_mode': 'hybrid'}
-  shapes = {name: s for name, (s, _) in variant.params(2, 8, kwargs).items()}
+  shapes = {name: s for name, (s, _, _) in variant.params(2, 8, kwargs).items()}
   assert shapes == {'location_v': (2, 8), 'location_b': (2, 8), 'location_filters': (5, 32),
                     'location_u': (2, 32, 8)}
   content = registry.resolve_kwargs('location_sensitive', {'location_mode': 'content_only'})

@@ -9,6 +9,7 @@ with `math` per element.
 """
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,7 +116,7 @@ def test_dot_is_unscaled():
 
 
 def test_general_starts_as_identity_and_equals_dot():
-  shape, init = luong._general_params(2, 4, {})['general_w']
+  shape, init, _ = luong._general_params(2, 4, {})['general_w']
   w = init(jax.random.PRNGKey(0), shape)
   assert shape == (2, 4, 4)
   np.testing.assert_array_equal(np.asarray(w), np.stack([np.eye(4)] * 2))
@@ -324,7 +325,7 @@ def _apply(layer, variables, x, mask, prev, **kw):
 def test_layer_runs_weights_respect_mask_and_rows_bfloat16_close(name):
   x, mask, prev = _layer_inputs()
   layer = MultiHeadAttention(num_heads=2, attention=name, sow_weights=True)
-  variables = layer.init(jax.random.PRNGKey(0), x)
+  variables = nn.unbox(layer.init(jax.random.PRNGKey(0), x))
   want, want_w = _apply(layer, variables, x, mask, prev)
   training = _apply(layer, variables, x, mask, prev, deterministic=False,
                     rngs={'dropout': jax.random.PRNGKey(1)})
@@ -359,7 +360,7 @@ def test_layer_runs_weights_respect_mask_and_rows_bfloat16_close(name):
 def test_layer_gradients_finite_and_reach_the_variant_params(name):
   x, mask, prev = _layer_inputs()
   layer = MultiHeadAttention(num_heads=2, attention=name)
-  params = layer.init(jax.random.PRNGKey(0), x)['params']
+  params = nn.unbox(layer.init(jax.random.PRNGKey(0), x))['params']
 
   def loss(params):
     y = layer.apply({'params': params}, x, mask=mask, prev_alignment=prev,

@@ -1,6 +1,7 @@
 """Shaw et al. 2018 relative attention against loop formulas, across forms."""
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,7 +220,7 @@ def test_cached_layer_equals_full_causal_pass(form):
   kwargs = {'max_distance': 2, 'form': form}
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 7, 8)).astype(np.float32))
   full = MultiHeadAttention(num_heads=2, attention='shaw', attention_kwargs=kwargs)
-  params = full.init(jax.random.key(0), x)['params']
+  params = nn.unbox(full.init(jax.random.key(0), x))['params']
   want = full.apply({'params': params}, x, mask=jnp.tril(jnp.ones((7, 7), bool))[None, None])
   step = MultiHeadAttention(num_heads=2, attention='shaw', attention_kwargs=kwargs, decode=True)
   cache = step.init(jax.random.key(0), x)['cache']
@@ -240,7 +241,7 @@ def test_model_cached_decoding_equals_forward_with_shaw():
   model, decode_model = models.build(cfg), models.build(cfg, decode=True)
   inputs = jnp.array([[4, 5, 6, 7, 2], [8, 2, 0, 0, 0]])
   targets = jnp.array([[1, 6, 5, 4, 9, 3], [1, 8, 3, 3, 2, 5]])
-  params = model.init(jax.random.key(0), inputs, targets)['params']
+  params = nn.unbox(model.init(jax.random.key(0), inputs, targets))['params']
   assert 'rel_key_table' in params['decoder']['layer_0']['self_attention']
   assert 'rel_key_table' not in params['decoder']['layer_0']['cross_attention']
   want = model.apply({'params': params}, inputs, targets)
@@ -275,7 +276,7 @@ def test_registry_entry_and_config_validation():
 def test_values_only_layer_has_no_key_table():
   layer = MultiHeadAttention(num_heads=2, attention='shaw',
                              attention_kwargs={'relative_keys': False, 'max_distance': 1})
-  params = layer.init(jax.random.key(0), jnp.ones((1, 3, 4)))['params']
+  params = nn.unbox(layer.init(jax.random.key(0), jnp.ones((1, 3, 4))))['params']
   assert params['rel_value_table'].shape == (3, 2) and 'rel_key_table' not in params
 
 

@@ -198,7 +198,7 @@ def test_registered_with_defaults_and_params():
   assert variant.uses_positions
   kwargs = registry.resolve_kwargs('t5_bias', {'num_buckets': 16, 'bucket_max_distance': None})
   assert kwargs == {'num_buckets': 16, 'bucket_max_distance': 128, 'bidirectional': True}
-  shape, init = variant.params(3, 4, kwargs)['rel_embedding']
+  shape, init, _ = variant.params(3, 4, kwargs)['rel_embedding']
   assert shape == (16, 3)
   assert init(jax.random.PRNGKey(0), shape).shape == (16, 3)
 

@@ -21,7 +21,7 @@ def _flax_params(seed, *, features=F, qkv_features=8, out_features=5, num_heads=
   """Random flax MHA params; biases non-zero so that their mapping is tested."""
   layer = nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=qkv_features,
                                           out_features=out_features)
-  shapes = jax.eval_shape(layer.init, jax.random.PRNGKey(0), jnp.zeros((1, 1, features)))
+  shapes = nn.unbox(jax.eval_shape(layer.init, jax.random.PRNGKey(0), jnp.zeros((1, 1, features))))
   leaves, tree = jax.tree_util.tree_flatten(shapes)
   rng = np.random.default_rng(seed)
   leaves = [jnp.asarray(rng.normal(size=l.shape).astype(np.float32) * 0.5) for l in leaves]
@@ -30,7 +30,7 @@ def _flax_params(seed, *, features=F, qkv_features=8, out_features=5, num_heads=
 
 def _ours(flax_vars, ours_layer, *args):
   """flax's variables, after checking that our layer has the same tree."""
-  ours_shapes = jax.eval_shape(ours_layer.init, jax.random.PRNGKey(0), *args)
+  ours_shapes = nn.unbox(jax.eval_shape(ours_layer.init, jax.random.PRNGKey(0), *args))
   assert (jax.tree.map(lambda x: x.shape, ours_shapes['params'])
           == jax.tree.map(lambda x: x.shape, flax.core.unfreeze(flax_vars['params'])))
   return {'params': flax_vars['params']}
@@ -151,7 +151,7 @@ def test_qkv_features_not_divisible_by_heads_raises():
 def test_mask_is_keyword_only():
   layer = MultiHeadAttention(num_heads=H)
   x = _inputs(0)
-  variables = layer.init(jax.random.PRNGKey(0), x)
+  variables = nn.unbox(layer.init(jax.random.PRNGKey(0), x))
   with pytest.raises(TypeError):
     layer.apply(variables, x, None, _causal(N))
 
@@ -170,7 +170,7 @@ L = N  # the same shapes as the tests above, so their compiled ops are reused
 def _decode_setup(seed):
   x = _inputs(seed, n=L)
   full_layer = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5)
-  params = full_layer.init(jax.random.PRNGKey(seed), x)['params']
+  params = nn.unbox(full_layer.init(jax.random.PRNGKey(seed), x))['params']
   want = full_layer.apply({'params': params}, x, mask=_causal(L))
   decoder = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, decode=True)
   cache = decoder.init(jax.random.PRNGKey(seed + 1), x)['cache']
@@ -229,7 +229,7 @@ def test_every_variant_computes_in_bfloat16_close_to_float32(attention):
   mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
   f32 = MultiHeadAttention(num_heads=2, attention=attention)
   bf16 = MultiHeadAttention(num_heads=2, attention=attention, dtype=jnp.bfloat16)
-  params = f32.init(jax.random.PRNGKey(0), x)
+  params = nn.unbox(f32.init(jax.random.PRNGKey(0), x))
   want = f32.apply(params, x, mask=mask)
   got = bf16.apply(params, x, mask=mask)
   assert got.dtype == jnp.bfloat16

@@ -5,6 +5,7 @@ projection copied to every query head of its group: query head i reads
 key/value head i // (h / g) (Ainslie et al. 2023, as in Llama). The copy is
 written here as that index list, not with the layer's repeat.
 """
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +53,7 @@ def test_every_variant_with_g_kv_heads_equals_h_heads_with_copied_projections(
                                                               chunk_size=5))
   reference = MultiHeadAttention(num_heads=H, attention=name,
                                  attention_kwargs=small_options(name, implementation='dense'))
-  params = _draw(jax.eval_shape(grouped.init, jax.random.key(0), x, mask=mask)['params'])
+  params = _draw(nn.unbox(jax.eval_shape(grouped.init, jax.random.key(0), x, mask=mask))['params'])
   assert params['key']['kernel'].shape == (F, g, F // H)
   got = grouped.apply({'params': params}, x, mask=mask)
   want = reference.apply({'params': _to_multi_head(params, H)}, x, mask=mask)
@@ -68,7 +69,7 @@ def test_the_cache_holds_g_heads_and_decoding_equals_the_full_pass(attention, g,
              activation='relu', dtype='float32')
   model, decoder = models.build(cfg), models.build(cfg, decode=True)
   ids = jnp.asarray(np.random.default_rng(2).integers(1, 11, size=(B, N)), jnp.int32)
-  params = _draw(jax.eval_shape(model.init, jax.random.key(0), ids)['params'])
+  params = _draw(nn.unbox(jax.eval_shape(model.init, jax.random.key(0), ids))['params'])
   want = np.asarray(model.apply({'params': params}, ids))
   cache = jax.eval_shape(decoder.init, jax.random.key(0), ids)['cache']
   shapes = {jax.tree_util.keystr(p): s.shape for p, s in jax.tree_util.tree_leaves_with_path(cache)

@@ -17,6 +17,7 @@ are one [max_len, d] table per stack.
 
 Shapes come from `jax.eval_shape` of `init`: nothing is compiled.
 """
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -65,7 +66,7 @@ def counted(params):
 
 
 def init_shapes(module, *args, **kwargs):
-  return jax.eval_shape(module.init, jax.random.key(0), *args, **kwargs)['params']
+  return nn.unbox(jax.eval_shape(module.init, jax.random.key(0), *args, **kwargs))['params']
 
 
 @pytest.mark.parametrize('d,heads', [(16, 1), (64, 8), (96, 4)])

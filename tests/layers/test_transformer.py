@@ -6,6 +6,7 @@ live REMAT table must give its loss and gradients (dropout on, one rng), and
 its gradient program must hold a checkpoint (else the policy was not applied).
 Recomputing a block reorders float sums, so gradients agree to ~2e-5 relative.
 """
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +34,7 @@ def _loss_and_grad(model_type, remat):
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(1, V, (2, 7)), jnp.int32).at[1, 5:].set(models.PAD_ID)
   args = (ids, ids) if model_type == 'encoder_decoder' else (ids,)
-  params = model.init(jax.random.key(0), *args)['params']
+  params = nn.unbox(model.init(jax.random.key(0), *args))['params']
   readout = jnp.asarray(rng.normal(size=(2, 7, V)), jnp.float32)
 
   def loss(p):
