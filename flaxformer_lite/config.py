@@ -30,7 +30,7 @@ RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir',
                      'train.profile_steps', 'model.remat',
                      # the update does not depend on them: a run may move to another device count
-                     'train.parallel', 'train.grad_accum_steps')
+                     'train.parallel', 'train.grad_accum_steps', 'train.model_parallel')
 
 
 class ConfigError(ValueError):
@@ -105,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 500
   t.keep_checkpoints = 3
   t.parallel = 'jit'  # jit (data parallel) | fsdp (+ sharded state) | pmap; train/partitioning.py
+  # Devices on the mesh's 'model' axis (heads and MLP units sharded over them,
+  # train/partitioning.py); the rest form the 'data' axis. 1 = data parallel only.
+  t.model_parallel = 1
   # 'START:STOP': a jax.profiler trace of steps START..STOP-1 (0-based) under
   # WORKDIR/plugins/profile, for TensorBoard's Profile tab; '' = off (train/profiling.py).
   t.profile_steps = ''
@@ -250,6 +253,12 @@ def validate(config) -> None:
   for key in ('log_every', 'eval_every', 'checkpoint_every', 'keep_checkpoints'):
     _check(t[key] > 0, f'train.{key}={t[key]} must be > 0')
   _choice('train.parallel', t.parallel, PARALLEL_MODES)
+  devices = jax.device_count()
+  _check(t.model_parallel >= 1 and devices % t.model_parallel == 0
+         and (t.parallel != 'pmap' or t.model_parallel == 1),
+         f'train.model_parallel={t.model_parallel} on {devices} device(s); valid: '
+         + ('1 (train.parallel=pmap has no model axis)' if t.parallel == 'pmap' else
+            str([m for m in range(1, devices + 1) if devices % m == 0])))
   try:
     profiling.parse(t.profile_steps)
   except ValueError as e:

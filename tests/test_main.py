@@ -67,6 +67,8 @@ for path in sys.argv[2:]:
   if lower:
     model = models.build(m)
     state = jax.eval_shape(lambda: state_lib.create(model, config, batch, jax.random.key(0)))
+    if t.parallel != 'pmap':
+      parallel.layout(state, state_lib.param_axes(model, config, batch))
     step = parallel.compile_step(
         steps.train_step, label_smoothing=t.label_smoothing, objective=objective,
         vocab_size=m.vocab_size, grad_accum_steps=t.grad_accum_steps)

@@ -268,7 +268,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         f'vocabulary ({needed}); use 0 (automatic) or >= {needed}')
   _prepare_workdir(config, workdir, allow_config_change)
 
-  parallel = partitioning.DataParallel(config.train.parallel)
+  parallel = partitioning.DataParallel(config.train.parallel, config.train.model_parallel)
 
   t = config.train
   model = models.build(config.model)
@@ -276,6 +276,8 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
   example = {k: v[:1] for k, v in next(_train_batches(config, dataset)).items()}
   state = jax.device_put(state_lib.create(model, config, example, init_rng), parallel.replicated)
+  if parallel.mode != 'pmap':
+    parallel.layout(state, state_lib.param_axes(model, config, example))
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
 
   ckpt = checkpoints.Checkpointer(workdir, t.keep_checkpoints)
@@ -301,9 +303,10 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   mc = config.model
   kv_heads = f' ({mc.num_kv_heads} key/value)' if mc.num_kv_heads not in (0, mc.num_heads) else ''
   log.info('Model %s, %s parameters, %d heads%s, attention=%s; training steps %d..%d, '
-           'batch %s on %d device(s)', mc.type, f'{num_params:,}', mc.num_heads, kv_heads,
-           mc.attention, start, t.num_steps,
-           f'~{t.batch_tokens} tokens' if t.batch_tokens else t.batch_size, jax.device_count())
+           'batch %s on %d device(s), mesh %s', mc.type, f'{num_params:,}', mc.num_heads,
+           kv_heads, mc.attention, start, t.num_steps,
+           f'~{t.batch_tokens} tokens' if t.batch_tokens else t.batch_size, jax.device_count(),
+           dict(parallel.mesh.shape))
   # A batch that does not split over the devices (x accumulation steps) gets
   # all-PAD rows, which weigh nothing: the update is the unpadded batch's.
   row_multiple = jax.local_device_count() * t.grad_accum_steps

@@ -1,18 +1,22 @@
-"""Data parallelism: one jit over a device mesh (default), FSDP, or jax.pmap.
+"""Parallelism through JAX: one jit over a (data, model) device mesh, or jax.pmap.
 
-'jit': the train state is replicated and the global batch sharded over the
-  'data' axis of a Mesh of every device (all hosts); XLA inserts the
-  gradient all-reduce.
+The mesh has every device (all hosts): train.model_parallel = M devices on
+the 'model' axis, the rest on 'data'. The global batch is sharded over 'data'.
+Parameters carry logical axis names from their layers
+(nn.with_logical_partitioning), and LOGICAL_RULES maps them onto the mesh:
+with M > 1 attention heads and MLP hidden units are sharded over 'model'
+(Megatron-style, Shoeybi et al. 2019), and XLA inserts the collectives.
+'jit': everything else is replicated; XLA inserts the gradient all-reduce
+  over 'data'.
 'fsdp': as 'jit', and each parameter and optimizer-state array is also
-  sharded over the 'data' axis, along its largest dimension that the device
-  count divides (replicated if none does): ZeRO-3 / FSDP, with XLA inserting
-  the all-gathers before use and the reduce-scatter of the gradients. Each
-  device then holds 1/N of the state.
-'pmap': the legacy API, kept as a tested compatibility mode: the state
-  carries a leading local-device axis and the step psums its gradient sums
-  over the 'data' axis name (steps.train_step).
-All three give the same updates for the same global batch. A separate
-model (tensor-parallel) axis is not implemented.
+  sharded over 'data', along its largest dimension that is not sharded yet
+  and that the data axis divides (replicated if none does): ZeRO-3 / FSDP,
+  with XLA inserting the all-gathers before use and the reduce-scatter of
+  the gradients.
+'pmap': the legacy API, kept as a tested compatibility mode (no model axis):
+  the state carries a leading local-device axis and the step psums its
+  gradient sums over the 'data' axis name (steps.train_step).
+All of them give the same updates for the same global batch.
 """
 from __future__ import annotations
 
@@ -20,9 +24,21 @@ import functools
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 MODES = ('jit', 'pmap', 'fsdp')
+
+# Logical axis -> mesh axis (None: replicated). A dimension that its mesh axis
+# does not divide stays whole (e.g. 2 key/value heads on a model axis of 4).
+LOGICAL_RULES = (
+    ('heads', 'model'),  # query heads: q/k/v projections by output, 'out' by input, per-head tables
+    ('kv_heads', 'model'),  # key/value heads (grouped-query attention)
+    ('mlp', 'model'),  # MLP hidden units: wi by output, wo by input
+    ('embed', None),  # d_model
+    ('kv', None),  # the head dimension
+    ('relative', None),  # rows indexed by distance or bucket (Shaw, T5, DeBERTa tables)
+)
 
 
 def padded_rows(rows: int, multiple: int) -> int:
@@ -35,47 +51,71 @@ def padded_rows(rows: int, multiple: int) -> int:
 class DataParallel:
   """Where the state and batches live, and how the step is compiled."""
 
-  def __init__(self, mode: str):
+  def __init__(self, mode: str, model_parallel: int = 1):
     if mode not in MODES:
       raise ValueError(f'train.parallel={mode!r}; valid: {", ".join(MODES)}')
+    n = jax.device_count()
+    if model_parallel < 1 or n % model_parallel or (mode == 'pmap' and model_parallel > 1):
+      raise ValueError(f'train.model_parallel={model_parallel} on {n} devices; valid: '
+                       + ('1 (pmap has no model axis)' if mode == 'pmap' else
+                          str([m for m in range(1, n + 1) if n % m == 0])))
     self.mode = mode
-    self.mesh = jax.make_mesh((jax.device_count(),), ('data',),
-                              axis_types=(jax.sharding.AxisType.Auto,))
+    auto = jax.sharding.AxisType.Auto
+    self.mesh = jax.make_mesh((n // model_parallel, model_parallel), ('data', 'model'),
+                              axis_types=(auto, auto))
     self.batch_sharding = NamedSharding(self.mesh, P('data'))
     self.replicated = NamedSharding(self.mesh, P())
+    self.state_shardings = None  # set by layout()
 
-  def fsdp_sharding(self, x) -> NamedSharding:
-    """x's sharding under 'fsdp': its largest dimension that the device count
-    divides goes over 'data' (the first such on ties); none: replicated."""
-    n, shape = self.mesh.size, np.shape(x)
-    dims = [i for i, size in enumerate(shape) if size % n == 0 and size >= n]
-    if n == 1 or not dims:
-      return self.replicated
-    axis = max(dims, key=lambda i: shape[i])
-    return NamedSharding(self.mesh, P(*[('data' if i == axis else None)
-                                       for i in range(len(shape))]))
+  def param_sharding(self, shape, logical=()) -> NamedSharding:
+    """A parameter's sharding from its logical axes (LOGICAL_RULES; missing
+    names: replicated); under 'fsdp' its largest dimension not sharded yet
+    that the data axis divides also goes over 'data' (the first on ties)."""
+    rules = dict(LOGICAL_RULES)
+    logical = tuple(logical) + (None,) * (len(shape) - len(logical))
+    spec = []
+    for size, name in zip(shape, logical):
+      axis = rules.get(name)
+      spec.append(axis if axis and self.mesh.shape[axis] > 1
+                  and size % self.mesh.shape[axis] == 0 else None)
+    data = self.mesh.shape['data']
+    if self.mode == 'fsdp' and data > 1:
+      free = [i for i, size in enumerate(shape)
+              if spec[i] is None and size % data == 0 and size >= data]
+      if free:
+        spec[max(free, key=lambda i: shape[i])] = 'data'
+    return NamedSharding(self.mesh, P(*spec))
+
+  def layout(self, state, param_axes):
+    """Fixes where the state lives: each parameter by param_axes (the tree
+    train.state.param_axes gives), the optimizer's moments like their
+    parameters, its counters replicated. Returns the state's shardings."""
+    params = jax.tree.map(lambda x, axes: self.param_sharding(np.shape(x), axes),
+                          state.params, param_axes)
+    opt_state = optax.tree_map_params(
+        state.tx, lambda _, sharding: sharding, state.opt_state, params,
+        transform_non_params=lambda x: self.param_sharding(np.shape(x)))
+    self.state_shardings = state.replace(step=self.replicated, params=params,
+                                         opt_state=opt_state)
+    return self.state_shardings
 
   def compile_step(self, step_fn, **kwargs):
     """step_fn(state, batch, rng, **kwargs) -> (state, sums), compiled once;
     the state's buffers are donated."""
-    if self.mode == 'jit':
-      return jax.jit(functools.partial(step_fn, **kwargs), donate_argnums=(0,))
-    if self.mode == 'fsdp':
+    if self.mode in ('jit', 'fsdp'):
       def sharded_step(state, batch, rng):
         state, sums = step_fn(state, batch, rng, **kwargs)
         # keep the new state in the layout the old one had
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-            x, self.fsdp_sharding(x)), state), sums
+        return jax.lax.with_sharding_constraint(state, self.state_shardings), sums
       return jax.jit(sharded_step, donate_argnums=(0,))
     return jax.pmap(functools.partial(step_fn, axis_name='data', **kwargs), axis_name='data',
                     in_axes=(0, 0, None), donate_argnums=(0,))
 
   def place_state(self, state):
-    """A state on one device (or replicated on the mesh) -> this mode's layout."""
-    if self.mode == 'jit':
-      return jax.device_put(state, self.replicated)
-    if self.mode == 'fsdp':
-      return jax.tree.map(lambda x: jax.device_put(x, self.fsdp_sharding(x)), state)
+    """A state on one device (or replicated on the mesh) -> this mode's
+    layout (jit, fsdp: the one layout() fixed)."""
+    if self.mode in ('jit', 'fsdp'):
+      return jax.device_put(state, self.state_shardings)
     n = jax.local_device_count()  # host copies: pmap shards them at the first call
     return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n,) + x.shape), state)
 

@@ -167,6 +167,95 @@ def test_one_device_equals_several_and_a_checkpoint_resumes_on_another_count(
       assert resumed[step] == pytest.approx(curves['one'][step], rel=2e-5), (name, step)
 
 
+MODEL_AXIS = '''
+import json, logging, sys
+import jax
+from flaxformer_lite import config as config_lib, models
+from flaxformer_lite.train import loop, partitioning, state as state_lib
+assert jax.device_count() == 8
+log = logging.getLogger('flaxformer_lite')
+log.addHandler(logging.StreamHandler())
+log.setLevel(logging.INFO)
+layouts = {}
+for path, workdir in zip(sys.argv[1::2], sys.argv[2::2]):
+  config = config_lib.from_json(open(path).read())
+  loop.train_and_evaluate(config, workdir)
+  t = config.train
+  parallel = partitioning.DataParallel(t.parallel, t.model_parallel)
+  model = models.build(config.model)
+  batch = {k: jax.numpy.ones((2, 7), jax.numpy.int32) for k in ('inputs', 'targets')}
+  state = jax.eval_shape(lambda: state_lib.create(model, config, batch, jax.random.key(0)))
+  shardings = parallel.layout(state, state_lib.param_axes(model, config, batch))
+  layouts[workdir] = {jax.tree_util.keystr(k): [list(x.shape), [a for a in sh.spec]]
+                      for (k, x), sh in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                                            jax.tree.leaves(shardings.params))}
+print(json.dumps(layouts))
+'''
+
+# What the model axis shards, written from the parameter names (Megatron-LM's
+# split): (name suffix, the dimension over 'model'). Everything else, Shaw's
+# tables among them, is replicated.
+MODEL_SHARDED = (("['query']['kernel']", 1), ("['key']['kernel']", 1), ("['value']['kernel']", 1),
+                 ("['query']['bias']", 0), ("['key']['bias']", 0), ("['value']['bias']", 0),
+                 ("['out']['kernel']", 0), ("['wi']['kernel']", 1), ("['wi']['bias']", 0),
+                 ("['wo']['kernel']", 0))
+
+
+def _expected_spec(path, shape, data, model, fsdp):
+  spec = [None] * len(shape)
+  for suffix, dim in MODEL_SHARDED:
+    if path.endswith(suffix) and model > 1 and shape[dim] % model == 0:
+      spec[dim] = 'model'
+  free = [i for i, n in enumerate(shape) if spec[i] is None and n % data == 0 and n >= data]
+  if fsdp and data > 1 and free:
+    spec[max(free, key=lambda i: shape[i])] = 'data'
+  return spec
+
+
+def test_model_axis_follows_the_one_device_curve_and_shards_by_the_rules(tiny_config, tmp_path):
+  c = _parallel_config(tiny_config)
+  c.model.num_heads, c.train.num_steps = 8, 10  # 8 heads of 4: a model axis of 8 splits them
+  c.eval.num_examples_to_log, c.train.eval_every = 0, 10
+  meshes = {(8, 1): 'jit', (4, 2): 'jit', (2, 4): 'fsdp', (1, 8): 'jit'}
+  runs, curves = [], {}
+  for attention in ('dot_product', 'shaw'):
+    base = config_lib.from_json(config_lib.to_json(c))
+    base.model.attention = attention
+    loop.train_and_evaluate(base, str(tmp_path / attention))
+    curves[attention] = _curve(str(tmp_path / attention))
+    for (data, model), mode in meshes.items():
+      config = config_lib.from_json(config_lib.to_json(base))
+      config.train.parallel, config.train.model_parallel = mode, model
+      runs.append((config, str(tmp_path / f'{attention}_{data}x{model}')))
+  args = []
+  for i, (config, workdir) in enumerate(runs):
+    path = tmp_path / f'model_axis_{i}.json'
+    path.write_text(config_lib.to_json(config))
+    args += [str(path), workdir]
+  flags = os.environ.get('XLA_FLAGS', '')
+  env = dict(os.environ, XLA_FLAGS=f'{flags} --xla_force_host_platform_device_count=8',
+             JAX_PLATFORMS='cpu')
+  done = subprocess.run([sys.executable, '-c', MODEL_AXIS, *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  layouts = json.loads(done.stdout.strip().splitlines()[-1])
+  for config, workdir in runs:
+    model = config.train.model_parallel
+    data, fsdp = 8 // model, config.train.parallel == 'fsdp'
+    assert f"mesh {{'data': {data}, 'model': {model}}}" in done.stderr
+    got = _curve(workdir)
+    for step, loss in curves[config.model.attention].items():
+      assert got[step] == pytest.approx(loss, rel=2e-5), (workdir, step)
+    sharded = 0
+    for path, (shape, spec) in layouts[workdir].items():
+      spec = spec + [None] * (len(shape) - len(spec))
+      assert spec == _expected_spec(path, shape, data, model, fsdp), (workdir, path, shape)
+      sharded += 'model' in spec
+    # one encoder layer (attention: q, k, v kernels and biases, out kernel: 7; MLP: 3)
+    # and one decoder layer (self- and cross-attention, MLP: 17)
+    assert sharded == (27 if model > 1 else 0), workdir
+
+
 @pytest.mark.parametrize('model_type', ['encoder_decoder', 'decoder_only', 'encoder_only'])
 def test_padding_rows_leave_the_update_unchanged(model_type):
   """A batch of 6 rows and the same rows + 2 all-PAD rows (data.pad_rows):
@@ -257,6 +346,7 @@ cfg.model.update(vocab_size=12, d_model=16, num_heads=2, mlp_dim=32, dropout_rat
 batch = {k: np.full((8, 5), 3, np.int32) for k in ('inputs', 'targets')}
 state = state_lib.create(models.build(cfg.model), cfg, batch, jax.random.key(0))
 parallel = partitioning.DataParallel('fsdp')
+parallel.layout(state, state_lib.param_axes(models.build(cfg.model), cfg, batch))
 state = parallel.place_state(state)
 step = parallel.compile_step(steps.train_step, label_smoothing=0.0)
 def shards(tree):
