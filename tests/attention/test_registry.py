@@ -7,6 +7,7 @@ name that two variants take must mean the same thing in both: declared in
 """
 import collections
 
+import jax
 import pytest
 
 from flaxformer_lite.attention import registry
@@ -106,3 +107,22 @@ def test_scratch_registry_left_the_live_one_alone():
 def test_an_option_of_another_variant_is_refused_naming_the_valid_ones(variant, foreign, own):
   with pytest.raises(ValueError, match=rf"\['{foreign}'\].*{variant!r}.*{own}"):
     registry.resolve_kwargs(variant, {foreign: 4})
+
+
+@pytest.mark.parametrize('name', registry.names())
+def test_every_learned_table_declares_how_a_model_axis_shards_it(name):
+  """Each table a variant declares names one logical axis (or None) per
+  dimension, from the names partitioning.LOGICAL_RULES maps; per-head
+  dimensions are called 'heads'."""
+  from flaxformer_lite.train import partitioning
+  variant = registry.get(name)
+  if variant.params is None:
+    return
+  known = {axis for axis, _ in partitioning.LOGICAL_RULES}
+  h, d = 3, 8
+  for table, (shape, init, axes) in variant.params(h, d, registry.resolve_kwargs(name, None)).items():
+    assert len(axes) == len(shape), (table, shape, axes)
+    assert set(axes) - {None} <= known, (table, axes)
+    for size, axis in zip(shape, axes):
+      assert (axis == 'heads') == (size == h), (table, shape, axes)
+    assert init(jax.random.key(0), shape).shape == tuple(shape)
