@@ -32,10 +32,9 @@ from flaxformer_lite.attention.dot_product import (dot_product_chunked, masked_l
 
 FORMS = ('auto', 'naive', 'matmul', 'banded')
 # 'auto' picks 'banded' once a materialised [n, m, d] table would have this many
-# elements: inside MultiHeadAttention on CPU (d = 64, k = 16) matmul was faster
-# at n = m = 32 (1.10x vs 1.12x dot_product) and banded from n = m = 64 on
-# (1.13x vs 1.15x; 128: 1.13x vs 1.33x; benchmarks/relative_attention.py
-# --lengths 32 64 128 --variants shaw/matmul shaw/banded, 2026-11-22).
+# elements (n = m = 64 at d = 64): below it the matmul form is the faster,
+# above it the banded one (benchmarks/relative_attention.py --lengths 32 64 128
+# --variants shaw/matmul shaw/banded).
 _AUTO_TABLE_ELEMENTS = 2 ** 18
 
 
@@ -208,8 +207,8 @@ def _relative_softmax_bwd(k, res, g):
   if visible is not None:
     weights = weights * visible
   # Without the barrier XLA folds the next line into delta's reduction and
-  # materialises the gather beside it; with it, one elementwise pass: a third
-  # less temp memory at n=256 (benchmarks/relative_attention.py).
+  # materialises the gather beside it; with it, one elementwise pass and a
+  # third less temp memory (benchmarks/relative_attention.py).
   weights, g_weights, delta = jax.lax.optimization_barrier((weights, g_weights, delta))
   dz = weights * (g_weights + _spread(k, g_buckets, ix, weights.shape[-1]) - delta)
   return dz, _bucket_sums(k, dz, ix), None, None
@@ -236,7 +235,8 @@ def _per_head(table, b, h, dtype):
   """[2k+1, d] -> [b, 2k+1, h, d], a broadcast (no copy). The table products
   then take the same batched-matmul form and operand layouts as q.k and w.v, so
   XLA shares the transposed query and weights with those instead of making
-  [b*n*h, d]-shaped copies: 29 vs 33 MiB temp at n=256 (README, issue 3)."""
+  [b*n*h, d]-shaped copies, one of which would live from the forward pass to
+  the end of the backward (benchmarks/relative_attention.py)."""
   return jnp.broadcast_to(table.astype(dtype)[None, :, None, :], (b, table.shape[0], h, table.shape[1]))
 
 

@@ -81,9 +81,8 @@ def broadcast_batch(x, batch: int):
   the gradient over the batch by adds of slices.
 
   Autodiff of jnp.broadcast_to would reduce the logits' gradient over its
-  leading axis, and XLA:CPU's reduction over a leading axis ran 20-40x slower
-  than the same sum as adds: 41 of t5_bias's 103 ms forward+backward in
-  MultiHeadAttention at n=512 (README, issue 3's benchmark).
+  leading axis, and XLA:CPU's reduction over a leading axis runs many times
+  slower than the same sum as adds (benchmarks/relative_attention.py).
   """
   return jnp.concatenate([x] * batch, axis=0)
 

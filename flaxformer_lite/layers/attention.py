@@ -101,8 +101,8 @@ class MultiHeadAttention(nn.Module):
       raise ValueError('decode=True caches self-attention only; build '
                        'cross-attention with decode=False')
     # Three projections, not one fused [f, 3, h, d] matmul: on CPU the fused
-    # form's backward (slicing, then re-stacking the gradient) measured ~6%
-    # slower than flax (benchmarks/attention.py).
+    # form's backward (slicing, then re-stacking the gradient) is the slower
+    # (benchmarks/attention.py).
     query = dense(('heads', h), 'query')(inputs_q)  # [b, n, h, d]
     key = dense(('kv_heads', g), 'key')(inputs_kv)  # [b, m, g, d]
     value = dense(('kv_heads', g), 'value')(inputs_kv)  # [b, m, g, d]
