@@ -9,7 +9,7 @@ import pytest
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import models
-from flaxformer_lite.attention import registry, relative
+from flaxformer_lite.attention import registry, relative, relative_banded
 from flaxformer_lite.layers import MultiHeadAttention
 
 FORMS = ('naive', 'matmul', 'banded')
@@ -143,7 +143,7 @@ def _loop_bucket_sum(y, k, q_offset):
   return out
 
 
-# m up to 75 > 2 blocks of relative._BLOCK keys, not a multiple of it; query
+# m up to 75 > 2 blocks of relative_banded._BLOCK keys, not a multiple of it; query
 # offsets put each row's far-left bucket end anywhere in a block.
 @pytest.mark.parametrize('n,m,k,q_offset', [(5, 7, 2, 0), (40, 75, 3, 10), (33, 70, 16, 0),
                                             (3, 70, 4, 66), (6, 80, 1, 90), (4, 9, 9, 0)])
@@ -151,15 +151,15 @@ def test_bucket_spread_and_sum_match_loops_and_are_transposes(n, m, k, q_offset)
   rng = np.random.default_rng(n + m + k)
   x = rng.normal(size=(2, 3, n, 2 * k + 1)).astype(np.float32)
   y = rng.normal(size=(2, 3, n, m)).astype(np.float32)
-  ix = relative.band_indices(n, m, k, q_offset)
-  spread = np.asarray(relative.bucket_spread(k, jnp.asarray(x), ix, m))
-  sums = np.asarray(relative.bucket_sum(k, jnp.asarray(y), ix))
+  ix = relative_banded.band_indices(n, m, k, q_offset)
+  spread = np.asarray(relative_banded.bucket_spread(k, jnp.asarray(x), ix, m))
+  sums = np.asarray(relative_banded.bucket_sum(k, jnp.asarray(y), ix))
   np.testing.assert_array_equal(spread, _loop_spread(x, k, q_offset, m))
   np.testing.assert_allclose(sums, _loop_bucket_sum(y, k, q_offset), atol=1e-4)
   # <spread(x), y> == <x, bucket_sum(y)>: each is the other's derivative.
   np.testing.assert_allclose(np.sum(spread * y), np.sum(x * sums), rtol=1e-4)
-  traced = jax.jit(lambda q: relative.bucket_sum(k, jnp.asarray(y),
-                                                 relative.band_indices(n, m, k, q)))(q_offset)
+  traced = jax.jit(lambda q: relative_banded.bucket_sum(k, jnp.asarray(y),
+                                                 relative_banded.band_indices(n, m, k, q)))(q_offset)
   np.testing.assert_allclose(np.asarray(traced), sums, atol=1e-5)  # decoding: a traced offset
 
 
