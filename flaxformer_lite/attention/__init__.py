@@ -5,6 +5,7 @@ Importing this package registers every variant (see registry.py).
 from flaxformer_lite.attention import additive
 from flaxformer_lite.attention import alibi
 from flaxformer_lite.attention import deberta
+from flaxformer_lite.attention import dot_product
 from flaxformer_lite.attention import hard
 from flaxformer_lite.attention import local
 from flaxformer_lite.attention import location

@@ -28,10 +28,8 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 
 from flaxformer_lite import model_types
-from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
 TRANSFORMER_MODELS = model_types.TRANSFORMER_TYPES
 ALL_MODELS = tuple(model_types.MODEL_TYPES)
@@ -60,6 +58,9 @@ class AttentionVariant:
   chunked: the block-by-block form (module docstring), or None.
   dense_implementations: further `implementation` values that `fn` itself
     takes as its `implementation` argument (dot_product: 'xla', 'cudnn').
+  fused_fits: (query, key, dtype=) -> whether a fused kernel of
+    `dense_implementations` runs these inputs; 'auto' then keeps the dense
+    path, where `fn` takes it (dot_product: cuDNN on a GPU in 16 bits).
   """
   name: str
   fn: Callable[..., Any]
@@ -73,6 +74,7 @@ class AttentionVariant:
   doc: str = ''
   chunked: Callable[..., Any] | None = None
   dense_implementations: tuple[str, ...] = ()
+  fused_fits: Callable[..., bool] | None = None
 
 
 _REGISTRY: dict[str, AttentionVariant] = {}
@@ -193,8 +195,11 @@ def _validate_kernel(variant: AttentionVariant, impl, size) -> None:
     raise ValueError(f"attention_kwargs.implementation='chunked': attention={variant.name!r} "
                      'has no chunked form (its scores need the whole [n, m] array); variants '
                      f'that have one: {", ".join(chunked_names())}')
-  if 'cudnn' in variant.dense_implementations:
-    _validate_dot_product(impl)
+  if impl == 'cudnn' and jax.default_backend() != 'gpu':
+    raise ValueError(
+        "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
+        f"JAX backend is {jax.default_backend()!r}; use 'auto' (picks cuDNN where it can "
+        "run) or 'dense'/'xla'/'chunked'")
   if isinstance(size, bool) or not isinstance(size, int) or size < 1:
     raise ValueError(f'attention_kwargs.chunk_size={size!r}; must be an int >= 1')
 
@@ -217,7 +222,7 @@ def choose_kernel(variant: AttentionVariant, implementation: str, query, key, *,
     return 'dense' if return_weights else 'chunked'
   if implementation != 'auto' or variant.chunked is None or dropout or return_weights:
     return 'dense'
-  if 'cudnn' in variant.dense_implementations and cudnn_fits(query, key, dtype=dtype):
+  if variant.fused_fits is not None and variant.fused_fits(query, key, dtype=dtype):
     return 'dense'
   return 'chunked' if query.shape[1] * key.shape[1] >= AUTO_CHUNKED_PAIRS else 'dense'
 
@@ -231,40 +236,3 @@ def describe(variant: AttentionVariant) -> str:
     kernels += ' (cannot be chunked)'
   return (f'{variant.name}\tmodels={",".join(variant.models)}\tkernels={kernels}\t'
           f'kwargs: {opts}\t{variant.doc}')
-
-
-def _validate_dot_product(impl):
-  if impl == 'cudnn' and jax.default_backend() != 'gpu':
-    raise ValueError(
-        "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
-        f"JAX backend is {jax.default_backend()!r}; use 'auto' (picks cuDNN where it can "
-        "run) or 'dense'/'xla'/'chunked'")
-
-
-def cudnn_fits(query, key, *, dropout_rate=0.0, deterministic=True, return_weights=False,
-               dtype=None) -> bool:
-  """Whether 'auto' takes cuDNN's fused kernel: a GPU backend, 16-bit compute,
-  head size a multiple of 8 up to 128, no attention dropout, no weights asked
-  for, and more than one query (not a cached decoding step)."""
-  dtype = jnp.dtype(dtype or query.dtype)
-  d = query.shape[-1]
-  return (jax.default_backend() == 'gpu' and dtype in (jnp.bfloat16, jnp.float16)
-          and d % 8 == 0 and d <= 128 and (deterministic or dropout_rate == 0.0)
-          and not return_weights and query.shape[1] > 1 and key.shape[1] > 1)
-
-
-def _dot_product(query, key, value, *, implementation='auto', **common):
-  if implementation == 'auto':  # the explicit path, unless cuDNN's kernel fits
-    fits = cudnn_fits(query, key, **{k: common[k] for k in (
-        'dropout_rate', 'deterministic', 'return_weights', 'dtype') if k in common})
-    implementation = 'cudnn' if fits else 'dense'
-  return dot_product_attention(query, key, value, implementation=implementation, **common)
-
-
-register(AttentionVariant(
-    name='dot_product',
-    fn=_dot_product,
-    chunked=dot_product_chunked,
-    dense_implementations=('xla', 'cudnn'),
-    doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
-        'for jax.nn.dot_product_attention'))

@@ -21,7 +21,6 @@ the same per block, from one W_R R table for every distance.
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
