@@ -38,6 +38,18 @@ flags.DEFINE_bool('allow_config_change', False,
                   'that change the model or data (the differences are logged).')
 
 
+def validate(config) -> None:
+  """Every rule on the config, once, before anything is compiled or written:
+  its keys (typos), then each module's own (raises config.ConfigError)."""
+  from flaxformer_lite import models  # imported here: --list_attention stays fast
+  from flaxformer_lite.data import validation as data_validation
+  from flaxformer_lite.train import validation as train_validation
+  config_lib.check_keys(config)
+  models.validate(config.model)
+  train_validation.validate(config)
+  data_validation.validate(config)
+
+
 def _fail(message: str, code: int = 2):
   print(f'error: {message}', file=sys.stderr)
   sys.exit(code)
@@ -139,7 +151,7 @@ def main(argv):
   workdir = FLAGS.workdir or os.path.join(
       'workdirs', os.path.splitext(os.path.basename(_experiment_path(sys.argv)))[0])
   try:
-    config_lib.validate(config)
+    validate(config)
     std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(workdir))
     loop.train_and_evaluate(config, workdir, allow_config_change=FLAGS.allow_config_change)
   except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError) as e:

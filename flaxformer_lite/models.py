@@ -6,10 +6,14 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flaxformer_lite.attention import registry
 from flaxformer_lite.attention.masks import MaskSpec
+from flaxformer_lite.config import check, check_choice, ConfigError
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
                                     RNNEncoder, TransformerConfig)
-from flaxformer_lite.layers.transformer import ACTIVATIONS, embed_kwargs
+from flaxformer_lite.layers.embeddings import POSITIONS
+from flaxformer_lite.layers.rnn import CELLS
+from flaxformer_lite.layers.transformer import ACTIVATIONS, INITS, REMAT, embed_kwargs
 from flaxformer_lite.model_types import MODEL_TYPES
 from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID, shift_right  # noqa: F401 (re-exported)
 
@@ -213,3 +217,60 @@ def build(model_config: Mapping[str, Any], *, decode: bool = False,
   if model_type == 'encoder_only':
     return EncoderOnly(cfg)
   return (EncoderDecoder if model_type == 'encoder_decoder' else DecoderOnly)(cfg)
+
+
+def validate(model_config) -> None:
+  """config.model's rules, before anything is built: raises ConfigError
+  naming the bad value and what would be valid."""
+  m = model_config
+  check_choice('model.type', m.type, tuple(MODEL_TYPES))
+  check_choice('model.attention', m.attention, registry.names())
+  variant = registry.get(m.attention)
+  check(m.type in variant.models,
+        f'model.attention={m.attention!r} cannot be used in model.type={m.type!r}; '
+        f'it works in: {", ".join(variant.models)}')
+  try:
+    registry.resolve_kwargs(m.attention, m.attention_kwargs)
+  except ValueError as e:
+    raise ConfigError(f'model.{e}') from None
+  for key in ('d_model', 'num_heads', 'mlp_dim', 'max_len'):
+    check(m[key] > 0, f'model.{key}={m[key]} must be > 0')
+  for key in ('num_encoder_layers', 'num_decoder_layers'):
+    check(m[key] >= 0, f'model.{key}={m[key]} must be >= 0')
+  check(m.d_model % m.num_heads == 0,
+        f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}; '
+        f'valid num_heads: {[h for h in range(1, m.d_model + 1) if m.d_model % h == 0]}')
+  kv_valid = [g for g in range(1, m.num_heads + 1) if m.num_heads % g == 0]
+  check(m.num_kv_heads == 0 or m.num_kv_heads in kv_valid,
+        f'model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; '
+        f'valid: 0 (= num_heads) or {kv_valid}')
+  if variant.check_head_dim is not None:
+    try:
+      variant.check_head_dim(m.d_model // m.num_heads)
+    except ValueError as e:
+      raise ConfigError(f'model.attention={m.attention!r}: {e} (the head size is '
+                                   f'model.d_model/model.num_heads)') from None
+  check_choice('model.positions', m.positions, POSITIONS)
+  check(m.positions != 'sinusoidal' or m.d_model % 2 == 0,
+        f'sinusoidal positions need an even model.d_model, got {m.d_model}')
+  check_choice('model.activation', m.activation, tuple(ACTIVATIONS))
+  check_choice('model.init', m.init, INITS)
+  check_choice('model.remat', m.remat, tuple(REMAT))
+  check(m.remat == 'none' or m.type != 'rnn_seq2seq',
+        f'model.remat={m.remat!r} rematerialises Transformer blocks; model.type=rnn_seq2seq '
+        f"has none (use model.remat='none')")
+  check_choice('model.dtype', m.dtype, tuple(DTYPES))
+  for key in ('dropout_rate', 'attention_dropout_rate'):
+    check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')
+  implementation, _ = registry.resolve_kernel(m.attention, m.attention_kwargs)
+  check(implementation != 'chunked' or m.attention_dropout_rate == 0.0,
+        f"model.attention_kwargs.implementation='chunked' has no attention dropout, and "
+        f'model.attention_dropout_rate={m.attention_dropout_rate}; set it to 0, or use '
+        f"implementation='auto' (dense while attention dropout is on) or 'dense'")
+  check_choice('model.rnn_cell', m.rnn_cell, tuple(CELLS))
+  if m.type == 'rnn_seq2seq':
+    check(m.d_model % 2 == 0,
+          f'model.type=rnn_seq2seq splits model.d_model={m.d_model} over the two '
+          f'directions of its bidirectional encoder; use an even d_model')
+    for key in ('num_encoder_layers', 'num_decoder_layers'):
+      check(m[key] >= 1, f'model.{key}={m[key]} must be >= 1 for model.type=rnn_seq2seq')

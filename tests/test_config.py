@@ -2,6 +2,7 @@
 import pytest
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite import main
 from flaxformer_lite.attention import registry
 
 BAD = [
@@ -30,19 +31,19 @@ def test_validate_names_bad_value_and_valid_ones(key, value, expected):
   section, name = key.split('.')
   c[section][name] = value
   with pytest.raises(config_lib.ConfigError) as e:
-    config_lib.validate(c)
+    main.validate(c)
   assert key in str(e.value) and expected in str(e.value)
 
 
 def test_base_config_is_valid():
-  config_lib.validate(config_lib.base_config())
+  main.validate(config_lib.base_config())
 
 
 def test_learned_positions_need_room_for_long_split():
   c = config_lib.base_config()
   c.model.positions, c.model.max_len, c.data.max_len = 'learned', 32, 16
   with pytest.raises(config_lib.ConfigError, match='model.max_len=32'):
-    config_lib.validate(c)
+    main.validate(c)
 
 
 def test_every_variant_option_is_declared_and_unset():
@@ -56,7 +57,7 @@ def test_option_of_another_variant_is_rejected():
   with c.unlocked():
     c.model.attention_kwargs.max_distance = 4  # not a dot_product option
   with pytest.raises(config_lib.ConfigError, match="max_distance.*implementation="):
-    config_lib.validate(c)
+    main.validate(c)
 
 
 def test_json_round_trip_keeps_tuples_and_values():
@@ -148,7 +149,7 @@ def test_validate_real_data_keys(key, value, expected):
   section, name = key.split('.')
   c[section][name] = value
   with pytest.raises(config_lib.ConfigError) as e:
-    config_lib.validate(c)
+    main.validate(c)
   assert key in str(e.value) and expected in str(e.value)
 
 
@@ -159,14 +160,14 @@ def test_model_type_must_fit_the_data(model_type, task):
   c = config_lib.base_config()
   c.model.type, c.data.task = model_type, task
   with pytest.raises(config_lib.ConfigError, match=f"model.type='{model_type}'.*data.task='{task}'"):
-    config_lib.validate(c)
+    main.validate(c)
 
 
 def test_tfds_task_needs_a_name():
   c = config_lib.base_config()
   c.data.task = 'tfds'
   with pytest.raises(config_lib.ConfigError, match='data.tfds_name'):
-    config_lib.validate(c)
+    main.validate(c)
 
 
 TYPO_EXPERIMENT = '''
@@ -185,11 +186,11 @@ def test_unknown_key_is_named_with_the_nearest_valid_one():
   c.model.d_modle = 256  # an experiment file's typo: base_config() is not locked
   with pytest.raises(config_lib.ConfigError,
                      match=r"unknown config key 'model.d_modle'.*Did you mean 'model.d_model'"):
-    config_lib.validate(c)
+    main.validate(c)
   c = config_lib.base_config()
   c.trian = {'num_steps': 3}
   with pytest.raises(config_lib.ConfigError, match=r"'trian.num_steps'.*Did you mean 'train'"):
-    config_lib.validate(c)
+    main.validate(c)
 
 
 @pytest.mark.parametrize('space', [False, True], ids=['--config=PATH', '--config PATH'])

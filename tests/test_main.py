@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = sorted(glob.glob(os.path.join(REPO, 'experiments', '*.py')))
@@ -23,7 +24,7 @@ TINY = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.mod
 @pytest.mark.parametrize('path', EXPERIMENTS, ids=os.path.basename)
 def test_every_experiment_file_is_valid_and_documents_its_command(path):
   module = runpy.run_path(path)
-  config_lib.validate(module['get_config']())
+  main.validate(module['get_config']())
   assert './launch.sh' in module['__doc__'] and 'Expected' in module['__doc__']
 
 
@@ -47,13 +48,13 @@ def test_default_experiment_runs_and_resumes_from_the_command_line(tmp_path, tfd
 START_ON_DEVICES = '''
 import json, runpy, sys
 import jax, numpy as np
-from flaxformer_lite import config as config_lib, data, models
+from flaxformer_lite import config as config_lib, data, main, models
 from flaxformer_lite.train import loop, partitioning, state as state_lib, steps
 n = jax.device_count()
 lower, out = sys.argv[1] == 'lower', {}
 for path in sys.argv[2:]:
   config = runpy.run_path(path)['get_config']()
-  config_lib.validate(config)
+  main.validate(config)
   m, t, d = config.model, config.train, config.data
   objective = steps.OBJECTIVES[m.type]
   with config.unlocked():

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite import main
 from flaxformer_lite import models
 from flaxformer_lite.attention import registry
 from flaxformer_lite.data import pipeline
+from flaxformer_lite.data import validation as data_validation
 from flaxformer_lite.train import losses, steps
 
 V, L = 13, 24
@@ -150,7 +152,7 @@ def test_shift_right_starts_each_segment_with_bos():
 # positions), else dense; and dot_product dense, the dense kernel's segment mask.
 CASES = [(name, 'chunked' if registry.get(name).chunked else 'dense')
          for name in registry.names()
-         if 'encoder_decoder' in registry.get(name).models and name not in config_lib.PACK_REFUSED]
+         if 'encoder_decoder' in registry.get(name).models and name not in data_validation.PACK_REFUSED]
 CASES.append(('dot_product', 'dense'))
 
 
@@ -202,7 +204,7 @@ def test_pack_with_what_cannot_be_packed_is_a_config_error(key, value, expected)
   section, name = key.split('.')
   c[section][name] = value
   with pytest.raises(config_lib.ConfigError, match=expected) as e:
-    config_lib.validate(c)
+    main.validate(c)
   assert 'data.pack' in str(e.value)
 
 

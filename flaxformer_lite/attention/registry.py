@@ -51,6 +51,8 @@ class AttentionVariant:
     (train/partitioning.py LOGICAL_RULES).
   models: model types that can use the variant.
   validate: kwargs -> None, raising ValueError with a reason.
+  check_head_dim: head size -> None, raising ValueError where the variant
+    cannot run on heads of that size (rotary: pairs of features).
   uses_positions: fn takes `q_offset`.
   stochastic: fn takes `rng`.
   uses_alignment: fn takes `prev_alignment`.
@@ -68,6 +70,7 @@ class AttentionVariant:
   params: Callable[..., Mapping[str, Any]] | None = None
   models: tuple[str, ...] = ALL_MODELS
   validate: Callable[[Mapping[str, Any]], None] | None = None
+  check_head_dim: Callable[[int], None] | None = None
   uses_positions: bool = False
   stochastic: bool = False
   uses_alignment: bool = False

@@ -85,6 +85,11 @@ def _validate(kwargs):
     raise ValueError(f'attention_kwargs.max_wavelength={w!r}; must be a number > 0')
 
 
+def _check_head_dim(head_dim):
+  if head_dim % 2:
+    raise ValueError(f'rotary rotates pairs of features: the head size {head_dim} must be even')
+
+
 registry.register(registry.AttentionVariant(
     name='rotary',
     models=registry.TRANSFORMER_MODELS,
@@ -92,6 +97,7 @@ registry.register(registry.AttentionVariant(
     chunked=rotary_chunked,
     kwargs={'max_wavelength': 10000.0},
     validate=_validate,
+    check_head_dim=_check_head_dim,
     uses_positions=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
         'Su et al. 2021); head_dim must be even'))

@@ -13,7 +13,7 @@ import optax
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, decoding, models, tokens
-from flaxformer_lite.data import tokenizers
+from flaxformer_lite.data import tokenizers, validation as data_validation
 from flaxformer_lite.train import (checkpoints, metrics as metrics_lib, multihost,
                                    partitioning, preemption, profiling, schedules, steps)
 from flaxformer_lite.train import state as state_lib
@@ -253,10 +253,9 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   """Trains config.train.num_steps steps (resuming from the newest checkpoint
   in workdir), evaluates, and returns the final metrics by split.
   allow_config_change: resume a workdir whose config.json differs (logged)."""
-  config_lib.validate(config)
   dataset = data.load(config.data)
   objective = steps.OBJECTIVES[config.model.type]
-  config_lib.check_dataset(config, dataset.kind)
+  data_validation.check_dataset(config, dataset.kind)
   # mlm reserves one more id, the last, for [MASK] (steps.forward).
   needed = dataset.vocab_size + (objective == 'mlm')
   with config.unlocked():

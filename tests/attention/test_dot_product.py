@@ -389,11 +389,11 @@ ON_GPU = jax.default_backend() == 'gpu'
 
 @pytest.mark.skipif(ON_GPU, reason='checks the CPU/TPU error; on a GPU cuDNN is valid')
 def test_cudnn_without_a_gpu_is_a_config_error_naming_the_backend():
-  from flaxformer_lite import config as config_lib
+  from flaxformer_lite import config as config_lib, main
   c = config_lib.base_config()
   c.model.attention_kwargs.implementation = 'cudnn'
   with pytest.raises(config_lib.ConfigError, match="'cudnn' needs an NVIDIA GPU.*'cpu'"):
-    config_lib.validate(c)
+    main.validate(c)
   q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
   assert not dot_product.cudnn_fits(q, q)  # 'auto' keeps the explicit path here
 

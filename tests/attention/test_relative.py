@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite import main
 from flaxformer_lite import models
 from flaxformer_lite.attention import registry, relative, relative_banded
 from flaxformer_lite.layers import MultiHeadAttention
@@ -263,14 +264,14 @@ def test_registry_entry_and_config_validation():
   c = config_lib.base_config()
   c.model.attention = 'shaw'
   c.model.attention_kwargs.max_distance = 8
-  config_lib.validate(c)
+  main.validate(c)
   c.model.attention_kwargs.max_distance = -1
   with pytest.raises(config_lib.ConfigError, match='max_distance=-1'):
-    config_lib.validate(c)
+    main.validate(c)
   c.model.attention_kwargs.max_distance = 2
   c.model.attention_kwargs.form = 'fast'
   with pytest.raises(config_lib.ConfigError, match="form='fast'"):
-    config_lib.validate(c)
+    main.validate(c)
 
 
 def test_values_only_layer_has_no_key_table():

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite import main
 from flaxformer_lite import decoding, models
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import Embed
@@ -309,7 +310,7 @@ def test_encoder_outputs_ignore_padding():
 def test_base_config_rnn_keys_and_validation():
   c = config_lib.base_config()
   c.model.type = 'rnn_seq2seq'
-  config_lib.validate(c)
+  main.validate(c)
   assert c.model.rnn_cell == 'lstm' and c.model.rnn_input_feeding is True
   back = config_lib.from_json(config_lib.to_json(c))
   assert config_lib.differences(c, back) == []
@@ -325,7 +326,7 @@ def test_bad_rnn_config_is_named(key, value, expected):
   c.model.type, c.model.num_heads, c.model.positions = 'rnn_seq2seq', 1, 'none'
   c.model[key] = value
   with pytest.raises(config_lib.ConfigError) as e:
-    config_lib.validate(c)
+    main.validate(c)
   assert expected in str(e.value)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite import main
 from flaxformer_lite import models
 from flaxformer_lite.layers import transformer
 
@@ -64,7 +65,7 @@ def test_remat_for_the_rnn_is_a_config_error():
   config = config_lib.base_config()
   config.model.type, config.model.remat = 'rnn_seq2seq', 'block'
   with pytest.raises(config_lib.ConfigError, match='model.remat'):
-    config_lib.validate(config)
+    main.validate(config)
   config.model.type, config.model.remat = 'encoder_decoder', 'blocks'
   with pytest.raises(config_lib.ConfigError, match="model.remat='blocks'.*dots_saveable"):
-    config_lib.validate(config)
+    main.validate(config)

@@ -1,0 +1,198 @@
+"""load(config.data) -> Dataset: prepares a task's data once and reads it back.
+
+Two kinds of data:
+  'seq2seq'  splits of padded arrays {'inputs', 'targets'} [N, L] (synthetic
+             tasks, translation: multi30k, wmt14/17 from the TFDS catalog);
+  'lm'       splits as one token stream [T] (tiny_shakespeare, lm1b).
+Text is tokenized here (sentencepiece, char or byte; tokenizers.py) with the
+tokenizer trained once on the training split and cached next to the data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from flaxformer_lite.data import corpora, pipeline, synthetic, tokenizers
+from flaxformer_lite.data.corpora import DataError
+from flaxformer_lite.tokens import EOS_ID
+
+REAL_TASKS = ('multi30k', 'tiny_shakespeare', 'tfds')
+BUILDER_NAMES = {'multi30k': 'multi30k', 'tiny_shakespeare': 'tiny_shakespeare_char'}
+TASKS = tuple(synthetic.TASKS) + REAL_TASKS
+KINDS = ('seq2seq', 'lm')
+OVERLONG = ('drop', 'truncate')
+log = logging.getLogger('flaxformer_lite')
+
+
+@dataclasses.dataclass
+class Dataset:
+  """vocab_size: largest id + 1; kind: 'seq2seq' | 'lm'.
+
+  splits: name -> {'inputs': [N, L], 'targets': [N, L]} (seq2seq) or a token
+  stream [T] (lm). dropped: training examples dropped or truncated for
+  length, by split. bad_lines: lines the builder skipped ({split: {reason:
+  count}}). tokenizer: encode/decode text (None for synthetic tasks).
+  references: split -> the raw target texts, row for row (text seq2seq).
+  """
+  vocab_size: int
+  splits: dict
+  dropped: dict
+  kind: str = 'seq2seq'
+  tokenizer: Any = None
+  references: dict = dataclasses.field(default_factory=dict)
+  bad_lines: dict = dataclasses.field(default_factory=dict)
+
+
+def default_data_dir() -> str:
+  return os.environ.get('TFDS_DATA_DIR') or os.path.expanduser('~/tensorflow_datasets')
+
+
+def load(data_config) -> Dataset:
+  """Prepares (once) and reads the dataset named by config.data.
+
+  In a multi-process job process 0 prepares it (TFDS files, the tokenizer)
+  while the others wait, then they read what it wrote: two processes that
+  both found it missing would both write it, and the second's rename onto
+  the first's fails.
+  """
+  import jax  # not at module level: loading a tokenizer needs no JAX
+  if jax.process_count() == 1:
+    return _load(data_config)
+  from jax.experimental import multihost_utils
+  dataset = _load(data_config) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices('flaxformer_lite: dataset prepared')
+  return dataset if dataset is not None else _load(data_config)
+
+
+def _load(data_config) -> Dataset:
+  task = data_config['task']
+  if task not in TASKS:
+    raise DataError(f'data.task={task!r} is not a known task; valid: {", ".join(TASKS)}')
+  data_dir = data_config['data_dir'] or default_data_dir()
+  if task in synthetic.TASKS:
+    return _load_synthetic(data_config, data_dir)
+  d = data_config
+  manual_dir = os.path.abspath(os.path.expanduser(d['manual_dir'])) if d['manual_dir'] else ''
+  if task == 'multi30k':
+    builder = corpora.multi30k(data_dir, manual_dir)
+  elif task == 'tiny_shakespeare':
+    builder = corpora.tiny_shakespeare(data_dir, manual_dir)
+  else:
+    builder = corpora.catalog(d['tfds_name'], data_dir, manual_dir)
+  features = set(builder.info.features.keys())
+  bad = corpora.bad_line_counts(builder)
+  for split, counts in bad.items():
+    if any(counts.values()):
+      log.warning('%s %s: skipped lines %s', builder.name, split, counts)
+  if {d['source_lang'], d['target_lang']} <= features:
+    return _load_translation(d, builder, bad)
+  if 'text' in features:
+    return _load_lm(d, builder, bad)
+  raise DataError(
+      f'{builder.name} has features {sorted(features)}: neither a translation pair '
+      f'data.source_lang={d["source_lang"]!r} / data.target_lang={d["target_lang"]!r} '
+      f'nor a "text" feature for language modelling')
+
+
+def _load_synthetic(d, data_dir) -> Dataset:
+  builder = synthetic.builder(d, data_dir)
+  builder.download_and_prepare()
+  max_len = d['max_len'] + 1  # + EOS
+  splits, dropped = {}, {}
+  for split, length in (('train', max_len), ('validation', max_len),
+                        ('test', max_len), ('test_long', 2 * max_len)):
+    source = builder.as_data_source(split=split)
+    examples = source.__getitems__(list(range(len(source))))
+    splits[split], dropped[split] = pipeline.pad_examples(
+        examples, {'inputs': length, 'targets': length})
+    if dropped[split]:
+      log.warning('%s: dropped %d over-long examples', split, dropped[split])
+  return Dataset(synthetic.vocab_size(d), splits, dropped)
+
+
+def _tokenizer(d, builder, texts_fn):
+  kind = d['tokenizer']
+  suffix = {'sentencepiece': f'spm_{d["spm_model_type"]}_{d["vocab_size"]}',
+            'char': 'char', 'byte': 'byte'}.get(kind, kind)
+  try:
+    return tokenizers.create(kind, cache_prefix=os.path.join(builder.data_dir, suffix),
+                             texts_fn=texts_fn, vocab_size=d['vocab_size'],
+                             model_type=d['spm_model_type'])
+  except ValueError as e:
+    raise DataError(f'data.tokenizer: {e}') from None
+
+
+def _encode(tokenizer, text: str, max_len: int | None, overlong: str):
+  """Text -> ids + EOS; (ids, whether it was over max_len tokens + EOS)."""
+  ids = tokenizer.encode(text)
+  long = max_len is not None and len(ids) > max_len
+  if long and overlong == 'truncate':
+    ids = ids[:max_len]
+  return np.append(ids, EOS_ID).astype(np.int32), long
+
+
+def _splits(builder) -> list[str]:
+  """The builder's splits among train/validation/test. (Under
+  tfds.testing.mock_data a builder has no split metadata: all three.)"""
+  known = set(builder.info.splits) or {'train', 'validation', 'test'}
+  return [s for s in ('train', 'validation', 'test') if s in known]
+
+
+def _load_translation(d, builder, bad) -> Dataset:
+  """Sentence pairs -> padded id arrays. Training pairs longer than
+  data.max_len tokens (+ EOS) are dropped or truncated (data.overlong) and
+  counted; evaluation splits keep every pair at its full length."""
+  src, tgt = d['source_lang'], d['target_lang']
+  text = {split: corpora.read_pairs(builder, split, src, tgt) for split in _splits(builder)}
+  if 'validation' not in text or 'test' not in text:  # e.g. lm1b-like catalogs
+    raise DataError(f'{builder.name} has splits {sorted(builder.info.splits)}; a translation '
+                    f'task needs train, validation and test')
+  tokenizer = _tokenizer(d, builder, lambda: text['train'][0] + text['train'][1])
+  splits, dropped, references = {}, {}, {}
+  for split, (sources, targets) in text.items():
+    train = split == 'train'
+    examples, kept, long = [], [], 0
+    for s, t in zip(sources, targets):
+      (x, lx), (y, ly) = [_encode(tokenizer, v, d['max_len'] if train else None,
+                                  d['overlong']) for v in (s, t)]
+      long += lx or ly
+      if not (train and (lx or ly) and d['overlong'] == 'drop'):
+        examples.append({'inputs': x, 'targets': y})
+        kept.append(t)
+    width = max(max(len(e['inputs']), len(e['targets'])) for e in examples)
+    splits[split], _ = pipeline.pad_examples(examples, {'inputs': width, 'targets': width})
+    dropped[split] = long
+    if long:
+      log.warning('%s %s: %d pairs longer than data.max_len=%d tokens were %s',
+                  builder.name, split, long, d['max_len'],
+                  'dropped' if d['overlong'] == 'drop' else 'truncated')
+    references[split] = kept
+  return Dataset(tokenizer.vocab_size, splits, dropped, 'seq2seq', tokenizer, references, bad)
+
+
+def _load_lm(d, builder, bad) -> Dataset:
+  """Texts -> one token stream per split (EOS between documents)."""
+  text = {split: corpora.read_text(builder, split) for split in _splits(builder)}
+  if 'validation' not in text and 'test' in text:  # lm1b: train and test only
+    log.warning('%s has no validation split; evaluating on test', builder.name)
+    text['validation'] = text.pop('test')
+  if 'train' not in text or 'validation' not in text:
+    raise DataError(f'{builder.name} has splits {sorted(builder.info.splits)}; language '
+                    'modelling needs train and validation (or test)')
+  # A char vocabulary covers every split (as nanoGPT's); subwords learn from train only.
+  texts_fn = (lambda: [t for v in text.values() for t in v]) if d['tokenizer'] == 'char' \
+      else (lambda: text['train'])
+  tokenizer = _tokenizer(d, builder, texts_fn)
+  splits = {}
+  for split, texts in text.items():
+    pieces = [tokenizer.encode(t) for t in texts]
+    if len(pieces) > 1:
+      pieces = [np.append(p, EOS_ID) for p in pieces]
+    splits[split] = np.concatenate(pieces).astype(np.int32)
+  return Dataset(tokenizer.vocab_size, splits, {s: 0 for s in splits}, 'lm', tokenizer,
+                 {}, bad)
+
