@@ -20,44 +20,25 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import timing  # noqa: E402
-from flaxformer_lite import config as config_lib, models  # noqa: E402
+import train_throughput  # noqa: E402
+from flaxformer_lite import models  # noqa: E402
 from flaxformer_lite.layers import transformer  # noqa: E402
 from flaxformer_lite.train import state as state_lib, steps  # noqa: E402
-
-PRESETS = {  # Vaswani et al. 2017, table 3
-    'small': dict(d_model=256, num_heads=4, mlp_dim=1024, layers=3),
-    'base': dict(d_model=512, num_heads=8, mlp_dim=2048, layers=6),
-    'big': dict(d_model=1024, num_heads=16, mlp_dim=4096, layers=6),
-}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--preset', default='base', choices=sorted(PRESETS))
-  parser.add_argument('--batch', type=int, default=16)
-  parser.add_argument('--src_len', type=int, default=128)
-  parser.add_argument('--tgt_len', type=int, default=128)
-  parser.add_argument('--vocab', type=int, default=8000)
-  parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+  train_throughput.add_model_flags(parser, vocab=8000)
   parser.add_argument('--repeats', type=int, default=6)
   parser.add_argument('--memory_only', action='store_true')
   args = parser.parse_args()
 
-  p = PRESETS[args.preset]
-  rng = np.random.default_rng(0)
-  batch = {'inputs': rng.integers(3, args.vocab, (args.batch, args.src_len), dtype=np.int32),
-           'targets': rng.integers(3, args.vocab, (args.batch, args.tgt_len), dtype=np.int32)}
+  batch = train_throughput.random_batch(args)
   fns, memory = {}, {}
   for policy in transformer.REMAT:
-    config = config_lib.base_config()
-    config.model.update(vocab_size=args.vocab, d_model=p['d_model'], num_heads=p['num_heads'],
-                        mlp_dim=p['mlp_dim'], num_encoder_layers=p['layers'],
-                        num_decoder_layers=p['layers'], dropout_rate=0.1, dtype=args.dtype,
-                        max_len=max(args.src_len, args.tgt_len), remat=policy)
-    config.train.schedule, config.train.learning_rate = 'constant', 1e-4
+    config = train_throughput.model_config(args, dropout_rate=0.1, remat=policy)
     model = models.build(config.model)
     state = state_lib.create(model, config, batch, jax.random.key(0))
     step = jax.jit(functools.partial(steps.train_step, label_smoothing=0.1))

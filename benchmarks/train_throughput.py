@@ -67,31 +67,48 @@ def matmul_peak(dtype, size=2048, repeats=20) -> float:
   return 2 * size ** 3 / best
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_flags(parser, vocab=32000):
+  """The flags that pick the model and batch (shared with remat.py)."""
   parser.add_argument('--preset', default='base', choices=sorted(PRESETS))
   parser.add_argument('--batch', type=int, default=16)
   parser.add_argument('--src_len', type=int, default=128)
   parser.add_argument('--tgt_len', type=int, default=128)
-  parser.add_argument('--vocab', type=int, default=32000)
+  parser.add_argument('--vocab', type=int, default=vocab)
   parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+
+
+def model_config(args, **model):
+  """The experiment config of the preset, args' sizes and `model` overrides;
+  a constant learning rate."""
+  p = PRESETS[args.preset]
+  config = config_lib.base_config()
+  config.model.update(vocab_size=args.vocab, d_model=p['d_model'], num_heads=p['num_heads'],
+                      mlp_dim=p['mlp_dim'], num_encoder_layers=p['layers'],
+                      num_decoder_layers=p['layers'], dropout_rate=0.0, dtype=args.dtype,
+                      max_len=max(args.src_len, args.tgt_len))
+  config.model.update(**model)
+  config.train.schedule, config.train.learning_rate = 'constant', 1e-4
+  return config
+
+
+def random_batch(args) -> dict:
+  rng = np.random.default_rng(0)
+  return {'inputs': rng.integers(3, args.vocab, (args.batch, args.src_len), dtype=np.int32),
+          'targets': rng.integers(3, args.vocab, (args.batch, args.tgt_len), dtype=np.int32)}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  add_model_flags(parser)
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--attention', default='dot_product')
   parser.add_argument('--peak_tflops', type=float, default=0.0,
                       help='device peak; 0 = measure a large matmul (CPU)')
   args = parser.parse_args()
 
-  p = PRESETS[args.preset]
-  config = config_lib.base_config()
-  config.model.update(vocab_size=args.vocab, d_model=p['d_model'], num_heads=p['num_heads'],
-                      mlp_dim=p['mlp_dim'], num_encoder_layers=p['layers'],
-                      num_decoder_layers=p['layers'], dropout_rate=0.0, dtype=args.dtype,
-                      attention=args.attention, max_len=max(args.src_len, args.tgt_len))
-  config.train.schedule, config.train.learning_rate = 'constant', 1e-4
+  config = model_config(args, attention=args.attention)
   model = models.build(config.model)
-  rng = np.random.default_rng(0)
-  batch = {'inputs': rng.integers(3, args.vocab, (args.batch, args.src_len), dtype=np.int32),
-           'targets': rng.integers(3, args.vocab, (args.batch, args.tgt_len), dtype=np.int32)}
+  batch = random_batch(args)
   state = state_lib.create(model, config, batch, jax.random.key(0))
   step = jax.jit(functools.partial(steps.train_step, label_smoothing=0.1), donate_argnums=(0,))
   key = jax.random.key(1)
