@@ -51,16 +51,14 @@ def alibi_bias(num_heads, q_len, k_len, *, q_offset=0):
   return -slopes[None, :, None, None] * distance[None, None]  # [1, h, n, m]
 
 
-def alibi_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
-                    dropout_rate=0.0, dropout_rng=None, deterministic=True,
-                    dtype=None, return_weights=False):
+def alibi_attention(query, key, value, *, bias=None, q_offset=0, **common):
   """Dot-product attention with the ALiBi bias added to the scaled logits.
 
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
-    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the ALiBi bias.
+    common: dot_product_attention's mask, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
@@ -68,11 +66,7 @@ def alibi_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
                              q_offset=q_offset)  # [1, h, n, m]
   if bias is not None:
     position_bias = position_bias + bias
-  return dot_product_attention(
-      query, key, value, mask=mask, bias=position_bias,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      deterministic=deterministic, dtype=dtype,
-      return_weights=return_weights)
+  return dot_product_attention(query, key, value, bias=position_bias, **common)
 
 
 def _block_logits(slopes, q, k, params, q_pos, k_pos):

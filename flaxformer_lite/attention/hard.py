@@ -69,17 +69,11 @@ def hard_attention(query, key, value, *, rng=None, temperature=1.0, mask=None, b
   return (out, weights) if return_weights else out
 
 
-def _validate(kwargs):
-  t = kwargs['temperature']
-  if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-    raise ValueError(f'attention_kwargs.temperature={t!r}; must be a number > 0')
-
-
 registry.register(registry.AttentionVariant(
     name='hard',
     fn=hard_attention,
     kwargs={'temperature': 1.0},
-    validate=_validate,
+    validate=registry.positive_number('temperature'),
     stochastic=True,
     doc='one key per query: straight-through Gumbel-softmax sample of softmax(q.k/sqrt(d)) '
         'in training, argmax in eval; temperature of the soft gradient'))

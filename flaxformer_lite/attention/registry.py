@@ -124,6 +124,15 @@ def _check_options(variant: AttentionVariant) -> None:
             'shared option has one default: use the same one, or a name of its own')
 
 
+def positive_number(option: str) -> Callable[[Mapping[str, Any]], None]:
+  """A `validate` for a variant whose option `option` must be a number > 0."""
+  def validate(kwargs):
+    v = kwargs[option]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+      raise ValueError(f'attention_kwargs.{option}={v!r}; must be a number > 0')
+  return validate
+
+
 def register(variant: AttentionVariant) -> AttentionVariant:
   if variant.name in _REGISTRY:
     raise ValueError(f'attention variant {variant.name!r} is registered twice')

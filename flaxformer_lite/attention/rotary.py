@@ -39,26 +39,20 @@ def apply_rotary(x, positions, *, max_wavelength=10000.0):
   return rotated.reshape(b, n, h, d).astype(x.dtype)  # [b, n, h, d]
 
 
-def rotary_attention(query, key, value, *, mask=None, bias=None, q_offset=0,
-                     max_wavelength=10000.0, dropout_rate=0.0, dropout_rng=None,
-                     deterministic=True, dtype=None, return_weights=False):
+def rotary_attention(query, key, value, *, q_offset=0, max_wavelength=10000.0, **common):
   """Dot-product attention over rotated queries and keys; values unrotated.
 
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
-    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
-    bias: broadcastable to [b, h, n, m]; added to the scaled logits.
+    common: dot_product_attention's mask, bias, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
   query = apply_rotary(query, q_offset + jnp.arange(query.shape[1]),
                        max_wavelength=max_wavelength)
   key = apply_rotary(key, jnp.arange(key.shape[1]), max_wavelength=max_wavelength)
-  return dot_product_attention(
-      query, key, value, mask=mask, bias=bias, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype,
-      return_weights=return_weights)
+  return dot_product_attention(query, key, value, **common)
 
 
 def _block_logits(max_wavelength, q, k, params, q_pos, k_pos):
@@ -79,12 +73,6 @@ def rotary_chunked(query, key, value, *, mask=None, q_offset=0, max_wavelength=1
                              chunk_size=chunk_size, dtype=dtype)
 
 
-def _validate(kwargs):
-  w = kwargs['max_wavelength']
-  if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
-    raise ValueError(f'attention_kwargs.max_wavelength={w!r}; must be a number > 0')
-
-
 def _check_head_dim(head_dim):
   if head_dim % 2:
     raise ValueError(f'rotary rotates pairs of features: the head size {head_dim} must be even')
@@ -96,7 +84,7 @@ registry.register(registry.AttentionVariant(
     fn=rotary_attention,
     chunked=rotary_chunked,
     kwargs={'max_wavelength': 10000.0},
-    validate=_validate,
+    validate=registry.positive_number('max_wavelength'),
     check_head_dim=_check_head_dim,
     uses_positions=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '

@@ -87,10 +87,8 @@ def broadcast_batch(x, batch: int):
   return jnp.concatenate([x] * batch, axis=0)
 
 
-def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
-                      q_offset=0, bidirectional=True, num_buckets=32,
-                      bucket_max_distance=128, dropout_rate=0.0, dropout_rng=None,
-                      deterministic=True, dtype=None, return_weights=False):
+def t5_bias_attention(query, key, value, rel_embedding, *, bias=None, q_offset=0,
+                      bidirectional=True, num_buckets=32, bucket_max_distance=128, **common):
   """Dot-product attention with the T5 relative position bias added.
 
   logits = q.k / sqrt(d) + t5_bias + bias. T5 itself drops the 1/sqrt(d)
@@ -102,8 +100,8 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
     key, value: [b, m, h, d], key j at position j.
     rel_embedding: [num_buckets, h].
     bucket_max_distance: `t5_relative_position_bucket`'s max_distance.
-    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the T5 bias.
+    common: dot_product_attention's mask, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
@@ -115,11 +113,7 @@ def t5_bias_attention(query, key, value, rel_embedding, *, mask=None, bias=None,
     position_bias = broadcast_batch(position_bias, query.shape[0])  # [b, h, n, m]
   if bias is not None:
     position_bias = position_bias + bias
-  return dot_product_attention(
-      query, key, value, mask=mask, bias=position_bias,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-      deterministic=deterministic, dtype=dtype,
-      return_weights=return_weights)
+  return dot_product_attention(query, key, value, bias=position_bias, **common)
 
 
 def _block_logits(bucket_kw, q, k, params, q_pos, k_pos):

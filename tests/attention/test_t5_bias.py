@@ -7,6 +7,7 @@ fixtures of tests/attention/conftest.py.
 """
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,7 +236,7 @@ def test_layer_forward_and_cached_decode():
   decoder = MultiHeadAttention(num_heads=2, qkv_features=8, attention='t5_bias',
                                attention_kwargs={'num_buckets': 8, 'bucket_max_distance': 4},
                                decode=True)
-  variables = jax.jit(decoder.init)(jax.random.PRNGKey(0), x)
+  variables = nn.unbox(jax.jit(decoder.init)(jax.random.PRNGKey(0), x))
   params, cache = variables['params'], variables['cache']
   assert params['rel_embedding'].shape == (8, 2)
   # A larger table than the init's, so that a wrong position shows in the output.
