@@ -107,6 +107,7 @@ class DataParallel:
         state, sums = step_fn(state, batch, rng, **kwargs)
         # keep the new state in the layout the old one had
         return jax.lax.with_sharding_constraint(state, self.state_shardings), sums
+      sharded_step.__name__ = sharded_step.__qualname__ = step_fn.__name__  # jit's logs name it
       return jax.jit(sharded_step, donate_argnums=(0,))
     return jax.pmap(functools.partial(step_fn, axis_name='data', **kwargs), axis_name='data',
                     in_axes=(0, 0, None), donate_argnums=(0,))

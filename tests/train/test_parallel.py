@@ -279,8 +279,11 @@ def test_padding_rows_leave_the_update_unchanged(model_type):
   got, got_sums = step(state, data.pad_rows(batch, 8), jax.random.key(1))
   for key in ('loss', 'tokens', 'correct', 'grad_norm'):
     np.testing.assert_allclose(got_sums[key], want_sums[key], rtol=1e-6)
+  # atol: one float32 ulp at magnitude 1 is 1.2e-7, and the batch's row count
+  # changes the order of its sums; a padding row that counted would move the
+  # update by percents.
   for x, y in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
-    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
 
 def _tiny_state(vocab=11, seed=0):
