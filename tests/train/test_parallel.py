@@ -224,6 +224,8 @@ def test_model_axis_follows_the_one_device_curve_and_shards_by_the_rules(tiny_co
     loop.train_and_evaluate(base, str(tmp_path / attention))
     curves[attention] = _curve(str(tmp_path / attention))
     for (data, model), mode in meshes.items():
+      if attention == 'dot_product' and model == 1:
+        continue  # the data-parallel test above trains dot_product on 8 devices
       config = config_lib.from_json(config_lib.to_json(base))
       config.train.parallel, config.train.model_parallel = mode, model
       runs.append((config, str(tmp_path / f'{attention}_{data}x{model}')))
