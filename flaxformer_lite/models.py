@@ -249,7 +249,7 @@ def validate(model_config) -> None:
       variant.check_head_dim(m.d_model // m.num_heads)
     except ValueError as e:
       raise ConfigError(f'model.attention={m.attention!r}: {e} (the head size is '
-                                   f'model.d_model/model.num_heads)') from None
+                        f'model.d_model/model.num_heads)') from None
   check_choice('model.positions', m.positions, POSITIONS)
   check(m.positions != 'sinusoidal' or m.d_model % 2 == 0,
         f'sinusoidal positions need an even model.d_model, got {m.d_model}')

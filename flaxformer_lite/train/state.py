@@ -6,6 +6,7 @@ import jax
 import optax
 from flax.training import train_state
 
+from flaxformer_lite.model_types import MODEL_TYPES
 from flaxformer_lite.tokens import shift_right
 from flaxformer_lite.train import schedules
 
@@ -28,7 +29,7 @@ def _init_fn(model, config):
   """(rng, example_batch) -> the model's variables, boxed with the logical axes
   the layers give their parameters (nn.with_logical_partitioning). Models with
   one input (LMs, the MLM encoder) see only example_batch['inputs']."""
-  if config.model.type in ('decoder_only', 'encoder_only'):
+  if MODEL_TYPES[config.model.type].data == 'lm':
     return lambda rng, batch: model.init(rng, batch['inputs'])
   return lambda rng, batch: model.init(rng, batch['inputs'], shift_right(batch['targets']))
 
