@@ -5,6 +5,7 @@
 #   ./launch.sh EXPERIMENT.py [--workdir=DIR] [--config.a.b=value ...]
 #   ./launch.sh --list_attention                 the attention variants and their kwargs
 #   ./launch.sh run SCRIPT.py [ARGS...]          any script (e.g. benchmarks/) with this setup
+#   ./launch.sh sweep GRID.py [--jobs=N]         a grid of overrides x seeds (flaxformer_lite/sweep.py)
 # The first call creates .venv from pyproject.toml; an edited pyproject.toml re-installs it.
 # FFL_EXTRAS=cuda (or tpu) adds the accelerator build of jax.
 set -euo pipefail
@@ -68,6 +69,11 @@ if [ "${1:-}" = "run" ]; then
   shift
   [ $# -gt 0 ] || { echo "launch.sh: run needs a script, e.g. ./launch.sh run benchmarks/attention.py" >&2; exit 2; }
   exec "$PY" "$@"
+fi
+
+if [ "${1:-}" = "sweep" ]; then
+  shift
+  exec "$PY" -m flaxformer_lite.sweep "$@"
 fi
 
 EXPERIMENT=experiments/reverse.py
