@@ -1,7 +1,7 @@
 """Shaw et al. 2018's questions on real data, 3 seeds: ./launch.sh sweep experiments/sweeps/position_study.py --jobs=2
 
 Multi30k En->De (experiments/multi30k_cpu.py at a shorter budget, the same
-for every row: 300 steps of ~2k tokens, packed, ~1.5 epochs):
+for every row: 400 steps of ~2k tokens, packed, ~2 epochs):
   positions: absolute sinusoidal vs the relative schemes and none (Table 1);
   clipping:  shaw's clipping distance k (Table 2);
   keys_values: shaw's relative keys only, values only, both (Table 3).
@@ -55,8 +55,8 @@ def get_sweep():
               'experiment': 'experiments/multi30k_cpu.py',
               'overrides': {
                   'data.manual_dir': MULTI30K, 'data.pack': True,
-                  'train.num_steps': 300, 'train.batch_tokens': 2048, 'train.warmup_steps': 60,
-                  'train.log_every': 50, 'train.eval_every': 300, 'train.checkpoint_every': 100,
+                  'train.num_steps': 400, 'train.batch_tokens': 2048, 'train.warmup_steps': 80,
+                  'train.log_every': 50, 'train.eval_every': 400, 'train.checkpoint_every': 100,
                   'eval.num_examples_to_log': 0,
               },
               'rows': {**POSITIONS, **CLIPPING, **KEYS_VALUES},
