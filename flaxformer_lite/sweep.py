@@ -42,6 +42,7 @@ import sys
 import time
 
 DONE = 'sweep_run.json'
+ENTRY = ('-m', 'flaxformer_lite.main')  # what a run executes, after the interpreter
 CSV_FIELDS = ('study', 'row', 'overrides', 'seed', 'metric', 'value', 'wall_seconds')
 
 
@@ -77,7 +78,7 @@ class Run:
 
 def load_grid(path: str) -> dict:
   """The grid file's get_sweep(), checked: every key is known, every table's
-  rows exist, every override names a key of the experiment's config."""
+  rows exist, every row's config is valid."""
   if not os.path.exists(path):
     raise SweepError(f'grid file {path!r} not found')
   grid = runpy.run_path(path).get('get_sweep')
@@ -115,17 +116,30 @@ def _keys(d: dict, valid: set, where: str, required: set):
 
 
 def _check_overrides(study: dict, where: str):
-  """Every override names a key of the experiment's config (a typo fails here,
-  not hours later); main.py checks the values of each run."""
-  from flaxformer_lite import config as config_lib
+  """Every row's config is valid (main.validate on the experiment with the
+  overrides): a typo or a bad value fails here, not hours into the grid."""
+  from flaxformer_lite import config as config_lib, main
   if not os.path.exists(study['experiment']):
     raise SweepError(f'{where}.experiment={study["experiment"]!r} not found')
-  config = runpy.run_path(study['experiment'])['get_config']()
-  keys = list(study['overrides']) + [k for row in study['rows'].values() for k in row]
-  for key in keys:
-    message = config_lib.unknown_key_message(config, key)
-    if message:
-      raise SweepError(f'{where}: override {message}')
+  get_config = runpy.run_path(study['experiment'])['get_config']
+  for row, overrides in study['rows'].items():
+    config = get_config()
+    for key, value in {**study['overrides'], **overrides}.items():
+      message = config_lib.unknown_key_message(config, key)
+      if message:
+        raise SweepError(f'{where} row {row}: override {message}')
+      *parents, leaf = key.split('.')
+      node = config
+      for parent in parents:
+        node = node[parent]
+      try:
+        node[leaf] = value
+      except TypeError as e:
+        raise SweepError(f'{where} row {row}: {key}={value!r}: {e}') from None
+    try:
+      main.validate(config)
+    except config_lib.ConfigError as e:
+      raise SweepError(f'{where} row {row}: {e}') from None
 
 
 def _value(v) -> str:
@@ -139,7 +153,7 @@ def runs(grid: dict, out: str) -> list[Run]:
     for row, overrides in study['rows'].items():
       for seed in grid['seeds']:
         workdir = os.path.join(out, study_name, row, f'seed_{seed}')
-        argv = [sys.executable, '-m', 'flaxformer_lite.main', f'--config={study["experiment"]}',
+        argv = [sys.executable, *ENTRY, f'--config={study["experiment"]}',
                 f'--workdir={workdir}', f'--config.seed={seed}']
         argv += [f'--config.{k}={_value(v)}' for k, v in {**study['overrides'], **overrides}.items()]
         result.append(Run(study_name, row, seed, workdir, argv))
@@ -203,9 +217,9 @@ def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
         slot, run = free.pop(0), queue.pop(0)
         os.makedirs(run.workdir, exist_ok=True)
         logfile = open(os.path.join(run.workdir, 'run.log'), 'a')
-        cores = slots[slot]
-        proc = subprocess.Popen(run.argv, stdout=logfile, stderr=subprocess.STDOUT,
-                                preexec_fn=(lambda c=cores: os.sched_setaffinity(0, c)) if cores else None)
+        proc = subprocess.Popen(run.argv, stdout=logfile, stderr=subprocess.STDOUT)
+        if slots[slot]:  # before the child has imported anything that starts threads
+          os.sched_setaffinity(proc.pid, slots[slot])
         running[slot] = (proc, run, logfile, time.time())
       time.sleep(0.2)
       for slot, (proc, run, logfile, start) in list(running.items()):
@@ -375,7 +389,7 @@ def main(argv=None) -> int:
         f'{args.jobs} at a time; workdirs in {out}', flush=True)
   if args.dry_run:
     for r in all_runs:
-      print(f'  {"done" if r.done() else "todo"}  {r.name}: {" ".join(r.argv[2:])}')
+      print(f'  {"done" if r.done() else "todo"}  {r.name}: {" ".join(r.argv[1:])}')
     return 0
   failed = []
   try:

@@ -13,8 +13,11 @@ Results: benchmarks/results/position_study/ (results.csv, tables.md, a figure
 per table); the workdirs in workdirs/position_study/.
 """
 
-MULTI30K = '../shared/data/multi30k'
-TINY_SHAKESPEARE = '../shared/data/tiny_shakespeare'
+import os
+
+DATA = os.environ.get('FFL_SHARED_DATA', '../shared/data')  # the corpora (../shared/data/README)
+MULTI30K = os.path.join(DATA, 'multi30k')
+TINY_SHAKESPEARE = os.path.join(DATA, 'tiny_shakespeare')
 
 
 def shaw(**options):

@@ -9,6 +9,7 @@ tokenizer trained once on the training split and cached next to the data.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -57,15 +58,35 @@ def load(data_config) -> Dataset:
   In a multi-process job process 0 prepares it (TFDS files, the tokenizer)
   while the others wait, then they read what it wrote: two processes that
   both found it missing would both write it, and the second's rename onto
-  the first's fails.
+  the first's fails. Independent processes take turns by a lock on the data dir.
   """
   import jax  # not at module level: loading a tokenizer needs no JAX
   if jax.process_count() == 1:
-    return _load(data_config)
+    with data_dir_lock(data_config['data_dir'] or default_data_dir()):
+      return _load(data_config)
   from jax.experimental import multihost_utils
   dataset = _load(data_config) if jax.process_index() == 0 else None
   multihost_utils.sync_global_devices('flaxformer_lite: dataset prepared')
   return dataset if dataset is not None else _load(data_config)
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: str):
+  """Holds an exclusive lock on data_dir: independent processes sharing it (a
+  sweep's parallel runs) prepare a dataset one at a time, and the later ones
+  read what the first wrote instead of racing it. No-op where fcntl is missing."""
+  try:
+    import fcntl
+  except ImportError:
+    yield
+    return
+  os.makedirs(data_dir, exist_ok=True)
+  with open(os.path.join(data_dir, '.flaxformer_lite.lock'), 'a') as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _load(data_config) -> Dataset:
