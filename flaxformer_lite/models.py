@@ -167,20 +167,25 @@ def _attention_kwargs(model_config) -> tuple:
   return tuple(sorted((k, v) for k, v in kwargs.items() if v is not None))
 
 
+def _layer_config_fields(model_config: Mapping[str, Any], decode: bool) -> dict:
+  """config.model -> the fields of LayerConfig (layers/config.py)."""
+  c = model_config
+  return dict(
+      vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
+      num_kv_heads=c.get('num_kv_heads', 0),
+      num_encoder_layers=c['num_encoder_layers'],
+      num_decoder_layers=c['num_decoder_layers'], dropout_rate=c['dropout_rate'],
+      attention_dropout_rate=c['attention_dropout_rate'], attention=c['attention'],
+      attention_kwargs=_attention_kwargs(c), dtype=DTYPES[c['dtype']], decode=decode)
+
+
 def transformer_config(model_config: Mapping[str, Any], *, decode=False,
                        sow_weights=False) -> TransformerConfig:
   """config.model (ConfigDict or dict) -> TransformerConfig."""
   c = model_config
   return TransformerConfig(
-      vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
-      num_kv_heads=c.get('num_kv_heads', 0),
-      num_encoder_layers=c['num_encoder_layers'],
-      num_decoder_layers=c['num_decoder_layers'], mlp_dim=c['mlp_dim'],
-      dropout_rate=c['dropout_rate'],
-      attention_dropout_rate=c['attention_dropout_rate'],
-      attention=c['attention'], attention_kwargs=_attention_kwargs(c),
-      positions=c['positions'], max_len=c['max_len'], pre_ln=c['pre_ln'],
-      activation=c['activation'], dtype=DTYPES[c['dtype']], decode=decode,
+      **_layer_config_fields(c, decode), mlp_dim=c['mlp_dim'], positions=c['positions'],
+      max_len=c['max_len'], pre_ln=c['pre_ln'], activation=c['activation'],
       sow_weights=sow_weights, init=c.get('init', 'default'), remat=c.get('remat', 'none'))
 
 
@@ -188,14 +193,8 @@ def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
   """config.model (ConfigDict or dict) -> RNNConfig. Transformer-only keys
   (mlp_dim, positions, max_len, pre_ln, activation) are not used."""
   c = model_config
-  return RNNConfig(
-      vocab_size=c['vocab_size'], d_model=c['d_model'], num_heads=c['num_heads'],
-      num_kv_heads=c.get('num_kv_heads', 0),
-      num_encoder_layers=c['num_encoder_layers'],
-      num_decoder_layers=c['num_decoder_layers'], cell=c['rnn_cell'],
-      input_feeding=c['rnn_input_feeding'], dropout_rate=c['dropout_rate'],
-      attention_dropout_rate=c['attention_dropout_rate'], attention=c['attention'],
-      attention_kwargs=_attention_kwargs(c), dtype=DTYPES[c['dtype']], decode=decode)
+  return RNNConfig(**_layer_config_fields(c, decode), cell=c['rnn_cell'],
+                   input_feeding=c['rnn_input_feeding'])
 
 
 def build(model_config: Mapping[str, Any], *, decode: bool = False,

@@ -192,11 +192,22 @@ def _core_sets(jobs: int) -> list:
   return [set(cores[i * per:(i + 1) * per]) for i in range(jobs)]
 
 
+def time_left(todo: list[Run], walls: dict, jobs: int) -> str:
+  """'~1h05m left': each run to go costs the mean wall time of its study's
+  finished runs (of all finished runs for a study with none yet), `jobs` at once."""
+  every = [w for ws in walls.values() for w in ws]
+  if not every:
+    return 'time left unknown'
+  mean = lambda ws: sum(ws) / len(ws)
+  seconds = sum(mean(walls.get(r.study) or every) for r in todo) / jobs
+  return f'~{_fmt_time(seconds)} left'
+
+
 def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
   """Runs `todo`, `jobs` at a time; a progress line per finished run with the
   time left. Returns the runs that failed. SIGINT/SIGTERM stop the runs (they
   checkpoint on SIGTERM) and raise KeyboardInterrupt."""
-  slots, running, failed, walls = _core_sets(jobs), {}, [], []
+  slots, running, failed, walls = _core_sets(jobs), {}, [], {}  # walls: study -> seconds
   queue, total, finished = list(todo), len(todo), 0
   stop = []
 
@@ -231,7 +242,7 @@ def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
         finished += 1
         wall = time.time() - start
         if code == 0:
-          walls.append(wall)
+          walls.setdefault(run.study, []).append(wall)
           with open(os.path.join(run.workdir, DONE), 'w') as f:
             json.dump({'argv': run.argv, 'wall_seconds': wall}, f)
           status = f'done in {_fmt_time(wall)}'
@@ -239,9 +250,9 @@ def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
           failed.append(run)
           status = f'FAILED (exit {code}; {os.path.join(run.workdir, "run.log")})'
         left = total - finished
-        eta = (f'~{_fmt_time(sum(walls) / len(walls) * left / jobs)} left'
-               if walls and left else ('' if not left else 'time left unknown'))
-        log(f'[{finished}/{total}] {run.name}: {status}; {left} to go {eta}'.rstrip())
+        log(f'[{finished}/{total}] {run.name}: {status}; {left} to go'
+            + (f', {time_left(queue + [r for _, r, _, _ in running.values()], walls, jobs)}'
+               if left else ''))
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

@@ -13,7 +13,7 @@ import pytest
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, models
-from flaxformer_lite.train import loop, metrics
+from flaxformer_lite.train import evaluation, loop, metrics
 
 
 def _tiny(tfds_dir, shared_data, task, model_type):
@@ -125,7 +125,7 @@ def test_translation_scores_detokenized_text_against_the_raw_references(tfds_dir
   c = _tiny(tfds_dir, shared_data, 'multi30k', 'encoder_decoder')
   ds = data.load(c.data)
   c.model.vocab_size = ds.vocab_size
-  ev = loop.Evaluator(c, models.build(c.model), ds, None)
+  ev = evaluation.Evaluator(c, models.build(c.model), ds, None)
   arrays = ev.arrays('test')
   scored = ev._score('test', arrays, arrays['targets'], 0)
   assert scored['bleu'] > 99.0  # sentencepiece may normalise a rare character

@@ -187,3 +187,10 @@ def test_every_shipped_grid_is_valid(monkeypatch, shared_data):
     grid = sweep.load_grid(path)
     assert sweep.runs(grid, '/nonexistent')
     assert './launch.sh sweep' in open(path).read()
+
+
+def test_time_left_costs_each_run_its_studys_mean_wall_time():
+  todo = [sweep.Run(s, 'r', 0, '', []) for s in ('a', 'a', 'b')]  # 'b' has none finished
+  walls = {'a': [60.0, 120.0], 'c': [300.0]}  # a: 90 s each; all: 160 s
+  assert sweep.time_left(todo, walls, jobs=2) == f'~{(90 + 90 + 160) // 2 // 60}m50s left'
+  assert sweep.time_left(todo, {}, jobs=2) == 'time left unknown'

@@ -61,12 +61,18 @@ def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
   """
   dtype = dtype or logits.dtype
   weights = _softmax(masked_logits(logits.astype(jnp.float32), mask)).astype(dtype)
-  if not deterministic and dropout_rate > 0.0:
-    if dropout_rng is None:
-      raise ValueError('attention dropout needs dropout_rng when deterministic=False')
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0).astype(dtype)
-  return weights
+  return attention_dropout(weights, dropout_rate, dropout_rng, deterministic)
+
+
+def attention_dropout(weights, rate, rng, deterministic):
+  """Zeroes weights [..., m] with probability `rate`, the rest times 1/(1-rate)
+  (the paper's attention dropout); the identity when deterministic or rate 0."""
+  if deterministic or rate == 0.0:
+    return weights
+  if rng is None:
+    raise ValueError('attention dropout needs dropout_rng when deterministic=False')
+  keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+  return jnp.where(keep, weights / (1.0 - rate), 0).astype(weights.dtype)
 
 
 def dot_product_attention_weights(query, key, *, mask=None, bias=None,

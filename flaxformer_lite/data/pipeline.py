@@ -1,7 +1,7 @@
 """Batching: padded numpy batches, deterministic and resumable, per-host.
 
 A sequence split is held as padded arrays {feature: [N, L]}; a language-model
-split as one token stream [T]. Three iterators draw from them:
+split as one token stream [T]. Four iterators draw from them:
   Batches          fixed rows per batch, a seeded permutation per epoch;
   BucketedBatches  rows of similar length, about a token budget per batch;
   PackedBatches    several examples per row, with segment ids and positions;
@@ -33,7 +33,45 @@ def pad_examples(examples, lengths: dict[str, int]):
   return arrays, len(examples) - len(keep)
 
 
-class Batches:
+def process_share(rows, process_index: int, process_count: int):
+  """This process's part of a global batch: rows [N, ...] -> the
+  process_index-th of process_count equal slices (N // process_count rows)."""
+  share = len(rows) // process_count
+  return rows[process_index * share:(process_index + 1) * share]
+
+
+class _Epochs:
+  """The walk shared by Batches, BucketedBatches and PackedBatches: each epoch
+  has a plan rebuilt from (seed, epoch) by the subclass's `_new_epoch`, and
+  `index` is the position in it, so (epoch, index) is the whole state."""
+
+  def _begin(self, epoch: int, index: int = 0):
+    self.epoch, self.index = epoch, index
+    self._new_epoch(epoch)
+
+  def _new_epoch(self, epoch: int):
+    raise NotImplementedError
+
+  def _take(self, step: int, size: int) -> int:
+    """The index of the next `step` items of an epoch of `size`. With fewer
+    than `step` left, the next epoch starts: the ragged tail is dropped."""
+    if self.index + step > size:
+      self._begin(self.epoch + 1)
+    index = self.index
+    self.index += step
+    return index
+
+  def get_state(self) -> dict:
+    return {'epoch': int(self.epoch), 'index': int(self.index)}
+
+  def set_state(self, state: dict):
+    self._begin(int(state['epoch']), int(state['index']))
+
+  def __iter__(self):
+    return self
+
+
+class Batches(_Epochs):
   """Endless shuffled batches of `batch_size` rows from padded arrays.
 
   batch_size is global; with process_count > 1 each process gets its own
@@ -47,31 +85,16 @@ class Batches:
     if self.num < batch_size:
       raise ValueError(f'a split of {self.num} examples cannot fill batch_size={batch_size}')
     self.batch_size, self.seed = batch_size, seed
-    self.per_process = batch_size // process_count
-    self.offset = process_index * self.per_process
-    self.epoch, self.index = 0, 0
-    self._perm = self._permutation(0)
+    self.process_index, self.process_count = process_index, process_count
+    self._begin(0)
 
-  def _permutation(self, epoch):
-    return np.random.default_rng([self.seed, epoch]).permutation(self.num)
-
-  def get_state(self) -> dict:
-    return {'epoch': int(self.epoch), 'index': int(self.index)}
-
-  def set_state(self, state: dict):
-    self.epoch, self.index = int(state['epoch']), int(state['index'])
-    self._perm = self._permutation(self.epoch)
-
-  def __iter__(self):
-    return self
+  def _new_epoch(self, epoch):
+    self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num)
 
   def __next__(self):
-    if self.index + self.batch_size > self.num:  # drop the ragged tail
-      self.epoch, self.index = self.epoch + 1, 0
-      self._perm = self._permutation(self.epoch)
-    start = self.index + self.offset
-    rows = self._perm[start:start + self.per_process]
-    self.index += self.batch_size
+    start = self._take(self.batch_size, self.num)
+    rows = process_share(self._perm[start:start + self.batch_size], self.process_index,
+                         self.process_count)
     return {k: v[rows] for k, v in self.arrays.items()}
 
 
@@ -80,7 +103,7 @@ def bucket_boundaries(max_len: int, step: int = 8) -> list[int]:
   return sorted({*range(step, max_len, step), max_len})
 
 
-class BucketedBatches:
+class BucketedBatches(_Epochs):
   """Endless batches of rows of similar length, ~`batch_tokens` tokens each.
 
   An example goes to the smallest boundary >= its longest feature (count of
@@ -106,10 +129,9 @@ class BucketedBatches:
     self.rows = [max(multiple, batch_tokens // int(b) // multiple * multiple)
                  for b in self.boundaries]
     self.process_index, self.process_count = process_index, process_count
-    self.epoch, self.index = 0, 0
-    self._batches = self._plan(0)
+    self._begin(0)
 
-  def _plan(self, epoch) -> list[np.ndarray]:
+  def _new_epoch(self, epoch):
     rng = np.random.default_rng([self.seed, epoch])
     order = rng.permutation(len(self.bucket))
     order = order[np.argsort(self.bucket[order], kind='stable')]
@@ -120,26 +142,11 @@ class BucketedBatches:
     if not batches:
       raise ValueError(f'no bucket holds a full batch ({self.rows} rows per bucket '
                        f'boundary {list(self.boundaries)}); lower the token budget')
-    return [batches[i] for i in rng.permutation(len(batches))]
-
-  def get_state(self) -> dict:
-    return {'epoch': int(self.epoch), 'index': int(self.index)}
-
-  def set_state(self, state: dict):
-    self.epoch, self.index = int(state['epoch']), int(state['index'])
-    self._batches = self._plan(self.epoch)
-
-  def __iter__(self):
-    return self
+    self._batches = [batches[i] for i in rng.permutation(len(batches))]
 
   def __next__(self):
-    if self.index >= len(self._batches):
-      self.epoch, self.index = self.epoch + 1, 0
-      self._batches = self._plan(self.epoch)
-    rows = self._batches[self.index]
-    self.index += 1
-    share = len(rows) // self.process_count
-    rows = rows[self.process_index * share:(self.process_index + 1) * share]
+    index = self._take(1, len(self._batches))
+    rows = process_share(self._batches[index], self.process_index, self.process_count)
     width = int(self.boundaries[self.bucket[rows[0]]])
     return {k: v[rows, :width] for k, v in self.arrays.items()}
 
@@ -194,7 +201,7 @@ def pack_examples(arrays, order, length: int, open_rows: int = OPEN_ROWS) -> dic
   return out
 
 
-class PackedBatches:
+class PackedBatches(_Epochs):
   """Endless batches of packed rows (pack_examples) of `length` tokens.
 
   Each epoch, seeded by (seed, epoch): the examples are shuffled, packed in
@@ -214,35 +221,21 @@ class PackedBatches:
     self.rows = max(multiple, batch_tokens // length // multiple * multiple) if batch_tokens \
         else batch_size
     self.process_index, self.process_count = process_index, process_count
-    self.epoch, self.index = 0, 0
-    self._packed = self._pack(0)
+    self._begin(0)
 
-  def _pack(self, epoch) -> dict:
+  def _new_epoch(self, epoch):
     order = np.random.default_rng([self.seed, epoch]).permutation(self.num)
     packed = pack_examples(self.arrays, order, self.length)
     if len(packed['inputs']) < self.rows:
       raise ValueError(f'{self.num} examples pack into {len(packed["inputs"])} rows of '
                        f'{self.length} tokens, fewer than a batch of {self.rows} rows')
-    return packed
-
-  def get_state(self) -> dict:
-    return {'epoch': int(self.epoch), 'index': int(self.index)}
-
-  def set_state(self, state: dict):
-    self.epoch, self.index = int(state['epoch']), int(state['index'])
-    self._packed = self._pack(self.epoch)
-
-  def __iter__(self):
-    return self
+    self._packed = packed
 
   def __next__(self):
-    if self.index + self.rows > len(self._packed['inputs']):
-      self.epoch, self.index = self.epoch + 1, 0
-      self._packed = self._pack(self.epoch)
-    share = self.rows // self.process_count
-    start = self.index + self.process_index * share
-    self.index += self.rows
-    return {k: v[start:start + share] for k, v in self._packed.items()}
+    start = self._take(self.rows, len(self._packed['inputs']))
+    return {k: process_share(v[start:start + self.rows], self.process_index,
+                             self.process_count)
+            for k, v in self._packed.items()}
 
 
 class LMWindows:
@@ -260,8 +253,7 @@ class LMWindows:
       raise ValueError(f'a stream of {len(stream)} tokens is shorter than context '
                        f'{context} + 2')
     self.stream, self.context, self.batch_size, self.seed = stream, context, batch_size, seed
-    self.per_process = batch_size // process_count
-    self.offset = process_index * self.per_process
+    self.process_index, self.process_count = process_index, process_count
     self.index = 0
     self._window = np.arange(context)
 
@@ -277,7 +269,7 @@ class LMWindows:
   def __next__(self):
     rng = np.random.default_rng([self.seed, self.index])
     starts = rng.integers(0, len(self.stream) - self.context, size=self.batch_size)
-    starts = starts[self.offset:self.offset + self.per_process]
+    starts = process_share(starts, self.process_index, self.process_count)
     self.index += 1
     rows = starts[:, None] + self._window
     return {'inputs': self.stream[rows], 'targets': self.stream[rows + 1]}

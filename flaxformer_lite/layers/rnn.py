@@ -32,7 +32,6 @@ cache (inside `init`) leaves it zero; step 0 starts from the bridge.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers.attention import MultiHeadAttention
+from flaxformer_lite.layers.config import LayerConfig
 from flaxformer_lite.layers.embeddings import Embed
 
 # OptimizedLSTMCell: LSTMCell's math with the four gates in one matmul.
@@ -47,22 +47,10 @@ CELLS = {'lstm': nn.OptimizedLSTMCell, 'gru': nn.GRUCell}
 
 
 @dataclasses.dataclass(frozen=True)
-class RNNConfig:
-  """Everything the RNN modules need (built by `models.build`)."""
-  vocab_size: int
-  d_model: int = 128
-  num_heads: int = 1
-  num_kv_heads: int = 0  # key/value heads; 0: num_heads
-  num_encoder_layers: int = 1
-  num_decoder_layers: int = 1
+class RNNConfig(LayerConfig):
+  """Everything the RNN modules need: LayerConfig's fields and these."""
   cell: str = 'lstm'
   input_feeding: bool = True
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
-  attention: str = 'dot_product'
-  attention_kwargs: Mapping[str, Any] | None = None
-  dtype: Any = jnp.float32
-  decode: bool = False
 
 
 def _cell(cfg: RNNConfig, features: int, name: str | None = None):

@@ -6,7 +6,7 @@ Pre-LN (default; LN before each sublayer, one final LN per stack) or post-LN
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -14,31 +14,20 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers.attention import MultiHeadAttention
+from flaxformer_lite.layers.config import LayerConfig
 from flaxformer_lite.layers.embeddings import AddPositions, Embed
 
 ACTIVATIONS = {'relu': nn.relu, 'gelu': nn.gelu}
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """Everything the Transformer modules need (built by `models.build`)."""
-  vocab_size: int
-  d_model: int = 128
-  num_heads: int = 4
-  num_kv_heads: int = 0  # key/value heads; 0: num_heads
-  num_encoder_layers: int = 2
-  num_decoder_layers: int = 2
+class TransformerConfig(LayerConfig):
+  """Everything the Transformer modules need: LayerConfig's fields and these."""
   mlp_dim: int = 512
-  dropout_rate: float = 0.1
-  attention_dropout_rate: float = 0.0
-  attention: str = 'dot_product'
-  attention_kwargs: Mapping[str, Any] | None = None
   positions: str = 'sinusoidal'
   max_len: int = 512
   pre_ln: bool = True
   activation: str = 'relu'
-  dtype: Any = jnp.float32
-  decode: bool = False
   sow_weights: bool = False  # attention weights -> 'intermediates' (plots)
   # 'default': flax's lecun_normal kernels, embeddings N(0, 1/d) scaled by
   # sqrt(d) on the way in (Vaswani et al.). 'gpt2': every kernel and

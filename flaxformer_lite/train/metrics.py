@@ -1,12 +1,29 @@
-"""Where metrics go: workdir/metrics.jsonl, TensorBoard event files, the log."""
+"""Metrics: step sums to means, sacreBLEU, and where they go (workdir/metrics.jsonl,
+TensorBoard event files)."""
 from __future__ import annotations
 
 import json
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import sacrebleu
 from tensorboardX import SummaryWriter
+
+
+add_sums = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+
+
+def summarise(sums) -> dict:
+  """Metric sums -> means: loss, nll, perplexity, accuracy (and mean grad_norm sums)."""
+  tokens = max(float(sums['tokens']), 1.0)
+  out = {'loss': float(sums['loss']) / tokens, 'nll': float(sums['nll']) / tokens,
+         'accuracy': float(sums['correct']) / tokens}
+  out['perplexity'] = float(np.exp(min(out['nll'], 50.0)))
+  if 'grad_norm' in sums:
+    out['grad_norm'] = float(sums['grad_norm'])
+  return out
 
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import bottleneck
+from flaxformer_lite.layers import bottleneck
 
 B, D = 2, 3
 
