@@ -137,9 +137,8 @@ class DataParallel:
   def place_eval_batch(self, batch: dict):
     """A global evaluation batch (the same on every process) -> sharded over
     the mesh, each process contributing its own rows."""
-    count, index = jax.process_count(), jax.process_index()
-    rows = next(iter(batch.values())).shape[0] // count
-    local = {k: v[index * rows:(index + 1) * rows] for k, v in batch.items()}
+    local = {k: pipeline.process_share(v, jax.process_index(), jax.process_count())
+             for k, v in batch.items()}
     return jax.make_array_from_process_local_data(self.batch_sharding, local)
 
   def unplace_sums(self, sums):
