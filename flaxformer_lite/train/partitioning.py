@@ -27,6 +27,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from flaxformer_lite.data import pipeline
+
 MODES = ('jit', 'pmap', 'fsdp')
 
 # Logical axis -> mesh axis (None: replicated). A dimension that its mesh axis
