@@ -73,7 +73,8 @@ class Run:
       return None
     with open(path) as f:
       record = json.load(f)
-    return record if record.get('argv') == self.argv else None
+    # The interpreter aside: a moved or rebuilt venv runs the same command.
+    return record if record.get('argv', [None])[1:] == self.argv[1:] else None
 
 
 def load_grid(path: str) -> dict:
@@ -307,7 +308,9 @@ def tables_markdown(grid: dict, lines: list[dict]) -> str:
           values = _by_row(lines, name, metric).get(row)
           if values:
             mean, std, n = summarise(values)
-            cells.append(f'{mean:.3f} ± {std:.3f} (n={n})' if n > 1 else f'{mean:.3f} (n=1)')
+            digits = 2 if abs(mean) >= 10 else 3  # BLEU to 0.01, losses to 0.001
+            cells.append(f'{mean:.{digits}f} ± {std:.{digits}f} (n={n})' if n > 1
+                         else f'{mean:.{digits}f} (n=1)')
           else:
             cells.append('–')
         wall = walls.get(row)

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import statistics
+import sys
 import textwrap
 
 import pytest
@@ -109,7 +110,11 @@ def test_grid_runs_each_cell_once_resumes_after_a_failure_and_tabulates(tmp_path
     assert f'| {row} | {cell} |' in table
   assert os.path.getsize(tmp_path / 'out' / 's_t.png') > 1000
 
+  bleu = [10.0 * 4 + s for s in range(3)]  # 'large': two decimals above 10
+  assert f'{statistics.mean(bleu):.2f} ± {statistics.stdev(bleu):.2f} (n=3)' in table
+
   before = (tmp_path / 'out' / 'results.csv').read_text()
+  monkeypatch.setattr(sys, 'executable', '/another/venv/bin/python')
   assert sweep.main([grid]) == 0  # nothing left: nothing runs, the same results
   assert len(fake()) == 7
   assert (tmp_path / 'out' / 'results.csv').read_text() == before
