@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+from flaxformer_lite.train.metrics import fmt_time
+
 DONE = 'sweep_run.json'
 ENTRY = ('-m', 'flaxformer_lite.main')  # what a run executes, after the interpreter
 CSV_FIELDS = ('study', 'row', 'overrides', 'seed', 'metric', 'value', 'wall_seconds')
@@ -175,12 +177,6 @@ def final_metrics(workdir: str) -> dict:
   return out
 
 
-def _fmt_time(seconds: float) -> str:
-  m, s = divmod(int(round(seconds)), 60)
-  h, m = divmod(m, 60)
-  return f'{h}h{m:02d}m' if h else f'{m}m{s:02d}s'
-
-
 def _core_sets(jobs: int) -> list:
   """Each job slot's cores: the available ones cut into `jobs` equal parts
   (None where affinity cannot be set, or there are fewer cores than jobs)."""
@@ -201,7 +197,7 @@ def time_left(todo: list[Run], walls: dict, jobs: int) -> str:
     return 'time left unknown'
   mean = lambda ws: sum(ws) / len(ws)
   seconds = sum(mean(walls.get(r.study) or every) for r in todo) / jobs
-  return f'~{_fmt_time(seconds)} left'
+  return f'~{fmt_time(seconds)} left'
 
 
 def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
@@ -246,7 +242,7 @@ def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
           walls.setdefault(run.study, []).append(wall)
           with open(os.path.join(run.workdir, DONE), 'w') as f:
             json.dump({'argv': run.argv, 'wall_seconds': wall}, f)
-          status = f'done in {_fmt_time(wall)}'
+          status = f'done in {fmt_time(wall)}'
         else:
           failed.append(run)
           status = f'FAILED (exit {code}; {os.path.join(run.workdir, "run.log")})'
@@ -314,7 +310,7 @@ def tables_markdown(grid: dict, lines: list[dict]) -> str:
           else:
             cells.append('–')
         wall = walls.get(row)
-        cells.append(_fmt_time(sum(wall) / len(wall)) if wall else '–')
+        cells.append(fmt_time(sum(wall) / len(wall)) if wall else '–')
         out.append(f'| {row} | ' + ' | '.join(cells) + ' |')
       out.append('')
   return '\n'.join(out)

@@ -77,12 +77,6 @@ def _train_batches(config, dataset):
   return data.Batches(train, t.batch_size, seed=config.seed, **where)
 
 
-def _fmt_time(seconds: float) -> str:
-  seconds = int(seconds)
-  return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else \
-      f'{seconds // 60}m{seconds % 60:02d}s'
-
-
 def _prepare_workdir(config, workdir, allow_config_change=False):
   """Writes config.json; a resumed run must match the saved one (exit 2 if
   not, unless allow_config_change: then the differences are logged)."""
@@ -227,7 +221,7 @@ def _log_train(writer, done: int, num_steps: int, m: dict):
   eta = (num_steps - done) / m['steps_per_sec']
   log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %.1f steps/s  ETA %s',
            done, num_steps, m['loss'], m['accuracy'], m['learning_rate'],
-           m['steps_per_sec'], _fmt_time(eta))
+           m['steps_per_sec'], metrics_lib.fmt_time(eta))
 
 
 def _validate(evaluate, parallel, state, done: int, writer, log_examples: int):
@@ -267,7 +261,7 @@ def _final_results(config, dataset, evaluate, params, writer, recorded, results)
 def _log_done(num_steps: int, start: int, train_time: float, eval_seconds: float, results):
   log.info('Done: %d steps; this run trained steps %d..%d in %s (periodic evaluation '
            '%s of it). Results by split:', num_steps, start, num_steps,
-           _fmt_time(train_time), _fmt_time(eval_seconds))
+           metrics_lib.fmt_time(train_time), metrics_lib.fmt_time(eval_seconds))
   for split, m in results.items():
     log.info('  %-5s %s', split, _fmt_metrics(m))
 

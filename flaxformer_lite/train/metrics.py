@@ -26,6 +26,13 @@ def summarise(sums) -> dict:
   return out
 
 
+def fmt_time(seconds: float) -> str:
+  """'1h05m' or '4m07s': the log's and the sweep's durations."""
+  seconds = int(seconds)
+  return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else \
+      f'{seconds // 60}m{seconds % 60:02d}s'
+
+
 def bleu(hypotheses: list[str], references: list[str]) -> float:
   """Corpus sacreBLEU (13a tokenization, cased) of detokenized text, 0..100."""
   if len(hypotheses) != len(references):
