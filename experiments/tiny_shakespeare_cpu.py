@@ -13,7 +13,7 @@ peak. The peak learning rate is 3e-3 rather than nanoGPT's 1e-3 (at 1e-3:
 Raw data: data.manual_dir (input.txt), else downloaded from karpathy/char-rnn.
 Expected: validation loss 1.769 (bpc 2.55) over every character of the
 validation split after 2000 steps (nanoGPT reports 1.88, averaged over 20
-random batches); 66 s wall on 2 CPU cores.
+random batches); 105 s wall on 2 CPU cores.
 """
 import os
 import runpy
