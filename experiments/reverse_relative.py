@@ -11,8 +11,8 @@ metrics.jsonl) measures it on lengths 17..32.
   ./launch.sh sweep experiments/sweeps/length_generalisation.py --jobs=2   # every scheme, Shaw's k
 
 Expected: in-distribution sequence accuracy near 1.0 for every scheme; the
-long-length numbers (the sweep's tables) are in the README. About 2.5
-minutes a run on 2 CPU cores.
+long-length numbers (the sweep's tables) are in the README. About 5
+minutes a run on one CPU core.
 """
 import os
 import runpy
