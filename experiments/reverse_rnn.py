@@ -12,15 +12,14 @@ attention head scoring the decoder state against the encoder outputs, no
 dropout (the task is noiseless). Attention follows the decoder step, for
 every scoring function (Luong's order; see layers/rnn.py). Training: 1000
 steps of 64 sequences, Adam with linear warmup and cosine decay.
-Expected, measured on 2 shared CPU cores (load average 1-2 from other jobs;
-wall time includes data preparation, compilation and evaluation):
-  attention=bahdanau       eval sequence_accuracy 1.000 (test 1.000), 55 s wall
-  attention=luong_general  eval sequence_accuracy 0.998 (test 0.996), 57 s wall
-  rnn_cell=gru (bahdanau)  eval sequence_accuracy 1.000 (test 1.000), 56 s wall
-Both attentions pass 0.95 by step 750 (bahdanau 0.905 at step 250, 1.000 at
-750; luong_general 0.684 at 250, 0.975 at 750). Under a load average of ~5 the
-bahdanau run took 2m32s, same numbers. Lengths 17..32 (not trained on):
-long_sequence_accuracy 0.10 (bahdanau), 0.61 (luong_general), 0.12 (gru).
+Expected on a 2-core CPU (wall time includes data preparation, compilation
+and evaluation):
+  attention=bahdanau       eval sequence_accuracy 1.000 (test 1.000), 83 s wall
+  rnn_cell=gru (bahdanau)  eval sequence_accuracy 1.000 (test 1.000), 85 s wall
+  attention=luong_general  eval sequence_accuracy 0.993 (one core, 92 s training)
+Lengths 17..32 (not trained on): long_sequence_accuracy 0.11 (bahdanau), 0.12
+(gru), 0.65 (luong_general). The README's attention-family table has every
+scoring function on this task (benchmarks/compare_attention.py).
 """
 from flaxformer_lite import config as config_lib
 
