@@ -60,6 +60,13 @@ def mean_values(value, params, q_pos, m):
   return jnp.broadcast_to(mean, (value.shape[0], q_pos.shape[0]) + value.shape[2:])
 
 
+def _read_skewed(padded, n: int, length: int):
+  """[..., n * (L + 1)] (n rows of L + 1, flat) -> [..., n, L], reading with
+  stride L so that row i starts i places further left than row i - 1."""
+  flat = jax.lax.slice_in_dim(padded, n - 1, n - 1 + n * length, axis=-1)
+  return flat.reshape(padded.shape[:-1] + (n, length))
+
+
 def rel_shift(x):
   """x [..., n, L] -> [..., n, L - n + 1], out[..., i, j] = x[..., i, j - i + n - 1].
 
@@ -71,17 +78,24 @@ def rel_shift(x):
   """
   n, length = x.shape[-2:]
   lead = x.shape[:-2]
-  x = jnp.pad(x, [(0, 0)] * (len(lead) + 1) + [(0, 1)])  # rows of length L + 1 ...
-  # ... read with stride L: row i starts i places further left.
-  flat = jax.lax.slice_in_dim(x.reshape(lead + (-1,)), n - 1, n - 1 + n * length, axis=-1)
-  return flat.reshape(lead + (n, length))[..., :length - n + 1]
+  x = jnp.pad(x, [(0, 0)] * (len(lead) + 1) + [(0, 1)])  # rows of length L + 1
+  return _read_skewed(x.reshape(lead + (-1,)), n, length)[..., :length - n + 1]
 
 
 def by_offset(x, bq: int, bk: int):
   """x [..., bq + bk - 1], indexed by j - i + bq - 1 -> [..., bq, bk] with
   out[..., i, j] = x[..., j - i + bq - 1]: a value per diagonal of a block,
-  spread over the block (rel_shift of x tiled over the rows)."""
-  return rel_shift(jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (bq, bq + bk - 1)))
+  spread over the block.
+
+  rel_shift of x tiled over the rows, with the one row padded before the
+  tile: padding the tiled rows instead leaves XLA a block-sized buffer to
+  fill (t5_bias's chunked temp memory, benchmarks/relative_attention.py).
+  """
+  length = bq + bk - 1
+  lead = x.shape[:-1]
+  x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 1)])  # [..., L + 1]
+  tiled = jnp.broadcast_to(x[..., None, :], lead + (bq, length + 1)).reshape(lead + (-1,))
+  return _read_skewed(tiled, bq, length)[..., :bk]
 
 
 def distance_range(n: int, m: int, q_offset, chunk_size):
