@@ -84,18 +84,20 @@ def main(argv=None):
       mem = {k: timing.memory(fn, a)['temp'] for k, (fn, a) in fns.items()}
       if variant != 'dot_product':  # c/dot_c from times taken side by side, not rows apart
         fns['dot_chunked'] = dot_chunked
-      times = ({k: float('nan') for k in fns} if args.memory_only else
+      times = ({} if args.memory_only else
                {k: timing.median(t) for k, t in
                 timing.interleaved_times(fns, args.repeats).items()})
-      times.setdefault('dot_chunked', times['chunked'])
-      dense = 'dense' in fns
-      fmt = lambda v, spec: format(v, spec) if dense else format('-', spec[:-3] + 's')  # noqa
+      times.setdefault('dot_chunked', times.get('chunked'))
       if variant in args.variants:
-        print(f'{variant:14s} {n:6d} {b:2d} {fmt(times.get("dense", 0), "9.0f")} '
-              f'{times["chunked"]:9.0f} {fmt(times["chunked"] / times.get("dense", 1), "8.2f")} '
-              f'{fmt(mem.get("dense", 0), "9.0f")} {mem["chunked"]:9.0f} '
-              f'{fmt(mem["chunked"] / mem.get("dense", 1), "7.2f")} '
-              f'{times["chunked"] / times["dot_chunked"]:7.2f}', flush=True)
+        ratio = lambda a, b: a / b if a is not None and b is not None else None  # noqa
+        row = [(times.get('dense'), '9.0f'), (times.get('chunked'), '9.0f'),
+               (ratio(times.get('chunked'), times.get('dense')), '8.2f'),
+               (mem.get('dense'), '9.0f'), (mem['chunked'], '9.0f'),
+               (ratio(mem['chunked'], mem.get('dense')), '7.2f'),
+               (ratio(times.get('chunked'), times['dot_chunked']), '7.2f')]
+        cells = ' '.join(format('-' if v is None else v, spec if v is not None else
+                                '>' + spec.split('.')[0] + 's') for v, spec in row)
+        print(f'{variant:14s} {n:6d} {b:2d} {cells}', flush=True)
 
 
 if __name__ == '__main__':

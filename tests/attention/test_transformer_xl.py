@@ -12,28 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import chunked
 from flaxformer_lite.attention.transformer_xl import transformer_xl_attention
-
-
-@pytest.mark.parametrize('n,m', [(1, 5), (4, 4), (3, 7), (6, 2), (5, 1)])
-def test_rel_shift_moves_each_offset_to_its_key(n, m):
-  x = np.random.default_rng(0).normal(size=(2, 3, n, n + m - 1)).astype(np.float32)
-  got = np.asarray(chunked.rel_shift(jnp.asarray(x)))
-  assert got.shape == (2, 3, n, m)
-  for i in range(n):
-    for j in range(m):
-      np.testing.assert_array_equal(got[..., i, j], x[..., i, j - i + n - 1])
-
-
-@pytest.mark.parametrize('bq,bk', [(1, 5), (4, 4), (3, 7), (6, 2), (5, 1)])
-def test_by_offset_spreads_each_diagonal_over_its_block(bq, bk):
-  x = np.random.default_rng(1).normal(size=(2, 3, bq + bk - 1)).astype(np.float32)
-  got = np.asarray(chunked.by_offset(jnp.asarray(x), bq, bk))
-  assert got.shape == (2, 3, bq, bk)
-  for i in range(bq):
-    for j in range(bk):
-      np.testing.assert_array_equal(got[..., i, j], x[..., j - i + bq - 1])
 
 
 def _loop(q, k, v, w_r, u, bias_v, mask, q_offset, softmax):
