@@ -17,6 +17,9 @@ The outputs and the gradients of query, key, value and every parameter table
 must match the dense form's. All cases are traced into one jit and compiled
 once with XLA:CPU's LLVM code generation at -O0: far less compile time than a
 compilation per case at full optimisation (XLA's HLO passes still run).
+
+The two skew helpers the relative forms use per block (rel_shift, by_offset)
+are checked index by index against their formulas.
 """
 import functools
 import math
