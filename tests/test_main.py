@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from flaxformer_lite import config as config_lib
 from flaxformer_lite import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +61,7 @@ for path in sys.argv[2:]:
   width = d.max_len + (objective == 'seq2seq')  # + EOS
   rows = t.batch_tokens // width if t.batch_tokens else t.batch_size
   batch = {k: np.full((rows, width), 5, np.int32) for k in ('inputs', 'targets')}
-  parallel = partitioning.DataParallel(t.parallel)
+  parallel = partitioning.Partitioner(t.parallel)
   train_rows = partitioning.padded_rows(rows, jax.local_device_count() * t.grad_accum_steps)
   placed = parallel.place_batch(data.pad_rows(batch, train_rows))
   if lower:

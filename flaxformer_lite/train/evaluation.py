@@ -30,7 +30,7 @@ class Evaluator:
 
   def __init__(self, config, model, dataset, place_batch=None):
     self.config, self.dataset = config, dataset
-    self.place_batch = place_batch or (lambda batch: batch)  # DataParallel.place_eval_batch
+    self.place_batch = place_batch or (lambda batch: batch)  # Partitioner.place_eval_batch
     self.objective = steps.OBJECTIVES[config.model.type]
     # Each batch of eval.batch_size examples is padded with weight-0 rows to
     # split over the devices: the metrics do not depend on the device count.

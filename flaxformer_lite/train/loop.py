@@ -273,7 +273,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   dataset = _load_dataset(config)
   _prepare_workdir(config, workdir, allow_config_change)
   t = config.train
-  parallel = partitioning.DataParallel(t.parallel, t.model_parallel)
+  parallel = partitioning.Partitioner(t.parallel, t.model_parallel)
   model = models.build(config.model)
   train_iter = _train_batches(config, dataset)
   state, dropout_rng = _init_state(config, model, dataset, parallel)

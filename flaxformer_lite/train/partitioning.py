@@ -50,8 +50,9 @@ def padded_rows(rows: int, multiple: int) -> int:
   return -(-rows // multiple) * multiple
 
 
-class DataParallel:
-  """Where the state and batches live, and how the step is compiled."""
+class Partitioner:
+  """Where the state and batches live on the (data, model) mesh, and how the
+  step is compiled (jit, fsdp or pmap)."""
 
   def __init__(self, mode: str, model_parallel: int = 1):
     if mode not in MODES:

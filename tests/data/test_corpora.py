@@ -1,7 +1,6 @@
 """Real corpora builders: row counts and texts equal the raw files, bad lines counted, catalog."""
 import gzip
 import logging
-import os
 import pathlib
 
 import pytest

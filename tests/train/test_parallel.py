@@ -181,7 +181,7 @@ for path, workdir in zip(sys.argv[1::2], sys.argv[2::2]):
   config = config_lib.from_json(open(path).read())
   loop.train_and_evaluate(config, workdir)
   t = config.train
-  parallel = partitioning.DataParallel(t.parallel, t.model_parallel)
+  parallel = partitioning.Partitioner(t.parallel, t.model_parallel)
   model = models.build(config.model)
   batch = {k: jax.numpy.ones((2, 7), jax.numpy.int32) for k in ('inputs', 'targets')}
   state = jax.eval_shape(lambda: state_lib.create(model, config, batch, jax.random.key(0)))
@@ -223,12 +223,12 @@ def test_model_axis_follows_the_one_device_curve_and_shards_by_the_rules(tiny_co
     base.model.attention = attention
     loop.train_and_evaluate(base, str(tmp_path / attention))
     curves[attention] = _curve(str(tmp_path / attention))
-    for (data, model), mode in meshes.items():
+    for (data_ways, model), mode in meshes.items():
       if attention == 'dot_product' and model == 1:
         continue  # the data-parallel test above trains dot_product on 8 devices
       config = config_lib.from_json(config_lib.to_json(base))
       config.train.parallel, config.train.model_parallel = mode, model
-      runs.append((config, str(tmp_path / f'{attention}_{data}x{model}')))
+      runs.append((config, str(tmp_path / f'{attention}_{data_ways}x{model}')))
   args = []
   for i, (config, workdir) in enumerate(runs):
     path = tmp_path / f'model_axis_{i}.json'
@@ -350,7 +350,7 @@ cfg.model.update(vocab_size=12, d_model=16, num_heads=2, mlp_dim=32, dropout_rat
                  num_encoder_layers=1, num_decoder_layers=1)
 batch = {k: np.full((8, 5), 3, np.int32) for k in ('inputs', 'targets')}
 state = state_lib.create(models.build(cfg.model), cfg, batch, jax.random.key(0))
-parallel = partitioning.DataParallel('fsdp')
+parallel = partitioning.Partitioner('fsdp')
 parallel.layout(state, state_lib.param_axes(models.build(cfg.model), cfg, batch))
 state = parallel.place_state(state)
 step = parallel.compile_step(steps.train_step, label_smoothing=0.0)
