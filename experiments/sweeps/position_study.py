@@ -13,7 +13,7 @@ Results: benchmarks/results/position_study/ (results.csv, tables.md, a figure
 per table); the workdirs in workdirs/position_study/. Expected (mean over 3
 seeds): test2016 BLEU 15.5 sinusoidal, 15.0 shaw k=16, 16.6 rotary, 13.7 no
 positions; shaw k=0 13.3, k=1-4 ~16; Tiny Shakespeare 1.699 sinusoidal, 1.623
-shaw. 2h27m on 2 CPU cores with --jobs=2.
+shaw. 2h11m on 2 CPU cores with --jobs=2.
 """
 
 import os
