@@ -48,6 +48,16 @@ def _step(variant, implementation, args, x):
   return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x, d_y)
 
 
+def _ratio(a, b):
+  """a / b, or None where either was not measured (no dense run, --memory_only)."""
+  return None if a is None or b is None else a / b
+
+
+def _cell(value, spec):
+  """value in format spec ('9.0f'), or '-' right-aligned to the same width."""
+  return format(value, spec) if value is not None else format('-', '>' + spec.split('.')[0])
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--variants', nargs='+', default=registry.chunked_names())
@@ -89,15 +99,12 @@ def main(argv=None):
                 timing.interleaved_times(fns, args.repeats).items()})
       times.setdefault('dot_chunked', times.get('chunked'))
       if variant in args.variants:
-        ratio = lambda a, b: a / b if a is not None and b is not None else None  # noqa
         row = [(times.get('dense'), '9.0f'), (times.get('chunked'), '9.0f'),
-               (ratio(times.get('chunked'), times.get('dense')), '8.2f'),
+               (_ratio(times.get('chunked'), times.get('dense')), '8.2f'),
                (mem.get('dense'), '9.0f'), (mem['chunked'], '9.0f'),
-               (ratio(mem['chunked'], mem.get('dense')), '7.2f'),
-               (ratio(times.get('chunked'), times['dot_chunked']), '7.2f')]
-        cells = ' '.join(format('-' if v is None else v, spec if v is not None else
-                                '>' + spec.split('.')[0] + 's') for v, spec in row)
-        print(f'{variant:14s} {n:6d} {b:2d} {cells}', flush=True)
+               (_ratio(mem['chunked'], mem.get('dense')), '7.2f'),
+               (_ratio(times.get('chunked'), times['dot_chunked']), '7.2f')]
+        print(f'{variant:14s} {n:6d} {b:2d}', *(_cell(v, spec) for v, spec in row), flush=True)
 
 
 if __name__ == '__main__':
