@@ -261,11 +261,6 @@ def validate(model_config) -> None:
   check_choice('model.dtype', m.dtype, tuple(DTYPES))
   for key in ('dropout_rate', 'attention_dropout_rate'):
     check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')
-  implementation, _ = registry.resolve_kernel(m.attention, m.attention_kwargs)
-  check(implementation != 'chunked' or m.attention_dropout_rate == 0.0,
-        f"model.attention_kwargs.implementation='chunked' has no attention dropout, and "
-        f'model.attention_dropout_rate={m.attention_dropout_rate}; set it to 0, or use '
-        f"implementation='auto' (dense while attention dropout is on) or 'dense'")
   check_choice('model.rnn_cell', m.rnn_cell, tuple(CELLS))
   if m.type == 'rnn_seq2seq':
     check(m.d_model % 2 == 0,

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny experiment config and a per-session TFDS data dir."""
+"""Shared fixtures: a tiny experiment config, a per-session TFDS data dir, and
+attention dropout's keep mask one weight at a time."""
 import contextlib
 import os
 import subprocess
@@ -12,6 +13,7 @@ if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
                              + ' --xla_backend_optimization_level=0').strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from flaxformer_lite import config as config_lib
@@ -185,3 +187,33 @@ def small_options():
     defaults = registry.get(name).kwargs
     return {**{k: v for k, v in SMALL_ATTENTION_OPTIONS.items() if k in defaults}, **extra}
   return options
+
+
+def _fmix32(x: int) -> int:
+  """MurmurHash3's 32-bit finaliser on a python int (the published constants)."""
+  x ^= x >> 16
+  x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+  x ^= x >> 13
+  x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+  return x ^ (x >> 16)
+
+
+def _loop_keep(seed: int, rate: float, b: int, h: int, n: int, m: int):
+  """bool [b, h, n, m]: attention dropout's keep bit of each weight, one at a
+  time in python integers (the hash that dropout.py documents)."""
+  keep = np.zeros((b, h, n, m), bool)
+  for bi in range(b):
+    for hi in range(h):
+      head = _fmix32(seed ^ _fmix32((bi * h + hi + 0x9E3779B9) & 0xFFFFFFFF))
+      for i in range(n):
+        row = _fmix32((head + i * 0x9E3779B1) & 0xFFFFFFFF)
+        for j in range(m):
+          word = _fmix32(row ^ ((j * 0x85EBCA77) & 0xFFFFFFFF))
+          keep[bi, hi, i, j] = word >= min(round(rate * 2**32), 2**32 - 1)
+  return keep
+
+
+@pytest.fixture
+def loop_keep():
+  """loop_keep(seed, rate, b, h, n, m) -> bool [b, h, n, m]: dropout's keep mask."""
+  return _loop_keep

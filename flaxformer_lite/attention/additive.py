@@ -74,30 +74,31 @@ def _block_logits(q, k, params, q_pos, k_pos):
   return additive_logits(q, k, params['v'])
 
 
-def _chunked(q, k, value, params, *, mask, q_offset, chunk_size, dtype):
+def _chunked(q, k, value, params, *, mask, q_offset, chunk_size, dtype, **dropout):
   chunk_size = min(chunk_size or ADDITIVE_CHUNK_SIZE, ADDITIVE_CHUNK_SIZE)
   out = chunked.attend(q.astype(jnp.float32), k.astype(jnp.float32), value,
                        chunked.BlockTerms(logits=_block_logits), params, mask=mask,
-                       q_offset=q_offset, chunk_size=chunk_size, dtype=jnp.float32)
+                       q_offset=q_offset, chunk_size=chunk_size, dtype=jnp.float32,
+                       **dropout)
   return out.astype(dtype)
 
 
 def bahdanau_chunked(query, key, value, additive_v, *, mask=None, q_offset=0,
-                     chunk_size=None, dtype=None):
+                     chunk_size=None, dtype=None, **dropout):
   """bahdanau_attention block by block (chunked.attend; blocks of at most
   ADDITIVE_CHUNK_SIZE)."""
   return _chunked(query, key, value, {'v': additive_v}, mask=mask, q_offset=q_offset,
-                  chunk_size=chunk_size, dtype=dtype or query.dtype)
+                  chunk_size=chunk_size, dtype=dtype or query.dtype, **dropout)
 
 
 def luong_concat_chunked(query, key, value, concat_wq, concat_wk, concat_v, *, mask=None,
-                         q_offset=0, chunk_size=None, dtype=None):
+                         q_offset=0, chunk_size=None, dtype=None, **dropout):
   """luong_concat_attention block by block: Wq and Wk applied to each block
   as it is read (bq d^2 beside the block's bq bk d tanh), so no projected
   [b, n, h, d] copy of q or k is kept for the backward pass."""
   return _chunked(query, key, value, {'v': concat_v, 'wq': concat_wq, 'wk': concat_wk},
                   mask=mask, q_offset=q_offset, chunk_size=chunk_size,
-                  dtype=dtype or query.dtype)
+                  dtype=dtype or query.dtype, **dropout)
 
 
 def _v_init(head_dim):

@@ -76,14 +76,15 @@ def _block_logits(slopes, q, k, params, q_pos, k_pos):
           - slopes[None, :, None, None] * distance[None, None])
 
 
-def alibi_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None):
+def alibi_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None,
+                  **dropout):
   """alibi_attention block by block (chunked.attend): the bias of each block
   from its positions, never an [n, m] array."""
   alibi_slopes(query.shape[2])  # checks num_heads
   slopes = _slopes(query.shape[2])  # a constant: closed over
   terms = chunked.BlockTerms(logits=functools.partial(_block_logits, slopes))
   return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype)
+                             chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 registry.register(registry.AttentionVariant(

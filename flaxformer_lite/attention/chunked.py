@@ -24,7 +24,23 @@ A variant describes its block with `BlockTerms`:
       output of a query that sees no key (the dense path's rule: uniform
       weights, see dot_product.py).
 The backward pass differentiates `logits` and `values` one block at a time
-(`jax.vjp`), so a variant writes its forward math only. Gradients of
+(`jax.vjp`), so a variant writes its forward math only.
+
+Attention dropout (FlashAttention's): each block draws its keep bits from
+dropout.py's hash of (row, head, query, key), in the forward and again in
+the backward, so no mask is stored and the dense kernel drops the same
+weights. The row sums use the undropped probabilities; the block's values
+term gets the dropped ones, p * keep / (1 - rate).
+
+Keys and values may have fewer heads than the queries (grouped-query
+attention, g dividing h): query head i reads key/value head i // (h / g).
+Each block copies its g heads to h, a block-sized copy, never the whole
+keys and values (nor a decoding cache).
+
+Blocks that the causal or window parts hide are outside the loops' bounds;
+blocks that key padding, query padding or segments hide for every row of
+the batch are skipped by a `lax.cond` (packed rows do no cross-example work
+where a whole block is cross-example). Gradients of
 `params` (position tables) are summed over the blocks in a fixed order:
 deterministic on every backend.
 """
@@ -36,6 +52,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.attention import dropout
 from flaxformer_lite.attention.masks import MaskSpec, pad_to
 
 DEFAULT_CHUNK_SIZE = 512
@@ -131,44 +148,61 @@ class BlockTerms:
 
 def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
            mask: MaskSpec | None = None, q_offset=0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-           dtype=None):
+           dtype=None, dropout_rate: float = 0.0, dropout_rng=None):
   """Attention over blocks, never holding an [n, m] array.
 
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i (already
-      scaled if the variant's scores are); key [b, m, h, d]; value [b, m, h, dv].
-    terms: the variant's block math (BlockTerms).
+      scaled if the variant's scores are); key [b, m, g, d]; value
+      [b, m, g, dv], g dividing h (g < h: grouped-query attention).
+    terms: the variant's block math (BlockTerms), called with h heads.
     params: a pytree of arrays `terms` uses (position tables), or None.
     mask: a MaskSpec (None: every key visible).
     q_offset: int, may be traced (decoding with a cache).
     chunk_size: rows and columns per block; lengths need not divide it.
+    dropout_rate, dropout_rng: attention dropout (dropout.py's keep mask);
+      off when the rate is 0 or the key None.
   Returns:
     [b, n, h, dv] in `dtype` (default: query's dtype).
   """
   dtype = dtype or query.dtype
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   b, n, h, _ = query.shape
-  m = key.shape[1]
+  m, g = key.shape[1], key.shape[2]
+  if h % g:
+    raise ValueError(f'{g} key/value heads do not divide {h} query heads')
   chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
     raise ValueError(f'chunk_size={chunk_size!r}; must be an int >= 1')
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f'dropout_rate={dropout_rate!r}; must be in [0, 1)')
+  rate = dropout_rate if dropout_rng is not None else 0.0
+  seed = dropout.seed(dropout_rng) if rate else jnp.uint32(0)
   bq, bk = min(chunk_size, n), min(chunk_size, m)
   nq, nk = -(-n // bq), -(-m // bk)
   mask = mask if mask is not None else MaskSpec()
   may_hide_rows = mask.may_hide_rows(n, m, q_offset)
   mask = mask.padded(nq * bq, nk * bk)
   q_offset = jnp.asarray(q_offset, jnp.int32)
-  kernel = _kernel(terms, n, m, bq, bk, nq, nk)
+  kernel = _kernel(terms, n, m, bq, bk, nq, nk, rate)
   out, lse = kernel(pad_to(query, 1, nq * bq), pad_to(key, 1, nk * bk),
-                    pad_to(value, 1, nk * bk), params, mask, q_offset)
+                    pad_to(value, 1, nk * bk), params, mask, q_offset, seed)
   out = out[:, :n]
   if not may_hide_rows:
     return out.astype(dtype)
   empty = jnp.isneginf(lse[:, :, :n]).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
   # A query that sees no key gets the dense path's uniform weights; that
   # output is cheap (a mean over keys) and differentiated by plain autodiff.
-  fallback = terms.uniform(value, params, q_offset + jnp.arange(n), m)
+  # Heads of a group share their keys, so they share this output too.
+  fallback = _heads(terms.uniform(value, params, q_offset + jnp.arange(n), m), h)
   return jnp.where(empty, fallback.astype(jnp.float32), out).astype(dtype)
+
+
+def _heads(x, h: int):
+  """[b, L, g, d] -> [b, L, h, d]: group i's head for query heads i*h/g ..
+  (i+1)*h/g - 1 (the identity when g = h)."""
+  g = x.shape[2]
+  return x if g == h else jnp.repeat(x, h // g, axis=2)
 
 
 def _visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m):
@@ -179,24 +213,44 @@ def _visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m):
   return real[None, None] if ok is None else ok & real[None, None]
 
 
+def _unless_hidden(mask: MaskSpec, visible, compute, carry):
+  """compute(carry), or carry itself when no pair of the block is visible
+  (`visible` bool [..., bq, bk]) and the mask has arrays (padding, segments:
+  the causal and window parts are already in the loop bounds)."""
+  if not mask.has_arrays():
+    return compute(carry)
+  return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
+
+
 def _unblock(x, axis: int):
   """Blocks stacked first, [nb, ..., block (at axis), ...] -> [..., nb * block, ...]."""
   x = jnp.moveaxis(x, 0, axis)
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk):
-  """The custom_vjp function for these static sizes:
-  (q, k, v, params, mask, q_offset) -> (out float32 [b, nq*bq, h, dv],
-  lse float32 [b, h, nq*bq], -inf where a query sees no key)."""
+def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
+  """The custom_vjp function for these static sizes and dropout rate:
+  (q [b, nq*bq, h, d], k [b, nk*bk, g, d], v [b, nk*bk, g, dv], params,
+  mask, q_offset, seed) -> (out float32 [b, nq*bq, h, dv], lse float32
+  [b, h, nq*bq], -inf where a query sees no key)."""
 
   def block_logits(q, k, params, qs, ks, q_offset):
-    return terms.logits(q, k, params, q_offset + qs + jnp.arange(bq), ks + jnp.arange(bk))
+    return terms.logits(q, _heads(k, q.shape[2]), params, q_offset + qs + jnp.arange(bq),
+                        ks + jnp.arange(bk))
 
   def block_values(p, v, params, qs, ks, q_offset):
-    return terms.values(p, v, params, q_offset + qs + jnp.arange(bq), ks + jnp.arange(bk))
+    return terms.values(p, _heads(v, p.shape[1]), params, q_offset + qs + jnp.arange(bq),
+                        ks + jnp.arange(bk))
 
-  def forward(q, k, v, params, mask, q_offset):
+  def dropped(x, seed, qs, ks):
+    """x [b, h, bq, bk] with dropout applied: keep / (1 - rate), else 0."""
+    if not rate:
+      return x
+    keep = dropout.keep(seed, rate, x.shape[:2], (qs + jnp.arange(bq))[:, None],
+                        (ks + jnp.arange(bk))[None, :])
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
+
+  def forward(q, k, v, params, mask, q_offset, seed):
     b, _, h, _ = q.shape
     dv = v.shape[-1]
 
@@ -206,19 +260,23 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk):
       lo, hi = mask.key_block_range(q_offset + qs, q_offset + qs + bq - 1, bk, nk)
 
       def key_block(kb, carry):
-        row_max, row_sum, acc = carry
         ks = kb * bk
-        k_blk = jax.lax.dynamic_slice_in_dim(k, ks, bk, axis=1)
-        v_blk = jax.lax.dynamic_slice_in_dim(v, ks, bk, axis=1)
-        s = block_logits(q_blk, k_blk, params, qs, ks, q_offset)
-        s = jnp.where(_visible(mask, qs, ks, bq, bk, q_offset, n, m), s, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(s, -1))
-        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: any value
-        p = jnp.exp(s - shift[..., None])  # hidden pairs: exp(-inf) = 0
-        scale = jnp.exp(row_max - shift)
-        row_sum = row_sum * scale + jnp.sum(p, -1)
-        acc = acc * scale[..., None] + block_values(p, v_blk, params, qs, ks, q_offset)
-        return new_max, row_sum, acc
+        visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
+
+        def compute(carry):
+          row_max, row_sum, acc = carry
+          k_blk = jax.lax.dynamic_slice_in_dim(k, ks, bk, axis=1)
+          v_blk = jax.lax.dynamic_slice_in_dim(v, ks, bk, axis=1)
+          s = jnp.where(visible, block_logits(q_blk, k_blk, params, qs, ks, q_offset), -jnp.inf)
+          new_max = jnp.maximum(row_max, jnp.max(s, -1))
+          shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: any value
+          p = jnp.exp(s - shift[..., None])  # hidden pairs: exp(-inf) = 0
+          scale = jnp.exp(row_max - shift)
+          row_sum = row_sum * scale + jnp.sum(p, -1)
+          acc = acc * scale[..., None] + block_values(dropped(p, seed, qs, ks), v_blk, params,
+                                                      qs, ks, q_offset)
+          return new_max, row_sum, acc
+        return _unless_hidden(mask, visible, compute, carry)
 
       init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
               jnp.zeros((b, h, bq, dv), jnp.float32))
@@ -232,23 +290,25 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk):
     return _unblock(out, 1), _unblock(lse, 2)
 
   @jax.custom_vjp
-  def kernel(q, k, v, params, mask, q_offset):
-    return forward(q, k, v, params, mask, q_offset)
+  def kernel(q, k, v, params, mask, q_offset, seed):
+    return forward(q, k, v, params, mask, q_offset, seed)
 
-  def kernel_fwd(q, k, v, params, mask, q_offset):
-    out, lse = forward(q, k, v, params, mask, q_offset)
-    return (out, lse), (q, k, v, params, mask, q_offset, out, lse)
+  def kernel_fwd(q, k, v, params, mask, q_offset, seed):
+    out, lse = forward(q, k, v, params, mask, q_offset, seed)
+    return (out, lse), (q, k, v, params, mask, q_offset, seed, out, lse)
 
   def kernel_bwd(res, cotangents):
-    q, k, v, params, mask, q_offset, out, lse = res
+    q, k, v, params, mask, q_offset, seed, out, lse = res
     d_out = cotangents[0].astype(jnp.float32)  # lse only marks empty rows: no cotangent
+    # D_i = dO_i . O_i = sum_j p_ij dp_ij, dropout included (dp_ij is then
+    # keep_ij / (1 - rate) times the gradient of the dropped weight).
     delta = jnp.einsum('bnhd,bnhd->bhn', d_out, out)  # [b, h, nq*bq]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
 
     # Key block kb is read only in step kb of the outer loop, so its dk and
     # dv are written over it: the loop carries k and v and returns dk and dv
-    # in their buffers (XLA updates them in place), two [b, m, h, d] arrays
+    # in their buffers (XLA updates them in place), two [b, m, g, d] arrays
     # fewer at the backward's peak.
     def key_block(kb, carry):
       dq, k_dk, v_dv, dparams = carry
@@ -258,25 +318,30 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk):
       lo, hi = mask.query_block_range(ks, ks + bk - 1, bq, nq, q_offset)
 
       def query_block(qb, carry):
-        dq, dk_blk, dv_blk, dparams = carry
         qs = qb * bq
-        q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
-        s, pull_s = jax.vjp(lambda q_, k_, p_: block_logits(q_, k_, p_, qs, ks, q_offset),
-                            q_blk, k_blk, params)
-        lse_blk = jax.lax.dynamic_slice_in_dim(lse, qs, bq, axis=2)
-        p = jnp.where(_visible(mask, qs, ks, bq, bk, q_offset, n, m),
-                      jnp.exp(s - lse_blk[..., None]), 0.0)
-        _, pull_v = jax.vjp(lambda p_, v_, pr_: block_values(p_, v_, pr_, qs, ks, q_offset),
-                            p, v_blk, params)
-        d_out_blk = jax.lax.dynamic_slice_in_dim(d_out, qs, bq, axis=1).transpose(0, 2, 1, 3)
-        dp, dv_part, dparams_v = pull_v(d_out_blk)
-        ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, qs, bq, axis=2)[..., None])
-        dq_part, dk_part, dparams_s = pull_s(ds)
-        dq = jax.lax.dynamic_update_slice_in_dim(
-            dq, jax.lax.dynamic_slice_in_dim(dq, qs, bq, axis=1) + dq_part, qs, axis=1)
-        dparams = jax.tree.map(lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
-                               dparams, dparams_v, dparams_s)
-        return dq, dk_blk + dk_part, dv_blk + dv_part, dparams
+        visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
+
+        def compute(carry):
+          dq, dk_blk, dv_blk, dparams = carry
+          q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
+          s, pull_s = jax.vjp(lambda q_, k_, p_: block_logits(q_, k_, p_, qs, ks, q_offset),
+                              q_blk, k_blk, params)
+          lse_blk = jax.lax.dynamic_slice_in_dim(lse, qs, bq, axis=2)
+          p = jnp.where(visible, jnp.exp(s - lse_blk[..., None]), 0.0)
+          _, pull_v = jax.vjp(lambda p_, v_, pr_: block_values(p_, v_, pr_, qs, ks, q_offset),
+                              dropped(p, seed, qs, ks), v_blk, params)
+          d_out_blk = jax.lax.dynamic_slice_in_dim(d_out, qs, bq, axis=1).transpose(0, 2, 1, 3)
+          dp, dv_part, dparams_v = pull_v(d_out_blk)
+          dp = dropped(dp, seed, qs, ks)
+          ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, qs, bq, axis=2)[..., None])
+          dq_part, dk_part, dparams_s = pull_s(ds)
+          dq = jax.lax.dynamic_update_slice_in_dim(
+              dq, jax.lax.dynamic_slice_in_dim(dq, qs, bq, axis=1) + dq_part, qs, axis=1)
+          dparams = jax.tree.map(
+              lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
+              dparams, dparams_v, dparams_s)
+          return dq, dk_blk + dk_part, dv_blk + dv_part, dparams
+        return _unless_hidden(mask, visible, compute, carry)
 
       dq, dk_blk, dv_blk, dparams = jax.lax.fori_loop(
           lo, hi, query_block, (dq, zeros(k_blk), zeros(v_blk), dparams))
@@ -293,7 +358,7 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk):
     init = (jnp.full(q.shape, zero), k, v, jax.tree.map(zeros, params))
     dq, dk, dv, dparams = jax.lax.fori_loop(0, nk, key_block, init)
     dparams = jax.tree.map(lambda g, p: g.astype(p.dtype), dparams, params)
-    return (dq.astype(q.dtype), dk, dv, dparams, None, None)
+    return (dq.astype(q.dtype), dk, dv, dparams, None, None, None)
 
   kernel.defvjp(kernel_fwd, kernel_bwd)
   return kernel

@@ -144,7 +144,8 @@ def saturation(position_buckets: int, max_relative_positions: int, cap: int = 1 
 
 def deberta_chunked(query, key, value, rel_embeddings, position_key_kernel,
                     position_query_kernel, *, mask=None, q_offset=0, position_buckets=256,
-                    max_relative_positions=512, chunk_size=None, dtype=None):
+                    max_relative_positions=512, chunk_size=None, dtype=None,
+                    **dropout):
   """deberta_attention block by block (chunked.attend). The K^r and Q^r rows
   of every distance a block can meet are looked up once, by a one-hot matmul
   (a deterministic gradient), and each block slices its own. Distances past
@@ -166,7 +167,7 @@ def deberta_chunked(query, key, value, rel_embeddings, position_key_kernel,
   # dot_product_chunked scales the queries by 1/sqrt(d); / sqrt(3) completes 1/sqrt(3d).
   return dot_product_chunked(query / np.sqrt(3.0).astype(query.dtype), key, value,
                              chunked.BlockTerms(logits=_block_logits), params, mask=mask,
-                             q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
+                             q_offset=q_offset, chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 def _params(num_heads, head_dim, kwargs):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import chunked, dropout, registry
 
 # Masked logits are set to this (times the dtype's max), not -inf, so that a
 # fully masked row stays finite. Same constant as jax.nn.dot_product_attention.
@@ -52,27 +52,23 @@ def _softmax_jvp(primals, tangents):
 
 
 def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
-                    deterministic=True, dtype=None):
+                    deterministic=True, dtype=None, q_idx=None, k_idx=None):
   """Masked float32 softmax over the last axis, then dropout.
 
-  logits [..., m] -> weights [..., m] in `dtype` (default: logits' dtype).
-  Dropout zeroes weights with probability `dropout_rate` and rescales the
-  rest by 1/(1-rate), as in the paper's attention dropout.
+  logits [b, h, n, m] -> weights [b, h, n, m] in `dtype` (default: logits'
+  dtype). Dropout zeroes weights with probability `dropout_rate` and rescales
+  the rest by 1/(1-rate), as in the paper's attention dropout; its keep mask
+  is dropout.py's, the chunked kernel's (q_idx, k_idx: dropout.apply). A
+  fully masked row's uniform weights are not dropped.
   """
   dtype = dtype or logits.dtype
   weights = _softmax(masked_logits(logits.astype(jnp.float32), mask)).astype(dtype)
-  return attention_dropout(weights, dropout_rate, dropout_rng, deterministic)
-
-
-def attention_dropout(weights, rate, rng, deterministic):
-  """Zeroes weights [..., m] with probability `rate`, the rest times 1/(1-rate)
-  (the paper's attention dropout); the identity when deterministic or rate 0."""
-  if deterministic or rate == 0.0:
-    return weights
-  if rng is None:
-    raise ValueError('attention dropout needs dropout_rng when deterministic=False')
-  keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
-  return jnp.where(keep, weights / (1.0 - rate), 0).astype(weights.dtype)
+  dropped = dropout.apply(weights, dropout_rate, dropout_rng, deterministic, q_idx, k_idx)
+  if dropped is weights or mask is None:
+    return dropped
+  # A row that sees no key keeps its uniform weights whole, as in the
+  # chunked kernel (which never draws dropout for such a row).
+  return jnp.where(jnp.any(mask, -1, keepdims=True), dropped, weights)
 
 
 def dot_product_attention_weights(query, key, *, mask=None, bias=None,
@@ -82,7 +78,7 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
 
   Args:
     query: [b, n, h, d].
-    key: [b, m, h, d].
+    key: [b, m, g, d], g dividing h: query head i reads key head i // (h / g).
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
   Returns:
@@ -90,10 +86,13 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
   """
   dtype = dtype or query.dtype
   query = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  b, n, h, d = query.shape
+  g = key.shape[2]
   # Logits in float32 (at least) as in jax.nn.dot_product_attention: bfloat16
   # logits lose the small differences that the softmax exponentiates.
-  logits = jnp.einsum('bnhd,bmhd->bhnm', query, key.astype(dtype),
+  logits = jnp.einsum('bngrd,bmgd->bgrnm', query.reshape(b, n, g, h // g, d), key.astype(dtype),
                       preferred_element_type=jnp.promote_types(dtype, jnp.float32))
+  logits = logits.reshape(b, h, n, key.shape[1])
   if bias is not None:
     # In float32, not `dtype`: bfloat16 keeps 8 significant bits, so a bias
     # near 100 (ALiBi's -slope*|j-i| at long range) would move by up to 0.25.
@@ -111,7 +110,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
 
   Args:
     query: [b, n, h, d].
-    key, value: [b, m, h, d].
+    key, value: [b, m, g, d], g dividing h (grouped-query attention: query
+      head i reads head i // (h / g), in place).
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
     implementation: None or 'dense' (the default path: explicit
@@ -133,7 +133,10 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     weights = dot_product_attention_weights(
         query, key, mask=mask, bias=bias, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
-    out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
+    b, h, n, m = weights.shape
+    g = value.shape[2]
+    out = jnp.einsum('bgrnm,bmgd->bngrd', weights.reshape(b, g, h // g, n, m),
+                     value.astype(dtype)).reshape(b, n, h, value.shape[-1])
     return (out, weights) if return_weights else out
   if implementation not in ('xla', 'cudnn'):
     raise ValueError(f"implementation={implementation!r}; valid: None, "
@@ -158,15 +161,17 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
 
 
 def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
-                        mask=None, q_offset=0, chunk_size=None, dtype=None):
+                        mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
+                        dropout_rng=None):
   """dot_product_attention block by block (chunked.attend): mask a
-  masks.MaskSpec; O(n) memory, no dropout. The queries are scaled by
+  masks.MaskSpec; O(n) memory, the same attention dropout. The queries are scaled by
   1/sqrt(d) here, once; `terms` and `params` add a variant's own block terms
   to q.k (alibi, t5_bias, shaw, local)."""
   dtype = dtype or query.dtype
   scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
   return chunked.attend(scaled, key, value, terms, params, mask=mask, q_offset=q_offset,
-                        chunk_size=chunk_size, dtype=dtype)
+                        chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
+                        dropout_rng=dropout_rng)
 
 
 def cudnn_fits(query, key, *, dropout_rate=0.0, deterministic=True, return_weights=False,
@@ -195,5 +200,6 @@ registry.register(registry.AttentionVariant(
     chunked=dot_product_chunked,
     dense_implementations=('xla', 'cudnn'),
     fused_fits=cudnn_fits,
+    grouped_kv=True,
     doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
         'for jax.nn.dot_product_attention'))

@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
-from flaxformer_lite.attention.dot_product import attention_dropout, masked_logits
+from flaxformer_lite.attention import dropout, registry
+from flaxformer_lite.attention.dot_product import masked_logits
 
 
 def hard_attention(query, key, value, *, rng=None, temperature=1.0, mask=None, bias=None,
@@ -58,7 +58,7 @@ def hard_attention(query, key, value, *, rng=None, temperature=1.0, mask=None, b
     # argmax over a fully masked row picks key 0; uniform as softmax_weights instead.
     visible = jnp.any(jnp.broadcast_to(mask, logits.shape), -1, keepdims=True)
     weights = jnp.where(visible, weights, 1.0 / m)
-  weights = attention_dropout(weights.astype(dtype), dropout_rate, dropout_rng, deterministic)
+  weights = dropout.apply(weights.astype(dtype), dropout_rate, dropout_rng, deterministic)
   out = jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype))
   return (out, weights) if return_weights else out
 

@@ -8,7 +8,8 @@ The mask is and-ed with the window, so causal=False (the default) is right in ev
 (decoders pass their causal mask); causal=True also makes an encoder causal,
 and saves the blocked form a third of its work in decoders.
 
-Two forms give the same numbers (attention dropout aside: their masks differ):
+Two forms give the same numbers (attention dropout included: dropout.py's
+keep mask is a function of the query and key indices):
   blocked: queries in blocks of `window`; each block attends to its own key
     block and the previous one (and the next one if not causal): logits
     [b, h, n/w, w, 2w or 3w], so time and memory grow with n * window.
@@ -31,19 +32,20 @@ from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_w
 
 
 def window_softmax(logits, in_window, mask, *, dropout_rate=0.0, dropout_rng=None,
-                   deterministic=True, dtype=None):
+                   deterministic=True, dtype=None, q_idx=None, k_idx=None):
   """Masked softmax over the keys inside a window.
 
   logits [..., k] float32; in_window and mask (None or) boolean, broadcastable
   to it. A row with no visible key inside its window gets uniform weights over
   its window: softmax_weights' rule for fully masked rows, restricted to the
   window so that forms that see different key sets (blocked, plain) agree. An
-  empty window gives a zero row. Returns [..., k] in `dtype`.
+  empty window gives a zero row. q_idx, k_idx: each weight's query and key
+  index for dropout (dropout.apply). Returns [..., k] in `dtype`.
   """
   allowed = in_window if mask is None else jnp.logical_and(in_window, mask)
   weights = softmax_weights(logits, allowed, dropout_rate=dropout_rate,
                             dropout_rng=dropout_rng, deterministic=deterministic,
-                            dtype=dtype)
+                            dtype=dtype, q_idx=q_idx, k_idx=k_idx)
   uniform = in_window / jnp.maximum(jnp.sum(in_window, -1, keepdims=True), 1)
   return jnp.where(jnp.any(allowed, -1, keepdims=True), weights,
                    uniform.astype(weights.dtype))
@@ -114,7 +116,8 @@ def _blocked(query, key, value, *, window, causal, mask, bias, dtype, **drop):
   in_window = band(q_pos, k_pos, w, causal) & (k_pos >= 0) & (k_pos < n)  # [nb, w, ctx*w]
   if mask is not None:
     mask = _gather_blocks(mask.astype(bool), nb, w, ctx, False)
-  weights = window_softmax(logits, in_window, mask, dtype=dtype, **drop)
+  weights = window_softmax(logits, in_window, mask, dtype=dtype, q_idx=q_pos, k_idx=k_pos,
+                           **drop)
   out = jnp.einsum('bhcqk,bckhd->bcqhd', weights, v)  # [b, nb, w, h, d]
   return out.reshape(b, n, h, d)
 
@@ -162,7 +165,7 @@ def _window_mean(window, causal, value, params, q_pos, m):
 
 
 def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask=None,
-                  chunk_size=None, dtype=None):
+                  chunk_size=None, dtype=None, **dropout):
   """local_attention block by block: the window joins the mask description,
   so only the key blocks that meet a query block's window are computed,
   O(n * window). Blocks are at most max(32, 4 * window) wide: wider ones
@@ -174,7 +177,7 @@ def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask
       window=window, window_causal=causal)
   terms = chunked.BlockTerms(uniform=functools.partial(_window_mean, window, causal))
   return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype)
+                             chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 def validate_window(kwargs):

@@ -70,26 +70,26 @@ def luong_general_attention(query, key, value, general_w, *, dtype=None, **commo
 
 
 def luong_dot_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
-                      mask=None, q_offset=0, chunk_size=None, dtype=None):
+                      mask=None, q_offset=0, chunk_size=None, dtype=None, **dropout):
   """luong_dot_attention block by block (chunked.attend): unscaled q.k in
   float32, as the dense form; `terms` and `params` change the block's
   scores (luong_general)."""
   f32 = jnp.float32
   out = chunked.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
                        terms, params, mask=mask, q_offset=q_offset, chunk_size=chunk_size,
-                       dtype=f32)
+                       dtype=f32, **dropout)
   return out.astype(dtype or query.dtype)
 
 
 def luong_general_chunked(query, key, value, general_w, *, mask=None, q_offset=0,
-                          chunk_size=None, dtype=None):
+                          chunk_size=None, dtype=None, **dropout):
   """luong_general_attention block by block: unscaled (q_i W_h) . k_j in
   float32. W_h is applied to each query block as it is read (d / block more
   work than the block's dot): q W_h for all queries at once would be one
   more [b, n, h, d] array forward and another, its gradient, backward."""
   return luong_dot_chunked(query, key, value, chunked.BlockTerms(logits=_general_block_logits),
                            {'general_w': general_w.astype(jnp.float32)}, mask=mask,
-                           q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
+                           q_offset=q_offset, chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 def _general_block_logits(q, k, params, q_pos, k_pos):

@@ -48,13 +48,18 @@ class MaskSpec:
   window: int | None = flax.struct.field(pytree_node=False, default=None)
   window_causal: bool = flax.struct.field(pytree_node=False, default=False)
 
+  def has_arrays(self) -> bool:
+    """Whether a part of the mask is data (padding, segments, an explicit
+    mask), not only the causal and window rules."""
+    return any(x is not None for x in (self.key_valid, self.query_valid, self.dense,
+                                       self.query_segments))
+
   def may_hide_rows(self, n: int, m: int, q_offset=0) -> bool:
     """Whether some of n queries (query i at q_offset + i) may see none of m
     keys. Without padding or an explicit mask none can: causally every query
     sees key 0, and inside a window a query at p < m sees key p, which a
     python-int q_offset with q_offset + n <= m guarantees."""
-    if any(x is not None for x in (self.key_valid, self.query_valid, self.dense,
-                                   self.query_segments)):
+    if self.has_arrays():
       return True
     if self.window is None:
       return False

@@ -19,15 +19,18 @@ The kernel is chosen apart from the variant, by two options every variant
 takes (KERNEL_OPTIONS): `implementation` ('auto' | 'dense' | 'chunked';
 dot_product also 'xla' | 'cudnn') and `chunk_size`. A variant that can run
 block by block has `chunked`, called as `fn` but with a masks.MaskSpec (or
-None) for `mask`, `chunk_size`, and without dropout, bias or weights
-(chunked.py); `choose_kernel` decides which one runs.
+None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
+when `dropout_rng` is given), bias or weights (chunked.py); keys and values
+may have fewer heads than the queries there (grouped-query attention).
+`choose_kernel` decides which one runs.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from flaxformer_lite import model_types
 
@@ -63,6 +66,10 @@ class AttentionVariant:
   fused_fits: (query, key, dtype=) -> whether a fused kernel of
     `dense_implementations` runs these inputs; 'auto' then keeps the dense
     path, where `fn` takes it (dot_product: cuDNN on a GPU in 16 bits).
+  grouped_kv: `fn` takes keys and values with g heads, g dividing the
+    query heads h (query head i reads head i // (h / g)); without it the
+    layer copies each key/value head to its group for `fn`. The chunked
+    kernel always takes g heads.
   """
   name: str
   fn: Callable[..., Any]
@@ -78,6 +85,7 @@ class AttentionVariant:
   chunked: Callable[..., Any] | None = None
   dense_implementations: tuple[str, ...] = ()
   fused_fits: Callable[..., bool] | None = None
+  grouped_kv: bool = False
 
 
 _REGISTRY: dict[str, AttentionVariant] = {}
@@ -92,15 +100,20 @@ SHARED_OPTIONS: dict[str, str] = {
 
 # Options of every variant, not of one: which kernel runs it. implementation:
 # 'dense' (the [n, m] scores; the reference), 'chunked' (blocks, O(n)
-# memory), 'auto' (chunked for long sequences where the variant has it);
-# chunk_size: rows and columns per block of the chunked kernel.
+# memory), 'auto' (choose_kernel); chunk_size: rows and columns per block of
+# the chunked kernel; dense_max_mib: 'auto' keeps the dense kernel while one
+# call's scores (b * h * n * m in the compute dtype) take at most this many
+# MiB. Above it the chunked kernel is as fast or faster on CPU and needs a
+# fraction of the memory (benchmarks/chunked_attention.py).
 KERNELS = ('auto', 'dense', 'chunked')
-KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': 512}
-# 'auto' takes the chunked kernel from this many (query, key) pairs per
-# sequence on (n = 1024 self-attention): below it the dense kernel is about
-# as fast, above it the chunked one is faster and needs a fraction of the
-# memory (benchmarks/chunked_attention.py).
-AUTO_CHUNKED_PAIRS = 1024 * 1024
+KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': 512, 'dense_max_mib': 16}
+
+
+class Kernel(NamedTuple):
+  """A variant's kernel options, checked (resolve_kernel)."""
+  implementation: str
+  chunk_size: int
+  dense_max_mib: int
 
 
 def _check_options(variant: AttentionVariant) -> None:
@@ -184,21 +197,21 @@ def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]
   return kwargs
 
 
-def resolve_kernel(name: str, given: Mapping[str, Any] | None) -> tuple[str, int]:
-  """(implementation, chunk_size) from `given` (attention_kwargs; None = unset), checked."""
+def resolve_kernel(name: str, given: Mapping[str, Any] | None) -> Kernel:
+  """The kernel options from `given` (attention_kwargs; None = unset), checked."""
   variant = get(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
-  impl = given.get('implementation', KERNEL_OPTIONS['implementation'])
-  size = given.get('chunk_size', KERNEL_OPTIONS['chunk_size'])
-  _validate_kernel(variant, impl, size)
-  return impl, size
+  kernel = Kernel(**{k: given.get(k, default) for k, default in KERNEL_OPTIONS.items()})
+  _validate_kernel(variant, kernel)
+  return kernel
 
 
 def chunked_names() -> list[str]:
   return [name for name in names() if _REGISTRY[name].chunked is not None]
 
 
-def _validate_kernel(variant: AttentionVariant, impl, size) -> None:
+def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
+  impl, size, mib = kernel
   valid = KERNELS + variant.dense_implementations
   if impl not in valid:
     raise ValueError(f'attention_kwargs.implementation={impl!r}; valid for attention='
@@ -214,29 +227,35 @@ def _validate_kernel(variant: AttentionVariant, impl, size) -> None:
         "run) or 'dense'/'xla'/'chunked'")
   if isinstance(size, bool) or not isinstance(size, int) or size < 1:
     raise ValueError(f'attention_kwargs.chunk_size={size!r}; must be an int >= 1')
+  if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
+    raise ValueError(f'attention_kwargs.dense_max_mib={mib!r}; must be an int >= 0')
 
 
-def choose_kernel(variant: AttentionVariant, implementation: str, query, key, *,
-                  dropout: bool, return_weights: bool, dtype=None) -> str:
-  """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, h, d].
+def choose_kernel(variant: AttentionVariant, kernel: Kernel, query, key, *,
+                  return_weights: bool, dtype=None, decoding: bool = False) -> str:
+  """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, g, d].
 
-  'auto' takes the chunked form where the variant has one and the scores
-  would have at least AUTO_CHUNKED_PAIRS elements per sequence and head,
-  unless attention dropout is on, the weights are asked for (only the dense
-  path has them) or cuDNN's fused kernel fits (dot_product on a GPU). An
-  explicit 'chunked' with attention dropout is an error; with return_weights
-  (plots) the dense path runs.
+  'auto' takes the chunked form where the variant has one and the call's
+  scores, b * h * n * m in the compute dtype, would take more than
+  kernel.dense_max_mib MiB (training, evaluation and a prompt alike), or,
+  when `decoding` (queries against a cache), where the cache spans more than
+  two blocks: the chunked kernel's causal bounds stop at the cache index,
+  where the dense kernel reads all of it. It keeps the dense path where the
+  weights are asked for (only it has them) or cuDNN's fused kernel fits
+  (dot_product on a GPU). An explicit 'chunked' with return_weights (plots)
+  runs the dense path too.
   """
-  if implementation == 'chunked':
-    if dropout:
-      raise ValueError("attention_kwargs.implementation='chunked' has no attention dropout; "
-                       "set model.attention_dropout_rate=0 or implementation='dense'")
+  if kernel.implementation == 'chunked':
     return 'dense' if return_weights else 'chunked'
-  if implementation != 'auto' or variant.chunked is None or dropout or return_weights:
+  if kernel.implementation != 'auto' or variant.chunked is None or return_weights:
     return 'dense'
   if variant.fused_fits is not None and variant.fused_fits(query, key, dtype=dtype):
     return 'dense'
-  return 'chunked' if query.shape[1] * key.shape[1] >= AUTO_CHUNKED_PAIRS else 'dense'
+  (b, n, h, _), m = query.shape, key.shape[1]
+  if decoding and m > 2 * kernel.chunk_size:
+    return 'chunked'
+  score_bytes = b * h * n * m * jnp.dtype(dtype or query.dtype).itemsize
+  return 'chunked' if score_bytes > kernel.dense_max_mib * 2**20 else 'dense'
 
 
 def describe(variant: AttentionVariant) -> str:

@@ -204,7 +204,7 @@ def _uniform(k, value, params, q_pos, m):
 
 
 def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
-                 mask=None, q_offset=0, chunk_size=None, dtype=None):
+                 mask=None, q_offset=0, chunk_size=None, dtype=None, **dropout):
   """shaw_attention block by block (chunked.attend), keys and values terms
   both: per block, q meets the 2k+1 key-table rows and the weights are summed
   per clipped distance, so no [n, m] or [n, m, d] array exists; both tables'
@@ -216,7 +216,7 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
                              values=functools.partial(_block_values, k),
                              uniform=functools.partial(_uniform, k))
   return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype)
+                             chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 def _shaw_params(num_heads, head_dim, kwargs):

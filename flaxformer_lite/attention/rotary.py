@@ -63,14 +63,14 @@ def _block_logits(max_wavelength, q, k, params, q_pos, k_pos):
 
 
 def rotary_chunked(query, key, value, *, mask=None, q_offset=0, max_wavelength=10000.0,
-                   chunk_size=None, dtype=None):
+                   chunk_size=None, dtype=None, **dropout):
   """rotary_attention block by block. The rotation is applied to each block
   as it is read (O(block * d) beside the block's O(block^2 * d) dot): rotated
   copies of q and k would be two more [b, n, h, d] arrays in the forward
   pass and two more, their gradients, in the backward."""
   terms = chunked.BlockTerms(logits=functools.partial(_block_logits, max_wavelength))
   return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype)
+                             chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 def _check_head_dim(head_dim):

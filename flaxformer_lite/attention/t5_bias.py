@@ -145,14 +145,15 @@ def _block_logits(bucket_kw, q, k, params, q_pos, k_pos):
 
 def t5_bias_chunked(query, key, value, rel_embedding, *, mask=None, q_offset=0,
                     bidirectional=True, num_buckets=32, bucket_max_distance=128,
-                    chunk_size=None, dtype=None):
+                    chunk_size=None, dtype=None, **dropout):
   """t5_bias_attention block by block (chunked.attend); the table's
   gradient is summed over the blocks."""
   bucket_kw = dict(bidirectional=bidirectional, num_buckets=num_buckets,
                    max_distance=bucket_max_distance)
   terms = chunked.BlockTerms(logits=functools.partial(_block_logits, bucket_kw))
   return dot_product_chunked(query, key, value, terms, {'rel_embedding': rel_embedding},
-                             mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
+                             mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype,
+                             **dropout)
 
 
 def _validate(kwargs):

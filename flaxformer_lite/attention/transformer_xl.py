@@ -86,7 +86,7 @@ def _block_logits(q, k, params, q_pos, k_pos):
 
 
 def transformer_xl_chunked(query, key, value, position_kernel, content_bias, position_bias, *,
-                           mask=None, q_offset=0, chunk_size=None, dtype=None):
+                           mask=None, q_offset=0, chunk_size=None, dtype=None, **dropout):
   """transformer_xl_attention block by block (chunked.attend). W_R R is
   computed once for every distance a (padded) block can meet; the gradients
   of W_R, u and v flow through it and the blocks."""
@@ -97,7 +97,8 @@ def transformer_xl_chunked(query, key, value, position_kernel, content_bias, pos
             'u': content_bias.astype(jnp.float32) * scale,
             'v': position_bias.astype(jnp.float32) * scale, 'top': top}
   return dot_product_chunked(query, key, value, chunked.BlockTerms(logits=_block_logits), params,
-                             mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype)
+                             mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype,
+                             **dropout)
 
 
 def _params(num_heads, head_dim, kwargs):

@@ -31,7 +31,8 @@ class MultiHeadAttention(nn.Module):
       attention (Ainslie et al. 2023; g = 1: multi-query, Shazeer 2019):
       'key' and 'value' are [f, g, d], the decoding cache holds g heads, and
       query head i reads key/value head i // (h / g), as in the GQA paper and
-      Llama. Every variant sees h heads of keys and values.
+      Llama. The chunked kernel and dot_product's dense one read the g heads
+      in place; other dense forms get each head copied to its group.
     qkv_features: h * d (default: the input features).
     out_features: output features (default: the input features).
     attention: registry name of the attention function.
@@ -113,34 +114,39 @@ class MultiHeadAttention(nn.Module):
       key, value, mask, q_offset = self._update_cache(key, value, mask)
     elif q_offset is None:
       q_offset = 0
-    if g != h:  # contiguous groups: heads [0, h/g) read key/value head 0, and so on
-      key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
 
     variant = registry.get(self.attention)
     kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
-    implementation, chunk_size = registry.resolve_kernel(self.attention, self.attention_kwargs)
+    kernel_options = registry.resolve_kernel(self.attention, self.attention_kwargs)
     tables = variant.params(h, d, kwargs) if variant.params else {}
     params = {name: self.param(name, nn.with_logical_partitioning(init, axes), shape,
                                self.param_dtype)
               for name, (shape, init, axes) in tables.items()}
     dropout_active = not deterministic and self.dropout_rate > 0.0
+    dropout_rng = self.make_rng('dropout') if dropout_active else None
     want_weights = self.sow_weights or return_weights
-    kernel = registry.choose_kernel(variant, implementation, query, key, dropout=dropout_active,
-                                    return_weights=want_weights, dtype=self.dtype)
+    kernel = registry.choose_kernel(variant, kernel_options, query, key,
+                                    return_weights=want_weights, dtype=self.dtype,
+                                    decoding=self.decode)
     if kernel == 'chunked':
       if bias is not None:
         raise ValueError('the chunked attention kernel takes no explicit bias; use '
                          "attention_kwargs.implementation='dense'")
       spec = mask if isinstance(mask, masks.MaskSpec) else masks.MaskSpec(dense=mask)
       x = variant.chunked(query, key, value, mask=spec, q_offset=q_offset,
-                          chunk_size=chunk_size, dtype=self.dtype, **params, **kwargs)
+                          chunk_size=kernel_options.chunk_size, dtype=self.dtype,
+                          dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+                          **params, **kwargs)
       return self._out(x, features)
 
+    if g != h and not variant.grouped_kv:
+      # contiguous groups: heads [0, h/g) read key/value head 0, and so on
+      key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
     mask = masks.as_dense(mask, query.shape[1], key.shape[1], q_offset)
     if variant.uses_positions:
       kwargs['q_offset'] = q_offset
     if variant.dense_implementations:
-      kwargs['implementation'] = implementation
+      kwargs['implementation'] = kernel_options.implementation
     if variant.stochastic:
       kwargs['rng'] = None if deterministic else self.make_rng('dropout')
     if variant.uses_alignment:
@@ -150,8 +156,7 @@ class MultiHeadAttention(nn.Module):
       kwargs['prev_alignment'] = prev_alignment
     x = variant.fn(
         query, key, value, mask=mask, bias=bias,
-        dropout_rate=self.dropout_rate,
-        dropout_rng=self.make_rng('dropout') if dropout_active else None,
+        dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
         deterministic=deterministic, dtype=self.dtype,
         return_weights=want_weights, **params, **kwargs)
     if want_weights:

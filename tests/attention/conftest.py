@@ -84,3 +84,4 @@ def _ref_bucket(rel, bidirectional, num_buckets, max_distance):
 def t5_ref_bucket():
   """t5_ref_bucket(rel, bidirectional, num_buckets, max_distance): T5's bucket, scalar reference."""
   return _ref_bucket
+

@@ -288,12 +288,14 @@ def test_deterministic_ignores_dropout():
 
 @pytest.mark.parametrize('implementation', [None, 'dense'])
 @pytest.mark.parametrize('seed', [0, 1])
-def test_dropout_matches_loop_with_same_keep_mask(implementation, seed):
+def test_dropout_matches_loop_with_same_keep_mask(implementation, seed, loop_keep):
   q, k, v = _qkv(14 + seed)
   mask = np.random.default_rng(seed).random((B, 1, N, M)) < 0.7
+  mask[0, 0, 1] = False  # a row that sees no key keeps its uniform weights whole
   rng = jax.random.PRNGKey(seed)
-  # The documented algorithm: keep ~ Bernoulli(1 - rate) over [b, h, n, m].
-  keep = np.asarray(jax.random.bernoulli(rng, 1.0 - RATE, (B, H, N, M)))
+  # The documented algorithm: the hash of (row, head, query, key) and a seed
+  # drawn from the key (attention/dropout.py).
+  keep = loop_keep(int(jax.random.bits(rng, (), jnp.uint32)), RATE, B, H, N, M)
   assert 0 < keep.sum() < keep.size
   w = dot_product_attention_weights(jnp.asarray(q), jnp.asarray(k), mask=jnp.asarray(mask),
                                     dropout_rate=RATE, dropout_rng=rng, deterministic=False)
@@ -365,9 +367,9 @@ def test_resolve_kwargs_ignores_none_values_and_keeps_the_kernel_apart():
   assert registry.get('dot_product').kwargs == {}  # the kernel options are every variant's
   assert registry.resolve_kwargs('dot_product', {'max_distance': None}) == {}
   assert registry.resolve_kwargs('dot_product', {'implementation': 'dense'}) == {}
-  assert registry.resolve_kernel('dot_product', {'implementation': None}) == ('auto', 512)
+  assert registry.resolve_kernel('dot_product', {'implementation': None}) == ('auto', 512, 16)
   assert registry.resolve_kernel(
-      'dot_product', {'implementation': 'xla', 'chunk_size': 64}) == ('xla', 64)
+      'dot_product', {'implementation': 'xla', 'chunk_size': 64}) == ('xla', 64, 16)
 
 
 def test_resolve_kwargs_validates_values():

@@ -107,19 +107,32 @@ def test_cross_attention_matches_flax(masked, seed):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-def test_dropout_matches_flax_with_per_head_dropout():
-  # flax with broadcast_dropout=False draws keep ~ Bernoulli(1-rate) over
-  # [b, h, n, m] and rescales by 1/(1-rate): the same algorithm as ours, with
-  # the rng both modules get from make_rng('dropout') at the top level.
+def test_dropout_matches_flax_with_the_documented_keep_mask(loop_keep):
+  # flax's layer around flax's weights, dropped by the keep mask that
+  # attention/dropout.py documents (computed one weight at a time), with the
+  # rng both modules get from make_rng('dropout') at the top level.
   _, flax_vars = _flax_params(4)
+  rate, rng = 0.5, jax.random.PRNGKey(7)
+
+  class FirstKey(nn.Module):  # the key a top-level module's first make_rng('dropout') gets
+    def __call__(self):
+      return self.make_rng('dropout')
+
+  seed = int(jax.random.bits(FirstKey().apply({}, rngs={'dropout': rng}), (), jnp.uint32))
+
+  def attention_fn(query, key, value, mask=None, **_):
+    weights = nn.dot_product_attention_weights(query, key, mask=mask)
+    b, h, n, m = weights.shape
+    keep = jnp.asarray(loop_keep(seed, rate, b, h, n, m))
+    return jnp.einsum('bhnm,bmhd->bnhd', jnp.where(keep, weights / (1 - rate), 0), value)
+
   flax_layer = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=8, out_features=5,
-                                               dropout_rate=0.5, broadcast_dropout=False,
-                                               deterministic=False)
-  ours = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, dropout_rate=0.5)
+                                               attention_fn=attention_fn)
+  ours = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, dropout_rate=rate)
   x = _inputs(5)
-  rngs = {'dropout': jax.random.PRNGKey(7)}
-  want = flax_layer.apply(flax_vars, x, mask=_causal(N), rngs=rngs)
-  got = ours.apply(_ours_self(flax_vars), x, mask=_causal(N), deterministic=False, rngs=rngs)
+  want = flax_layer.apply(flax_vars, x, mask=_causal(N))
+  got = ours.apply(_ours_self(flax_vars), x, mask=_causal(N), deterministic=False,
+                   rngs={'dropout': rng})
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
