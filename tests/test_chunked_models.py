@@ -2,8 +2,9 @@
 
 Every variant in the live registry that has a chunked form trains a tiny
 Transformer for three SGD steps with each kernel, from the same parameters
-and batches: the loss curves and the final parameters must agree to float32
-rounding. chunk_size=4 on rows of 11 tokens (and 9 source tokens): several
+and batches, with attention dropout (both kernels drop the same weights) and
+one key/value head for two query heads: the loss curves and the final
+parameters must agree to float32 rounding. chunk_size=4 on rows of 11 tokens (and 9 source tokens): several
 blocks, the last one partial. Each variant trains one model type, the types
 taken in turn over the variants (every type is covered, each variant is
 covered once; the whole matrix would triple the compile time, and
@@ -54,9 +55,9 @@ MODEL_CASES = _model_cases()
 
 def _config(name, model_type, implementation, **model):
   cfg = config_lib.base_config()
-  cfg.model.update(type=model_type, vocab_size=V, d_model=16, num_heads=2, mlp_dim=32,
-                   dropout_rate=0.0, attention_dropout_rate=0.0, num_encoder_layers=1,
-                   num_decoder_layers=1, attention=name, **model)
+  cfg.model.update({**dict(type=model_type, vocab_size=V, d_model=16, num_heads=2, mlp_dim=32,
+                           dropout_rate=0.0, attention_dropout_rate=0.0, num_encoder_layers=1,
+                           num_decoder_layers=1, attention=name), **model})
   cfg.model.attention_kwargs.update(implementation=implementation, chunk_size=4,
                                     **OPTIONS.get(name, {}))
   return cfg
@@ -101,6 +102,7 @@ def _random_params(model, batch, model_type):
 _ATTEND_CALLS = []
 _TRACED_ATTEND_CALLS = {}
 ATTENTION_LAYERS = {'encoder_decoder': 3, 'decoder_only': 1, 'encoder_only': 1}
+TRAINING = dict(attention_dropout_rate=0.3, num_kv_heads=1)
 
 
 def _train_all(params, batches):
@@ -108,7 +110,7 @@ def _train_all(params, batches):
   out = {}
   for name, model_type in MODEL_CASES:
     for implementation in ('dense', 'chunked'):
-      model = models.build(_config(name, model_type, implementation).model)
+      model = models.build(_config(name, model_type, implementation, **TRAINING).model)
       state = train_state.TrainState.create(apply_fn=model.apply, params=params[name],
                                             tx=optax.sgd(0.5))
       step = functools.partial(steps.train_step, label_smoothing=0.1,
@@ -129,7 +131,8 @@ def _train_all(params, batches):
 def trained(counting_chunked_attend):
   raw = _batches()
   batches = {t: _lm_batches(raw, t) for t in TYPES}
-  params = {name: _random_params(models.build(_config(name, t, 'dense').model), batches[t], t)
+  params = {name: _random_params(models.build(_config(name, t, 'dense', **TRAINING).model),
+                                 batches[t], t)
             for name, t in MODEL_CASES}
   with counting_chunked_attend(_ATTEND_CALLS):
     compiled = jax.jit(_train_all).lower(params, batches).compile(FAST_COMPILE)
@@ -203,6 +206,47 @@ def test_cached_greedy_decoding_is_the_same_with_either_kernel():
   np.testing.assert_allclose(logits['chunked'], logits['dense'], rtol=1e-5, atol=1e-5)
   assert len(set(np.asarray(tokens['dense']).ravel().tolist())) > 2  # not one token repeated
   np.testing.assert_array_equal(tokens['chunked'], tokens['dense'])
+
+
+DECODERS = [name for name in registry.chunked_names()
+            if 'decoder_only' in registry.get(name).models]
+
+
+def _decode_all(params, ids):
+  """{name: (full-pass logits on the dense kernel, cached logits on the
+  chunked kernel)} [b, L, V]: the prompt's 5 tokens in one call, then one
+  token at a time, against a 16-token cache of one key/value head for two
+  query heads (blocks of 4: the steps skip the blocks past the index)."""
+  out = {}
+  for name in DECODERS:
+    dense = _config(name, 'decoder_only', 'dense', max_len=16, num_kv_heads=1).model
+    chunked_cfg = _config(name, 'decoder_only', 'chunked', max_len=16, num_kv_heads=1).model
+    full = models.build(dense).apply({'params': params[name]}, ids)
+    cached = _cached_logits(models.build(chunked_cfg, decode=True), params[name], ids[:, :5],
+                            ids[:, 5:])
+    out[name] = full, cached
+  return out
+
+
+def test_cached_decoding_on_the_chunked_kernel_equals_the_full_pass_for_every_variant(
+    counting_chunked_attend):
+  """Every chunkable variant that decodes (local included: its window's
+  uniform rule is computed near the index, not over the cache), with
+  grouped-query attention, through the decoding cache on the chunked kernel
+  against the dense full pass."""
+  ids = jnp.asarray(np.random.default_rng(3).integers(1, V, size=(2, 14)), jnp.int32)
+  params = {name: _random_params(models.build(_config(name, 'decoder_only', 'dense',
+                                                       num_kv_heads=1).model),
+                                 {'inputs': ids[None]}, 'decoder_only')
+            for name in DECODERS}
+  calls = []
+  with counting_chunked_attend(calls):
+    results = jax.jit(_decode_all).lower(params, ids).compile(FAST_COMPILE)(params, ids)
+  # per variant: the cache's shapes (init), the prompt and the step, all on the chunked kernel
+  assert len(calls) == 3 * len(DECODERS)
+  for name, (full, cached) in results.items():
+    np.testing.assert_allclose(np.asarray(cached), np.asarray(full), rtol=2e-4, atol=2e-4,
+                               err_msg=name)
 
 
 def test_chunked_lm_gradient_at_16k_tokens_compiles_within_1_gib():

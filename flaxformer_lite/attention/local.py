@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, masks, registry
@@ -153,14 +154,20 @@ def local_attention(query, key, value, *, window=8, causal=False, q_offset=0,
 def _window_mean(window, causal, value, params, q_pos, m):
   """Uniform weights over each query's window (window_softmax's rule for a
   query that sees none of its keys): the mean of the window's values by
-  prefix sums -> [b, n, h, d] float32, zero for an empty window."""
+  prefix sums over the keys that the n queries' windows can reach (n + 2
+  windows of them, so a decoding step costs O(window), not O(cache))
+  -> [b, n, h, d] float32, zero for an empty window."""
   del params
-  sums = jnp.cumsum(value.astype(jnp.float32), axis=1)
-  sums = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums], axis=1)  # [b, m + 1, h, d]
+  span = min(m, q_pos.shape[0] + 2 * window)
+  start = jnp.clip(q_pos[0] - window + 1, 0, m - span)
+  near = jax.lax.dynamic_slice_in_dim(value.astype(jnp.float32), start, span, axis=1)
+  sums = jnp.cumsum(near, axis=1)
+  sums = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums], axis=1)  # [b, span + 1, h, d]
   lo = jnp.clip(q_pos - window + 1, 0, m)  # first key in the window
   hi = jnp.clip(q_pos + (1 if causal else window), 0, m)  # one past the last
   count = jnp.maximum(hi - lo, 0)
-  total = jnp.take(sums, jnp.maximum(hi, lo), axis=1) - jnp.take(sums, lo, axis=1)
+  lo, hi = lo - start, jnp.maximum(hi, lo) - start
+  total = jnp.take(sums, hi, axis=1) - jnp.take(sums, lo, axis=1)
   return total / jnp.maximum(count, 1).astype(jnp.float32)[None, :, None, None]
 
 

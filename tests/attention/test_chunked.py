@@ -320,6 +320,35 @@ def test_hidden_blocks_are_skipped_forward_and_backward():
       _assert_close(got[what], want[what], f'{name} q_offset={q_offset} {what}')
 
 
+def test_blocks_hidden_by_padding_or_segments_are_skipped_forward_and_backward():
+  """Packed rows (three segments of 8 tokens, the same in both rows) whose
+  last 4 keys are padding, chunk 4: a block whose pairs are all cross-segment
+  or padding keys in every row never runs (NaN-poisoned terms there leave the
+  output and gradients finite and equal to dense dot-product attention)."""
+  n = m = 24
+  segments = jnp.asarray(np.repeat([[1, 2, 3]], 2, axis=0).repeat(8, axis=1))  # [2, 24]
+  key_valid = jnp.arange(m)[None].repeat(2, axis=0) < m - 4
+  spec = MaskSpec(query_segments=segments, key_segments=segments, key_valid=key_valid)
+  rng = np.random.default_rng(8)
+  q, k, v, g = (rng.normal(size=(2, n, H, D)).astype(np.float32) for _ in range(4))
+
+  def seen(q_pos, k_pos):  # q_pos [bq, 1], k_pos [1, bk] -> [rows, bq, bk]
+    return (segments[:, q_pos] == segments[:, k_pos]) & key_valid[:, k_pos]
+  terms = _poisoned_terms(seen)
+  scale = 1 / math.sqrt(D)
+
+  def run():
+    got = _out_and_grads(lambda q, k, v, p: chunked.attend(q * scale, k, v, terms, mask=spec,
+                                                           chunk_size=4), q, k, v, {}, g)
+    want = _out_and_grads(lambda q, k, v, p: dot_product_attention(
+        q, k, v, mask=spec.to_dense(n, m)), q, k, v, {}, g)
+    return got, want
+
+  got, want = _compile(run)()
+  for what in ('out', 'dq', 'dk', 'dv'):
+    _assert_close(got[what], want[what], what)
+
+
 # ---- table gradients against float64 loops, by central differences ------------------
 
 def _loop_softmax_rows(logits, visible):

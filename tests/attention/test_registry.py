@@ -126,3 +126,54 @@ def test_every_learned_table_declares_how_a_model_axis_shards_it(name):
     for size, axis in zip(shape, axes):
       assert (axis == 'heads') == (size == h), (table, shape, axes)
     assert init(jax.random.key(0), shape).shape == tuple(shape)
+
+
+# ---- the kernel 'auto' picks ----------------------------------------------------
+
+def _pick(name, b, n, m, h=8, g=None, dtype='float32', decoding=False, return_weights=False,
+          **options):
+  query = jax.ShapeDtypeStruct((b, n, h, 64), dtype)
+  key = jax.ShapeDtypeStruct((b, m, g or h, 64), dtype)
+  kernel = registry.resolve_kernel(name, options)
+  return registry.choose_kernel(registry.get(name), kernel, query, key, dtype=dtype,
+                                decoding=decoding, return_weights=return_weights)
+
+
+@pytest.mark.parametrize('name', registry.chunked_names())
+def test_auto_is_dense_up_to_dense_max_mib_of_scores_then_chunked(name):
+  """b * h * n * m scores of the compute dtype against dense_max_mib (16):
+  8 heads of 512 x 512 float32 scores are 8 MiB a row, so 2 rows are at the
+  threshold and 3 above it; bfloat16 halves the bytes; batch and heads
+  count as much as length (b = 64, h = 16, n = 512: 1 GiB)."""
+  assert _pick(name, 2, 512, 512) == 'dense'
+  assert _pick(name, 3, 512, 512) == 'chunked'
+  assert _pick(name, 4, 512, 512, dtype='bfloat16') == 'dense'
+  assert _pick(name, 5, 512, 512, dtype='bfloat16') == 'chunked'
+  assert _pick(name, 64, 512, 512, h=16) == 'chunked'
+  assert _pick(name, 1, 4096, 4096, g=1) == 'chunked'  # the query heads count
+  assert _pick(name, 3, 512, 512, dense_max_mib=64) == 'dense'
+  assert _pick(name, 1, 16, 16, dense_max_mib=0) == 'chunked'
+  assert _pick(name, 64, 512, 512, return_weights=True) == 'dense'  # only dense has them
+  assert _pick(name, 64, 512, 512, implementation='dense') == 'dense'
+  assert _pick(name, 1, 16, 16, implementation='chunked') == 'chunked'
+
+
+@pytest.mark.parametrize('name', registry.chunked_names())
+def test_auto_decodes_a_cache_longer_than_two_blocks_on_the_chunked_kernel(name):
+  """One query against a cache: the chunked kernel stops at the cache index
+  (causal bounds), the dense one reads all of it."""
+  assert _pick(name, 4, 1, 2048, decoding=True) == 'chunked'
+  assert _pick(name, 4, 1, 1024, decoding=True) == 'dense'
+  assert _pick(name, 4, 1, 1024, decoding=True, chunk_size=256) == 'chunked'
+  assert _pick(name, 4, 1, 2048, decoding=False) == 'dense'
+
+
+def test_auto_keeps_variants_without_a_chunked_form_dense():
+  for name in sorted(set(registry.names()) - set(registry.chunked_names())):
+    assert _pick(name, 64, 512, 512, h=16) == 'dense', name
+    assert _pick(name, 4, 1, 4096, decoding=True) == 'dense', name
+
+
+def test_dense_max_mib_is_checked():
+  with pytest.raises(ValueError, match='dense_max_mib=-1'):
+    registry.resolve_kernel('dot_product', {'dense_max_mib': -1})
