@@ -58,16 +58,65 @@ from flaxformer_lite.attention.masks import MaskSpec, pad_to
 DEFAULT_CHUNK_SIZE = 512
 
 
+@jax.custom_vjp
+def dot_logits_(q, k):
+  """q . k -> float32 [b, h, bq, bk], accumulated in float32; its gradient
+  takes ds in the inputs' dtype, as FlashAttention-2's backward does: in
+  bfloat16 the backward's matmuls run at the bfloat16 rate and accumulate
+  in float32 (preferred_element_type), and the gradients are as accurate
+  as the dense bfloat16 path's (tests/attention/test_chunked.py)."""
+  return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+
+
+def _dot_logits_fwd(q, k):
+  return dot_logits_(q, k), (q, k)
+
+
+def _dot_logits_bwd(res, ds):
+  q, k = res
+  ds = ds.astype(q.dtype)
+  dq = jnp.einsum('bhqk,bkhd->bqhd', ds, k, preferred_element_type=jnp.float32)
+  dk = jnp.einsum('bhqk,bqhd->bkhd', ds, q, preferred_element_type=jnp.float32)
+  return dq.astype(q.dtype), dk.astype(k.dtype)
+
+
+dot_logits_.defvjp(_dot_logits_fwd, _dot_logits_bwd)
+
+
+@jax.custom_vjp
+def dot_values_(p, v):
+  """sum_j p_ij v_j: p float32 [b, h, bq, bk], v [b, bk, h, dv] -> float32
+  [b, h, bq, dv]; p is rounded to v's dtype, and the gradient takes dO in
+  v's dtype (dot_logits_)."""
+  return jnp.einsum('bhqk,bkhd->bhqd', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _dot_values_fwd(p, v):
+  return dot_values_(p, v), (p, v)
+
+
+def _dot_values_bwd(res, d_out):
+  p, v = res
+  d_out = d_out.astype(v.dtype)
+  dp = jnp.einsum('bhqd,bkhd->bhqk', d_out, v, preferred_element_type=jnp.float32)
+  dv = jnp.einsum('bhqk,bhqd->bkhd', p.astype(v.dtype), d_out,
+                  preferred_element_type=jnp.float32)
+  return dp.astype(p.dtype), dv.astype(v.dtype)
+
+
+dot_values_.defvjp(_dot_values_fwd, _dot_values_bwd)
+
+
 def dot_logits(q, k, params, q_pos, k_pos):
   """q . k (queries already scaled): -> float32 [b, h, bq, bk]."""
   del params, q_pos, k_pos
-  return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
+  return dot_logits_(q, k)
 
 
 def dot_values(p, v, params, q_pos, k_pos):
   """sum_j p_ij v_j: p [b, h, bq, bk] -> float32 [b, h, bq, dv]."""
   del params, q_pos, k_pos
-  return jnp.einsum('bhqk,bkhd->bhqd', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return dot_values_(p, v)
 
 
 def mean_values(value, params, q_pos, m):

@@ -228,6 +228,43 @@ def test_bfloat16_close_to_dense_bfloat16_and_to_float32(cases, index):
   assert rms(got - exact) <= 1.5 * rms(dense - exact), (rms(got - exact), rms(dense - exact))
 
 
+def test_bfloat16_backward_multiplies_in_bfloat16_as_accurately_as_dense():
+  """FlashAttention-2's bfloat16 backward: dO and ds in bfloat16, so every
+  matmul of the gradient (dot_general) takes two bfloat16 operands (and
+  accumulates in float32), and each gradient's error against the float32
+  one (root mean square) is of the dense bfloat16 gradient's size (measured:
+  1.0 to 1.2 of it). Causal, n = m = 64, chunk 16."""
+  n, chunk = 64, 16
+  rng = np.random.default_rng(11)
+  q, k, v, g = (rng.normal(size=(2, n, H, 8)).astype(np.float32) for _ in range(4))
+  spec = MaskSpec(causal=True)
+  fns = {'dense': lambda q, k, v: dot_product_attention(q, k, v, mask=spec.to_dense(n, n)),
+         'chunked': lambda q, k, v: registry.get('dot_product').chunked(
+             q, k, v, mask=spec, chunk_size=chunk)}
+
+  def grads(fn, dtype):
+    out, pull = jax.vjp(fn, *(jnp.asarray(x, dtype) for x in (q, k, v)))
+    return pull(jnp.asarray(g, out.dtype))
+
+  exact = [np.asarray(x, np.float64) for x in jax.jit(grads, static_argnums=(0, 1))(
+      fns['dense'], jnp.float32)]
+  rms = lambda x: float(np.sqrt(np.mean(np.square(x))))  # noqa: E731
+  errors = {}
+  for name, fn in fns.items():
+    got = jax.jit(grads, static_argnums=(0, 1))(fn, jnp.bfloat16)
+    errors[name] = [rms(np.asarray(x, np.float64) - e) / rms(e) for x, e in zip(got, exact)]
+  for what, c, d in zip(('dq', 'dk', 'dv'), errors['chunked'], errors['dense']):
+    assert c <= 1.5 * d, (what, c, d)
+  hlo = jax.jit(grads, static_argnums=(0, 1)).lower(fns['chunked'], jnp.bfloat16).as_text()
+  # The matmuls (4-d results); D = rowsum(dO * O) is a float32 row-wise dot, as in FA-2.
+  matmuls = [line for line in hlo.splitlines() if 'stablehlo.dot_general' in line
+             and line.split('-> tensor<')[1].count('x') == 4]
+  assert len(matmuls) >= 6, matmuls  # two forward, four backward
+  for line in matmuls:
+    operands = line.split(': (')[1].split(') ->')[0]
+    assert operands.count('bf16>') == 2, line
+
+
 # ---- determinism ----------------------------------------------------------------
 
 WITH_TABLES = [i for i in range(len(VARIANTS)) if _params(i)]
