@@ -65,6 +65,8 @@ def dot_logits_(q, k):
   bfloat16 the backward's matmuls run at the bfloat16 rate and accumulate
   in float32 (preferred_element_type), and the gradients are as accurate
   as the dense bfloat16 path's (tests/attention/test_chunked.py)."""
+  if q.shape[1] == 1:  # one query (a decoding step): _one_query
+    return jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), -1).transpose(0, 2, 1)[:, :, None]
   return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
 
 
@@ -88,7 +90,17 @@ def dot_values_(p, v):
   """sum_j p_ij v_j: p float32 [b, h, bq, bk], v [b, bk, h, dv] -> float32
   [b, h, bq, dv]; p is rounded to v's dtype, and the gradient takes dO in
   v's dtype (dot_logits_)."""
+  if p.shape[2] == 1:  # one query (a decoding step): _one_query
+    weights = p[:, :, 0].astype(v.dtype).astype(jnp.float32).transpose(0, 2, 1)[..., None]
+    return jnp.sum(weights * v.astype(jnp.float32), 1)[:, :, None]  # [b, h, 1, dv]
   return jnp.einsum('bhqk,bkhd->bhqd', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+# _one_query: a single query row against a block of keys is a matrix-vector
+# product, bound by reading the block. As a product and a sum, XLA reads the
+# block where it lies in the cache; as a dot, XLA:CPU first copies it out of
+# the cache and transposes it to [b, h, bk, d], which made a decoding step at
+# the end of a 16k cache 1.7x the dense step (benchmarks/decode_step.py).
 
 
 def _dot_values_fwd(p, v):
