@@ -2,21 +2,29 @@
 
   .venv/bin/python benchmarks/chunked_attention.py [--variants dot_product shaw ...]
       [--lengths 512 2048 ...] [--batch_at 2048:4] [--causal/--no-causal]
+      [--chunk_sizes 128 256 512] [--dropout 0.1]
 
 For each variant and length: MultiHeadAttention (d_model 512, 8 heads,
 float32 by default) forward+backward (the vjp of y = layer(x) with a given
 random cotangent dy, w.r.t. the parameters and x, as FlashAttention's
 benchmarks call out.backward(dout)) with attention_kwargs.implementation
-'dense' and 'chunked', the two timed interleaved in one run. Prints per row: time (median ms) and
-XLA's compiled temp memory (MiB) of each, chunked/dense for both, and the
-chunked time over dot_product's chunked time at the same length (timed
+'dense' and 'chunked' at each of --chunk_sizes, all timed interleaved in one
+run. Prints a row per chunk size: time (median ms) and XLA's compiled temp
+memory (MiB) of each, chunked/dense for both, and the chunked time over
+dot_product's chunked time at the same length and chunk size (timed
 interleaved with it, so that the ratio is side by side too). Dense is
 skipped ('-') where its [b, h, n, n] float32 scores alone would pass
 --dense_limit_mib.
+
+--dropout RATE runs the layer with attention dropout (dropout_rate, not
+deterministic, a fixed 'dropout' key) in both kernels, and adds the chunked
+time and memory over the chunked kernel's without dropout (c/c0). A
+configuration that a kernel refuses prints '-' and, under the row, why.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -34,28 +42,71 @@ from flaxformer_lite.layers import MultiHeadAttention  # noqa: E402
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
-def _step(variant, implementation, args, x):
-  layer = MultiHeadAttention(
-      num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype],
-      attention_kwargs={'implementation': implementation, 'chunk_size': args.chunk_size})
-  spec = MaskSpec(causal=args.causal)
-  params = layer.init(jax.random.key(0), x[:, :8], mask=MaskSpec(causal=args.causal))
+def _step(variant, implementation, chunk_size, dropout, args, x):
+  """(jitted fwd+bwd of MultiHeadAttention on x [b, n, d_model], its arguments).
 
-  def loss(params, x, d_y):  # its gradient is the layer's vjp with cotangent d_y
-    return jnp.sum(layer.apply(params, x, mask=spec).astype(jnp.float32) * d_y)
+  dropout: the layer's attention dropout rate (0: deterministic).
+  """
+  layer = MultiHeadAttention(
+      num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype], dropout_rate=dropout,
+      attention_kwargs={'implementation': implementation, 'chunk_size': chunk_size})
+  spec = MaskSpec(causal=args.causal)
+  params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
+
+  def loss(params, x, d_y, rng):  # its gradient is the layer's vjp with cotangent d_y
+    y = layer.apply(params, x, mask=spec, deterministic=not dropout, rngs={'dropout': rng})
+    return jnp.sum(y.astype(jnp.float32) * d_y)
 
   d_y = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
-  return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x, d_y)
+  return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x, d_y, jax.random.key(2))
 
 
-def _ratio(a, b):
-  """a / b, or None where either was not measured (no dense run, --memory_only)."""
-  return None if a is None or b is None else a / b
+def _chunked(variant, dropout, args, x):
+  """{'chunked C': build of its step, for C in --chunk_sizes} (timing.compile_all)."""
+  return {f'chunked {c}': functools.partial(_step, variant, 'chunked', c, dropout, args, x)
+          for c in args.chunk_sizes}
 
 
-def _cell(value, spec):
-  """value in format spec ('9.0f'), or '-' right-aligned to the same width."""
-  return format(value, spec) if value is not None else format('-', '>' + spec.split('.')[0])
+def _measure(variant, n, b, args, x, dot):
+  """({step: temp MiB}, {step: median ms}, {step: why it failed}) of one row group.
+
+  dot: timing.compile_all of dot_product's chunked steps at this length, the
+  c/dot_c baseline, timed interleaved with the variant's steps.
+  """
+  builds = {} if variant == 'dot_product' else _chunked(variant, args.dropout, args, x)
+  if b * args.heads * n * n * 4 / 2**20 <= args.dense_limit_mib:
+    builds['dense'] = functools.partial(_step, variant, 'dense', args.chunk_sizes[0],
+                                        args.dropout, args, x)
+  if args.dropout:
+    builds.update({f'no dropout {c}': functools.partial(_step, variant, 'chunked', c, 0.0,
+                                                        args, x) for c in args.chunk_sizes})
+  fns, temps, failed = timing.compile_all(builds)
+  dot_fns, dot_temps, dot_failed = dot
+  if variant == 'dot_product':
+    fns, temps, failed = {**fns, **dot_fns}, {**temps, **dot_temps}, {**failed, **dot_failed}
+  else:  # c/dot_c from times taken side by side, not rows apart
+    fns.update({f'dot_product {k}': v for k, v in dot_fns.items()})
+  times = ({} if args.memory_only else
+           {k: timing.median(t) for k, t in timing.interleaved_times(fns, args.repeats).items()})
+  return temps, times, failed
+
+
+def _rows(variant, n, b, args, x, dot):
+  """Prints one variant's rows at one length (one per chunk size), then what failed."""
+  temps, times, failed = _measure(variant, n, b, args, x, dot)
+  for c in args.chunk_sizes:
+    chunked, dot_name = f'chunked {c}', f'dot_product chunked {c}'
+    t, m = times.get(chunked), temps.get(chunked)
+    row = [(times.get('dense'), '9.0f'), (t, '9.0f'), (timing.ratio(t, times.get('dense')), '8.2f'),
+           (temps.get('dense'), '9.0f'), (m, '9.0f'), (timing.ratio(m, temps.get('dense')), '7.2f'),
+           (timing.ratio(t, times.get(dot_name, times.get(chunked))), '7.2f')]
+    if args.dropout:
+      row += [(timing.ratio(t, times.get(f'no dropout {c}')), '9.2f'),
+              (timing.ratio(m, temps.get(f'no dropout {c}')), '8.2f')]
+    print(f'{variant:14s} {n:6d} {b:2d} {c:5d}', *(timing.cell(v, spec) for v, spec in row),
+          flush=True)
+  for name, why in failed.items():
+    print(f'#   {variant} n={n}, {name}: {why}', flush=True)
 
 
 def main(argv=None):
@@ -66,7 +117,9 @@ def main(argv=None):
                       help='length:batch pairs; other lengths use batch 1')
   parser.add_argument('--d_model', type=int, default=512)
   parser.add_argument('--heads', type=int, default=8)
-  parser.add_argument('--chunk_size', type=int, default=512)
+  parser.add_argument('--chunk_sizes', '--chunk_size', nargs='+', type=int, default=[512])
+  parser.add_argument('--dropout', type=float, default=0.0,
+                      help='attention dropout rate in both kernels (0: none)')
   parser.add_argument('--dtype', choices=sorted(DTYPES), default='float32')
   parser.add_argument('--causal', action=argparse.BooleanOptionalAction, default=True)
   parser.add_argument('--repeats', type=int, default=3)
@@ -76,35 +129,18 @@ def main(argv=None):
   args = parser.parse_args(argv)
   batch_at = {int(k): int(v) for k, v in (p.split(':') for p in args.batch_at)}
   print(f'# MultiHeadAttention fwd+bwd, d_model {args.d_model}, {args.heads} heads, '
-        f'{args.dtype}, {"causal" if args.causal else "bidirectional"}, chunk '
-        f'{args.chunk_size}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores')
-  print(f'{"variant":14s} {"n":>6s} {"b":>2s} {"dense ms":>9s} {"chunk ms":>9s} '
-        f'{"time c/d":>8s} {"dense MiB":>9s} {"chunk MiB":>9s} {"mem c/d":>7s} '
-        f'{"c/dot_c":>7s}', flush=True)
-  variants = list(dict.fromkeys(['dot_product'] + args.variants))
+        f'{args.dtype}, {"causal" if args.causal else "bidirectional"}, attention dropout '
+        f'{args.dropout}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores')
+  print(f'{"variant":14s} {"n":>6s} {"b":>2s} {"chunk":>5s} {"dense ms":>9s} {"chunk ms":>9s} '
+        f'{"time c/d":>8s} {"dense MiB":>9s} {"chunk MiB":>9s} {"mem c/d":>7s} {"c/dot_c":>7s}'
+        + (f' {"time c/c0":>9s} {"mem c/c0":>8s}' if args.dropout else ''), flush=True)
   for n in args.lengths:
     b = batch_at.get(n, 1)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, args.d_model)),
                     DTYPES[args.dtype])
-    dot_chunked = _step('dot_product', 'chunked', args, x)
-    for variant in variants:
-      fns = {'chunked': _step(variant, 'chunked', args, x)}
-      if b * args.heads * n * n * 4 / 2**20 <= args.dense_limit_mib:
-        fns['dense'] = _step(variant, 'dense', args, x)
-      mem = {k: timing.memory(fn, a)['temp'] for k, (fn, a) in fns.items()}
-      if variant != 'dot_product':  # c/dot_c from times taken side by side, not rows apart
-        fns['dot_chunked'] = dot_chunked
-      times = ({} if args.memory_only else
-               {k: timing.median(t) for k, t in
-                timing.interleaved_times(fns, args.repeats).items()})
-      times.setdefault('dot_chunked', times.get('chunked'))
-      if variant in args.variants:
-        row = [(times.get('dense'), '9.0f'), (times.get('chunked'), '9.0f'),
-               (_ratio(times.get('chunked'), times.get('dense')), '8.2f'),
-               (mem.get('dense'), '9.0f'), (mem['chunked'], '9.0f'),
-               (_ratio(mem['chunked'], mem.get('dense')), '7.2f'),
-               (_ratio(times.get('chunked'), times['dot_chunked']), '7.2f')]
-        print(f'{variant:14s} {n:6d} {b:2d}', *(_cell(v, spec) for v, spec in row), flush=True)
+    dot = timing.compile_all(_chunked('dot_product', args.dropout, args, x))
+    for variant in args.variants:
+      _rows(variant, n, b, args, x, dot)
 
 
 if __name__ == '__main__':

@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: XLA memory analysis and interleaved timing."""
+"""Shared by the benchmark scripts: XLA memory analysis, interleaved timing, table cells."""
 import statistics
 import time
 
@@ -10,6 +10,26 @@ def memory(fn, args):
   m = fn.lower(*args).compile().memory_analysis()
   sizes = {k: getattr(m, f'{k}_size_in_bytes', None) for k in ('temp', 'argument', 'output')}
   return {k: v / 2**20 for k, v in sizes.items() if v is not None}
+
+
+def compile_all(builds):
+  """builds: {name: () -> (jitted fn, args)} -> ({name: (fn, args)}, {name: temp MiB},
+  {name: why it did not build or compile}).
+
+  A kernel that refuses a configuration raises ValueError (or
+  NotImplementedError) while the step is built or traced; that is reported,
+  not raised, so that a table can print '-' for it and go on with the rest.
+  """
+  fns, temps, failed = {}, {}, {}
+  for name, build in builds.items():
+    try:
+      fn, args = build()
+      temps[name] = memory(fn, args)['temp']
+    except (ValueError, NotImplementedError) as e:
+      failed[name] = f'{type(e).__name__}: {str(e).splitlines()[0]}'
+    else:
+      fns[name] = fn, args
+  return fns, temps, failed
 
 
 def interleaved_times(fns, repeats):
@@ -48,6 +68,16 @@ def page_faults(fn, args, calls=5):
   for _ in range(calls):
     jax.block_until_ready(fn(*args))
   return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
+def ratio(a, b):
+  """a / b, or None where either was not measured."""
+  return None if a is None or b is None else a / b
+
+
+def cell(value, spec):
+  """value in format spec ('9.0f'), or '-' right-aligned to the same width."""
+  return format(value, spec) if value is not None else format('-', '>' + spec.split('.')[0])
 
 
 median = statistics.median

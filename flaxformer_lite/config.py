@@ -25,7 +25,8 @@ RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite',
                      'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
                      'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir',
-                     'train.profile_steps', 'model.remat',
+                     'train.profile_steps', 'model.remat', 'eval.batch_tokens',
+                     'eval.contexts', 'eval.sample_prompt', 'eval.sample_len',
                      # the update does not depend on them: a run may move to another device count
                      'train.parallel', 'train.grad_accum_steps', 'train.model_parallel')
 
@@ -137,6 +138,20 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.eval = e = ml_collections.ConfigDict()
   e.batch_size = 250
+  # > 0: each eval batch holds about this many tokens instead of batch_size
+  # examples: max(1, batch_tokens // width) rows, width = the LM window (each
+  # context of eval.contexts) or a seq2seq split's padded width.
+  e.batch_tokens = 0
+  # Language models: window lengths at which the validation (and test) split is
+  # also scored, as non-overlapping windows; data.max_len always is. Context c's
+  # metrics get the suffix _c ('loss_16384'; not '@': TensorBoard tags cannot hold it).
+  e.contexts = ()
+  # Language models: the logged greedy sample continues the split's first
+  # sample_prompt tokens (all of it if shorter) by sample_len tokens (0:
+  # data.max_len // 2 and the rest of data.max_len); WORKDIR/sample.txt holds
+  # the newest continuation's text (the final evaluation's at the end).
+  e.sample_prompt = 0
+  e.sample_len = 0
   e.num_examples_to_log = 3
   e.final_test = True  # evaluate 'test' (and 'test_long') after training
   e.max_examples = 0  # > 0: evaluate only the first max_examples of each split (quick looks)

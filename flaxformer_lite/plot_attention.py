@@ -1,7 +1,7 @@
 """Attention maps of a trained run, one PNG per attention layer:
 
   python -m flaxformer_lite.plot_attention --workdir=DIR [--split=validation]
-      [--example=0] [--out=DIR/attention]
+      [--example=0] [--window=START:STOP] [--out=DIR/attention]
 
 Rebuilds the model from DIR/config.json, restores the newest checkpoint,
 decodes example `--example` of `--split` greedily, then runs the
@@ -9,10 +9,18 @@ teacher-forced pass on (input, decoded output) and plots every
 'attention_weights' entry the model sows into 'intermediates' (Transformer
 layers with `models.build(..., sow_weights=True)`, the RNN decoder always):
 one figure per module path, one subplot per head, rows = queries,
-columns = keys, labelled with the token ids.
+columns = keys, labelled with the token ids (up to LABELLED_TOKENS of them).
 
-Exit codes: 0 done; 2 bad flag, or DIR holds no run (config.json and a
-checkpoint).
+The weights are dense [h, n, m] arrays, so at most MAX_WINDOW input tokens
+go through the model, and the decoded output stops at MAX_WINDOW tokens.
+`--window=START:STOP` picks which input tokens: the model encodes (and
+decodes from) them as an input of their own, its positions counted from 0.
+Without it, an example longer than MAX_WINDOW is cut to its first
+MAX_WINDOW tokens. The title names the window where it is not the whole
+input.
+
+Exit codes: 0 done; 2 bad flag (a --window wider than MAX_WINDOW included),
+or DIR holds no run (config.json and a checkpoint).
 """
 from __future__ import annotations
 
@@ -41,10 +49,17 @@ flags.DEFINE_string('workdir', None, 'A training workdir (config.json, checkpoin
 flags.DEFINE_string('split', 'validation', 'Dataset split to take the example from.',
                     flag_values=FLAGS)
 flags.DEFINE_integer('example', 0, 'Index of the example in the split.', flag_values=FLAGS)
+flags.DEFINE_string('window', None, 'START:STOP: the input tokens run through the model '
+                    '(at most MAX_WINDOW; default: the first MAX_WINDOW).', flag_values=FLAGS)
 flags.DEFINE_string('out', None, 'Output folder (default: WORKDIR/attention).',
                     flag_values=FLAGS)
 
 SPECIAL_TOKENS = {tokens.PAD_ID: '<pad>', tokens.BOS_ID: '<s>', tokens.EOS_ID: '</s>'}
+# Tokens a plot runs through the model: the sown weights of every layer are
+# dense [h, n, m] float32 (4 MiB a head at 1024), and no image shows more.
+MAX_WINDOW = 1024
+# Axes up to this long get one tick label per token; longer ones, positions.
+LABELLED_TOKENS = 64
 
 
 class UsageError(ValueError):
@@ -98,7 +113,9 @@ def load_run(workdir: str) -> Run:
       raise UsageError(f'{ckpt.directory} holds no complete checkpoint yet')
     dataset = data.load(config.data)
     model = models.build(config.model)
-    example = {k: v[:1] for k, v in dataset.splits['train'].items()}
+    # The parameters' shapes do not depend on the length: a long example
+    # would only make the initialisation that builds the restore target slow.
+    example = {k: v[:1, :MAX_WINDOW] for k, v in dataset.splits['train'].items()}
     target = state_lib.create(model, config, example, jax.random.key(config.seed))
     state, _ = ckpt.restore(target)
   finally:
@@ -112,6 +129,47 @@ def trim(ids) -> np.ndarray:
   ids = ids[:np.argmax(ids == tokens.PAD_ID)] if np.any(ids == tokens.PAD_ID) else ids
   eos = np.flatnonzero(ids == tokens.EOS_ID)
   return ids[:eos[0] + 1] if eos.size else ids
+
+
+def parse_window(text: str) -> tuple[int, int]:
+  """'START:STOP' -> (start, stop), 0 <= start < stop."""
+  try:
+    start, stop = (int(x) for x in text.split(':'))
+    valid = 0 <= start < stop
+  except ValueError:
+    valid = False
+  if not valid:
+    raise UsageError(f'--window={text!r} is not START:STOP with 0 <= START < STOP '
+                     '(input token positions, e.g. --window=0:512)')
+  return start, stop
+
+
+def check_window(window: tuple[int, int], max_window: int = MAX_WINDOW) -> None:
+  """Raises UsageError, naming --window, where (start, stop) spans more than max_window."""
+  start, stop = window
+  if stop - start > max_window:
+    raise UsageError(f'--window={start}:{stop} asks for {stop - start} tokens; plot_attention '
+                     f'runs at most {max_window} through the model (their attention weights '
+                     f'are dense [n, m] arrays): pass a --window of at most {max_window} '
+                     f'tokens, e.g. --window={start}:{start + max_window}')
+
+
+def select_window(inputs, window: tuple[int, int] | None,
+                  max_window: int = MAX_WINDOW) -> tuple[np.ndarray, str]:
+  """inputs [L] -> (inputs[start:stop], a title note: '' when that is all of them).
+
+  `window` None: the first `max_window` tokens. A window wider than
+  `max_window` is refused (check_window); its stop is cut at L, like a slice.
+  """
+  length = len(inputs)
+  start, stop = window or (0, min(length, max_window))
+  check_window((start, stop), max_window)
+  if start >= length:
+    raise UsageError(f'--window={start}:{stop} starts past the example, which has '
+                     f'{length} input tokens (0..{length - 1})')
+  stop = min(stop, length)
+  note = '' if (start, stop) == (0, length) else f'  input tokens {start}:{stop} of {length}'
+  return inputs[start:stop], note
 
 
 def greedy_decode(config, params, inputs, max_len: int) -> np.ndarray:
@@ -165,17 +223,21 @@ def plot(maps: list[AttentionMap], out_dir: str, title: str,
   paths = []
   for m in maps:
     h, n, k = m.weights.shape
+    # 0.3 inch a labelled token; longer axes keep the size of the longest labelled one.
+    width, height = (max(2.5, 0.3 * min(x, LABELLED_TOKENS)) for x in (k, n))
     # Figure() without pyplot: the Agg canvas, no global backend state.
-    fig = Figure(figsize=(max(5.0, 1.0 + h * max(2.5, 0.3 * k)), 1.5 + max(2.5, 0.3 * n)),
-                 layout='constrained')
+    fig = Figure(figsize=(max(5.0, 1.0 + h * width), 1.5 + height), layout='constrained')
     axes = fig.subplots(1, h, squeeze=False)[0]
     for head, ax in enumerate(axes):
       image = ax.imshow(m.weights[head], vmin=0.0, vmax=1.0, cmap='viridis')
-      ax.set_xticks(range(k), labels=m.keys, rotation=90, fontsize=7)
-      ax.set_yticks(range(n), labels=m.queries, fontsize=7)
+      if k <= LABELLED_TOKENS:
+        ax.set_xticks(range(k), labels=m.keys, rotation=90, fontsize=7)
+      if n <= LABELLED_TOKENS:
+        ax.set_yticks(range(n), labels=m.queries, fontsize=7)
       ax.set_title(f'head {head}', fontsize=9)
-      ax.set_xlabel(f'key: {m.key_axis} token')
-    axes[0].set_ylabel(f'query: {m.query_axis} token')
+      ax.set_xlabel(f'key: {m.key_axis} token' + ('' if k <= LABELLED_TOKENS else ' (index)'))
+    axes[0].set_ylabel(f'query: {m.query_axis} token'
+                       + ('' if n <= LABELLED_TOKENS else ' (index)'))
     fig.colorbar(image, ax=list(axes), shrink=0.8)
     note = (notes or {}).get(m.path, '')
     fig.suptitle(f'{title}\n{m.path}{note}', fontsize=10)
@@ -185,8 +247,12 @@ def plot(maps: list[AttentionMap], out_dir: str, title: str,
   return paths
 
 
-def plot_run(workdir: str, split: str, example: int, out_dir: str) -> list[str]:
-  """Loads `workdir`, decodes one example and writes its PNGs; returns their paths."""
+def plot_run(workdir: str, split: str, example: int, out_dir: str,
+             window: tuple[int, int] | None = None, max_window: int = MAX_WINDOW) -> list[str]:
+  """Loads `workdir`, decodes `window` of one example (select_window) and
+  writes its PNGs; returns their paths."""
+  if window is not None:  # fails before the run is loaded
+    check_window(window, max_window)
   run = load_run(workdir)
   splits = run.dataset.splits
   if split not in splits:
@@ -195,11 +261,13 @@ def plot_run(workdir: str, split: str, example: int, out_dir: str) -> list[str]:
   if not 0 <= example < count:
     raise UsageError(f'--example={example} is out of range; split {split!r} has '
                      f'{count} examples (0..{count - 1})')
-  inputs = trim(splits[split]['inputs'][example])
-  decoded = greedy_decode(run.config, run.params, inputs, splits[split]['targets'].shape[1])
+  inputs, window_note = select_window(trim(splits[split]['inputs'][example]), window,
+                                      max_window)
+  decoded = greedy_decode(run.config, run.params, inputs,
+                          min(splits[split]['targets'].shape[1], max_window))
   maps = attention_maps(run.config, run.params, inputs, decoded)
   title = (f'attention={run.config.model.attention}  model={run.config.model.type}\n'
-           f'step {run.step}  {split}[{example}]')
+           f'step {run.step}  {split}[{example}]{window_note}')
   notes = {}
   if registry.get(run.config.model.attention).uses_positions:
     # layers/transformer.py: position-aware variants do not cross encoder and decoder.
@@ -214,8 +282,9 @@ def main(argv):
   if not FLAGS.workdir:
     _fail('--workdir is required: the workdir of a training run')
   try:
+    window = parse_window(FLAGS.window) if FLAGS.window is not None else None
     paths = plot_run(FLAGS.workdir, FLAGS.split, FLAGS.example,
-                     FLAGS.out or os.path.join(FLAGS.workdir, 'attention'))
+                     FLAGS.out or os.path.join(FLAGS.workdir, 'attention'), window)
   except UsageError as e:
     _fail(str(e))
   for path in paths:
@@ -234,7 +303,8 @@ def _parse_flags(argv):
   try:
     rest = FLAGS(argv)
   except flags.Error as e:
-    _fail(f'{e}. Flags: --workdir=DIR [--split=validation] [--example=0] [--out=DIR]')
+    _fail(f'{e}. Flags: --workdir=DIR [--split=validation] [--example=0] '
+          '[--window=START:STOP] [--out=DIR]')
   if len(rest) > 1:
     _fail(f'unexpected arguments {rest[1:]}; flags look like --workdir=DIR')
   return rest

@@ -22,6 +22,11 @@ BAD = [
     ('train.num_steps', 0, 'num_steps'),
     ('data.task', 'unsort', 'reverse'),
     ('data.min_len', 20, 'min_len <= max_len'),
+    ('eval.batch_tokens', -1, 'must be >= 0'),
+    ('eval.contexts', (64, 0), 'ints >= 1'),
+    ('eval.contexts', (64,), 'reads sentence pairs'),  # the base config translates
+    ('eval.sample_prompt', -5, 'must be >= 0'),
+    ('eval.sample_len', 100, 'has none'),
 ]
 
 
@@ -44,6 +49,20 @@ def test_learned_positions_need_room_for_long_split():
   c.model.positions, c.model.max_len, c.data.max_len = 'learned', 32, 16
   with pytest.raises(config_lib.ConfigError, match='model.max_len=32'):
     main.validate(c)
+
+
+@pytest.mark.parametrize('key,value', [('contexts', (32, 128)), ('sample_prompt', 60),
+                                       ('sample_len', 40)])
+def test_learned_positions_must_reach_the_eval_contexts_and_the_sample(key, value):
+  c = config_lib.base_config()
+  c.model.type, c.data.task, c.data.tokenizer = 'decoder_only', 'tiny_shakespeare', 'char'
+  c.model.positions, c.model.max_len, c.data.max_len = 'learned', 64, 64
+  main.validate(c)  # the default sample: 32 + 32 tokens
+  c.eval[key] = value
+  with pytest.raises(config_lib.ConfigError, match=f'eval.{key}=.*model.max_len=64'):
+    main.validate(c)
+  c.model.positions = 'none'  # no positions: any length
+  main.validate(c)
 
 
 def test_every_variant_option_is_declared_and_unset():
@@ -75,6 +94,7 @@ def test_differences_ignore_resumable_keys():
   b.train.num_steps += 100
   b.train.parallel, b.train.grad_accum_steps = 'fsdp', 4  # another device count
   b.model.remat, b.train.profile_steps = 'block', '10:20'
+  b.eval.batch_tokens, b.eval.contexts, b.eval.sample_len = 4096, (16384,), 2000  # eval only
   assert config_lib.differences(a, b) == []
   b.model.d_model = 64
   assert config_lib.differences(a, b) == ['model.d_model: 128 -> 64']

@@ -164,3 +164,71 @@ def test_a_workdir_without_a_run_exits_2(tmp_path, workdir):
   with pytest.raises(plot_attention.UsageError, match='no checkpoints'):
     plot_attention.load_run(str(config_only))
   assert os.listdir(config_only) == ['config.json']
+
+
+def test_a_window_is_a_slice_of_at_most_max_window_input_tokens():
+  ids = np.arange(10)
+  whole, note = plot_attention.select_window(ids, None, max_window=16)
+  np.testing.assert_array_equal(whole, ids)
+  assert note == ''
+  first, note = plot_attention.select_window(ids, None, max_window=4)
+  np.testing.assert_array_equal(first, ids[:4])
+  assert note == '  input tokens 0:4 of 10'
+  np.testing.assert_array_equal(plot_attention.select_window(ids, (3, 7), 4)[0], ids[3:7])
+  np.testing.assert_array_equal(plot_attention.select_window(ids, (8, 12), 4)[0], ids[8:])
+  with pytest.raises(plot_attention.UsageError,
+                     match=r'--window=2:7 asks for 5 tokens.*at most 4.*--window=2:6'):
+    plot_attention.select_window(ids, (2, 7), 4)
+  with pytest.raises(plot_attention.UsageError, match='--window=10:12 starts past'):
+    plot_attention.select_window(ids, (10, 12), 4)
+  assert plot_attention.parse_window('3:7') == (3, 7)
+  for bad in ('7:3', '3:3', '7', 'a:b', '-1:4', '1:2:3'):
+    with pytest.raises(plot_attention.UsageError, match='is not START:STOP'):
+      plot_attention.parse_window(bad)
+
+
+def test_only_the_window_goes_through_the_model(workdir, run, tmp_path, monkeypatch):
+  split = run.dataset.splits['test']['inputs']
+  example = next(i for i, ids in enumerate(split) if len(plot_attention.trim(ids)) >= 4)
+  inputs = plot_attention.trim(split[example])
+  seen = {}
+  real_plot = plot_attention.plot
+
+  def plot(maps, out_dir, title, notes=None):
+    seen.update(maps={m.path: m for m in maps}, title=title)
+    return real_plot(maps, out_dir, title, notes)
+
+  monkeypatch.setattr(plot_attention, 'plot', plot)
+  pngs = plot_attention.plot_run(workdir, 'test', example, str(tmp_path), window=(1, 3),
+                                 max_window=2)
+  assert len(pngs) == 4
+  assert f'input tokens 1:3 of {len(inputs)}' in seen['title']
+  encoder = seen['maps']['encoder/layer_0/self_attention']
+  assert encoder.weights.shape == (2, 2, 2)
+  assert encoder.keys == [str(int(t)) for t in inputs[1:3]]
+  _, n, m = seen['maps']['decoder/layer_0/cross_attention'].weights.shape
+  assert n <= 2 and m == 2  # the decoded output stops at max_window tokens too
+
+
+def test_long_axes_keep_the_figure_readable(tmp_path):
+  """Past LABELLED_TOKENS an axis gets index ticks and the figure stops growing."""
+  n = 4 * plot_attention.LABELLED_TOKENS
+  weights = np.full((2, n, n), 1.0 / n, np.float32)
+  labels = [str(i) for i in range(n)]
+  a = plot_attention.AttentionMap('encoder/layer_0/self_attention', weights, labels, labels,
+                                  'input', 'input')
+  (png,) = plot_attention.plot([a], str(tmp_path), 'long')
+  with open(png, 'rb') as f:
+    header = f.read(24)
+  assert header[:8] == PNG_MAGIC
+  width, height = int.from_bytes(header[16:20], 'big'), int.from_bytes(header[20:24], 'big')
+  assert width <= 100 * (1.0 + 2 * 0.3 * plot_attention.LABELLED_TOKENS)  # dpi 100
+  assert height <= 100 * (1.5 + 0.3 * plot_attention.LABELLED_TOKENS)
+
+
+def test_a_window_wider_than_the_bound_exits_2_before_loading(tmp_path):
+  proc = _plot_cli(f'--workdir={tmp_path}', '--window=0:5000')
+  assert proc.returncode == 2
+  assert '--window=0:5000 asks for 5000 tokens' in proc.stderr
+  assert f'at most {plot_attention.MAX_WINDOW}' in proc.stderr
+  assert 'Traceback' not in proc.stderr

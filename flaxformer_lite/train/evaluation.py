@@ -16,6 +16,18 @@ from flaxformer_lite.train import metrics as metrics_lib, partitioning, steps
 log = logging.getLogger('flaxformer_lite')
 
 
+# Tokens of a long sample prompt that the log shows: its end, which the sample continues.
+LOGGED_PROMPT = 200
+
+
+def sample_lengths(eval_config, context: int) -> tuple[int, int]:
+  """(prompt, continuation) tokens of a language model's greedy sample:
+  eval.sample_prompt and eval.sample_len, 0 meaning half of `context`
+  (data.max_len) and the rest of it."""
+  prompt = eval_config.sample_prompt or max(1, context // 2)
+  return prompt, eval_config.sample_len or context - context // 2
+
+
 class Evaluator:
   """Whole-split evaluation, by objective.
 
@@ -23,18 +35,21 @@ class Evaluator:
     beam search with `beam_size` > 1): sequence_accuracy for token tasks,
     sacreBLEU of the detokenized output against the raw references for text.
   lm: loss, perplexity, bits_per_token (bpc for char/byte tokenizers) over
-    the split's non-overlapping windows of data.max_len tokens.
+    the split's non-overlapping windows of data.max_len tokens, and of each
+    other length in eval.contexts (its metrics suffixed _<length>); with
+    log_examples, a greedy sample (`sample_lengths`) logged and its text
+    written to `sample_path`.
   mlm: loss/accuracy on masked positions; the masks are drawn from a fixed
     key, so every evaluation scores the same ones.
+  Batches hold eval.batch_size examples, or eval.batch_tokens tokens. The
+  metrics step is compiled once per batch shape (`compiled_step`): the
+  memory guard (train/loop.py) analyses the executables evaluation runs.
   """
 
-  def __init__(self, config, model, dataset, place_batch=None):
-    self.config, self.dataset = config, dataset
+  def __init__(self, config, model, dataset, place_batch=None, sample_path=None):
+    self.config, self.dataset, self.sample_path = config, dataset, sample_path
     self.place_batch = place_batch or (lambda batch: batch)  # Partitioner.place_eval_batch
     self.objective = steps.OBJECTIVES[config.model.type]
-    # Each batch of eval.batch_size examples is padded with weight-0 rows to
-    # split over the devices: the metrics do not depend on the device count.
-    self.rows = partitioning.padded_rows(config.eval.batch_size, jax.device_count())
     self.metrics_step = jax.jit(functools.partial(
         steps.eval_step, apply_fn=model.apply, label_smoothing=config.train.label_smoothing,
         objective=self.objective, mlm_rate=config.data.mlm_rate,
@@ -42,18 +57,62 @@ class Evaluator:
     self.model, self.decode_model = model, None
     if self.objective != 'mlm':
       self.decode_model = models.build(config.model, decode=True)
-    self._decoders, self._arrays = {}, {}
+    self._decoders, self._arrays, self._compiled = {}, {}, {}
 
-  def arrays(self, split) -> dict:
-    """A split as padded arrays (LM streams cut into windows), cached."""
-    if split not in self._arrays:
+  def contexts(self) -> tuple:
+    """The window lengths a token stream is scored at (data.max_len, then
+    eval.contexts' others); (None,) for sentence pairs."""
+    if self.dataset.kind != 'lm':
+      return (None,)
+    return tuple(dict.fromkeys((self.config.data.max_len, *self.config.eval.contexts)))
+
+  def arrays(self, split, context=None) -> dict:
+    """A split as padded arrays, cached; a token stream as its non-overlapping
+    windows of `context` tokens (None: data.max_len)."""
+    if (split, context) not in self._arrays:
       values = self.dataset.splits[split]
       if self.dataset.kind == 'lm':
-        values = data.lm_eval_arrays(values, self.config.data.max_len)
+        values = data.lm_eval_arrays(values, context or self.config.data.max_len)
       if self.config.eval.max_examples:
         values = {k: v[:self.config.eval.max_examples] for k, v in values.items()}
-      self._arrays[split] = values
-    return self._arrays[split]
+      self._arrays[split, context] = values
+    return self._arrays[split, context]
+
+  def batch_rows(self, arrays) -> tuple[int, int]:
+    """(examples per batch, rows per batch): eval.batch_size examples, or with
+    eval.batch_tokens > 0 as many as fit in it at the arrays' width (at least
+    one); the rows add weight-0 PAD rows so that a batch splits over the
+    devices, and the metrics do not depend on the device count."""
+    tokens = self.config.eval.batch_tokens
+    size = max(1, tokens // arrays['inputs'].shape[1]) if tokens else self.config.eval.batch_size
+    return size, partitioning.padded_rows(size, jax.device_count())
+
+  def _batches(self, split, context=None):
+    arrays = self.arrays(split, context)
+    size, rows = self.batch_rows(arrays)
+    return data.eval_batches(arrays, size, rows=rows)
+
+  def compiled_step(self, params, split, context=None):
+    """The metrics step compiled for the split's batches at `context`: once per
+    batch shape, however many splits and evaluations share it."""
+    batch = self.place_batch(next(self._batches(split, context)))
+    shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
+    if shape not in self._compiled:
+      self._compiled[shape] = self.metrics_step.lower(params, batch,
+                                                      jax.random.key(0)).compile()
+    return self._compiled[shape]
+
+  def sample_step(self, params, split):
+    """(the greedy sample's generation compiled for this split's prompt, the
+    prompt [1, P]: the split's first tokens). The decoding cache holds
+    prompt + continuation tokens (decoding.greedy_generate)."""
+    prompt_len, length = sample_lengths(self.config.eval, self.config.data.max_len)
+    prompt = self.dataset.splits[split][None, :prompt_len]
+    if ('sample', prompt.shape) not in self._compiled:
+      generate = jax.jit(functools.partial(decoding.greedy_generate, self.decode_model,
+                                           max_steps=length))
+      self._compiled['sample', prompt.shape] = generate.lower(params, prompt).compile()
+    return self._compiled['sample', prompt.shape], prompt
 
   def _decoder(self, max_len, beam_size):
     key = (max_len, beam_size)
@@ -76,28 +135,54 @@ class Evaluator:
     return min(n, m.max_len) if m.positions == 'learned' else n
 
   def __call__(self, params, split, *, beam_size=1, log_examples=0) -> dict:
-    arrays, sums = self.arrays(split), None
-    eval_rng = jax.random.key(self.config.seed + 1)
-    decode = self.objective == 'seq2seq'
-    max_len = self.decode_len(arrays) if decode else 0
-    decoder = self._decoder(max_len, beam_size) if decode else None
-    predicted, size = [], self.config.eval.batch_size
-    for i, batch in enumerate(data.eval_batches(arrays, size, rows=self.rows)):
-      batch = self.place_batch(batch)
-      s = self.metrics_step(params, batch, jax.random.fold_in(eval_rng, i))
-      sums = s if sums is None else metrics_lib.add_sums(sums, s)
-      if decode:
-        real = min(size, len(arrays['inputs']) - i * size)
-        predicted.append(partitioning.to_host(decoder(params, batch['inputs']))[:real])
-    out = metrics_lib.summarise(sums)
+    if self.objective == 'seq2seq':
+      return self._translation(params, split, beam_size, log_examples)
+    out = {}
+    for context in self.contexts():
+      suffix = '' if context == self.config.data.max_len else f'_{context}'
+      out.update({k + suffix: v for k, v in self.window_metrics(params, split, context).items()})
+    if self.objective == 'lm' and log_examples:
+      self._log_sample(params, split)
+    return out
+
+  def window_metrics(self, params, split, context: int) -> dict:
+    """A token stream's metrics over its non-overlapping windows of `context`
+    tokens (every token but the first predicted once; the first
+    eval.max_examples windows if set): loss, nll, perplexity, accuracy, and
+    for a causal LM bits_per_token (bpc for characters or bytes)."""
+    out = metrics_lib.summarise(self._sums(params, split, context))
     if self.objective == 'lm':
       out['bits_per_token'] = out['nll'] / np.log(2.0)
       if isinstance(self.dataset.tokenizer, (tokenizers.CharTokenizer, tokenizers.ByteTokenizer)):
         out['bpc'] = out['bits_per_token']
-      if log_examples:
-        self._log_sample(params, arrays)
-    if decode:
-      out.update(self._score(split, arrays, np.concatenate(predicted), log_examples))
+    return out
+
+  def _sums(self, params, split, context=None, each_batch=None):
+    """The metric sums over the split's batches; each_batch(i, batch), when
+    given, is called with every placed batch."""
+    step, sums = self.compiled_step(params, split, context), None
+    eval_rng = jax.random.key(self.config.seed + 1)
+    for i, batch in enumerate(self._batches(split, context)):
+      batch = self.place_batch(batch)
+      s = step(params, batch, jax.random.fold_in(eval_rng, i))
+      sums = s if sums is None else metrics_lib.add_sums(sums, s)
+      if each_batch:
+        each_batch(i, batch)
+    return sums
+
+  def _translation(self, params, split, beam_size, log_examples) -> dict:
+    """Teacher-forced metrics, then the decoded split scored against its targets."""
+    arrays = self.arrays(split)
+    decoder = self._decoder(self.decode_len(arrays), beam_size)
+    size, _ = self.batch_rows(arrays)
+    predicted = []
+
+    def decode(i, batch):
+      real = min(size, len(arrays['inputs']) - i * size)
+      predicted.append(partitioning.to_host(decoder(params, batch['inputs']))[:real])
+
+    out = metrics_lib.summarise(self._sums(params, split, each_batch=decode))
+    out.update(self._score(split, arrays, np.concatenate(predicted), log_examples))
     return out
 
   def _score(self, split, arrays, predicted, log_examples) -> dict:
@@ -118,17 +203,18 @@ class Evaluator:
                tokenizer.decode(arrays['inputs'][i]), references[i], hypotheses[i])
     return {'bleu': metrics_lib.bleu(hypotheses, references)}
 
-  def _log_sample(self, params, arrays):
-    """A greedy continuation of the split's first window's first half."""
-    context = self.config.data.max_len
-    if 'sample' not in self._decoders:
-      self._decoders['sample'] = jax.jit(functools.partial(
-          decoding.greedy_generate, self.decode_model, max_steps=context - context // 2))
-    prompt = arrays['inputs'][:1, :context // 2]
-    out = np.asarray(self._decoders['sample'](params, prompt))
-    tokenizer = self.dataset.tokenizer
-    log.info('  prompt %r\n  greedy %r', tokenizer.decode(prompt[0]),
-             tokenizer.decode(out[0]))
+  def _log_sample(self, params, split):
+    """Logs a greedy continuation of the split's first tokens (the end of a
+    long prompt) and writes its text to sample_path."""
+    generate, prompt = self.sample_step(params, split)
+    continuation = self.dataset.tokenizer.decode(np.asarray(generate(params, prompt))[0])
+    shown = prompt[0, -LOGGED_PROMPT:]
+    log.info('  prompt (%d tokens%s) %r\n  greedy %r', prompt.shape[1],
+             f', the last {len(shown)}' if len(shown) < prompt.shape[1] else '',
+             self.dataset.tokenizer.decode(shown), continuation)
+    if self.sample_path and jax.process_index() == 0:
+      with open(self.sample_path, 'w') as f:
+        f.write(continuation)
 
 
 def _tokens(ids) -> str:

@@ -13,7 +13,7 @@ import optax
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import data, models
 from flaxformer_lite.data import validation as data_validation
-from flaxformer_lite.train import (checkpoints, metrics as metrics_lib, multihost,
+from flaxformer_lite.train import (checkpoints, memory, metrics as metrics_lib, multihost,
                                    partitioning, preemption, profiling, schedules, steps)
 from flaxformer_lite.train import state as state_lib
 from flaxformer_lite.train.evaluation import Evaluator
@@ -128,10 +128,10 @@ def _load_dataset(config):
   return dataset
 
 
-def _init_state(config, model, dataset, parallel):
+def _init_state(config, model, first_batch, parallel):
   """(a new train state in `parallel`'s layout, the dropout rng)."""
   init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
-  example = {k: v[:1] for k, v in next(_train_batches(config, dataset)).items()}
+  example = {k: v[:1] for k, v in first_batch.items()}
   state = jax.device_put(state_lib.create(model, config, example, init_rng), parallel.replicated)
   if parallel.mode != 'pmap':
     parallel.layout(state, state_lib.param_axes(model, config, example))
@@ -159,7 +159,62 @@ def _compile_train_step(config, dataset, parallel):
       grad_accum_steps=t.grad_accum_steps)
 
 
-def _log_setup(config, parallel, eval_rows, num_params, start, row_multiple):
+def _eval_splits(config, dataset) -> list[str]:
+  """The splits this run evaluates: validation, and at the end test and test_long."""
+  final = [s for s in ('test', 'test_long') if config.eval.final_test and s in dataset.splits]
+  return ['validation', *final]
+
+
+def _opt_state_bytes(parallel, state) -> int:
+  """The optimizer state's bytes on one device: it stays allocated while the
+  eval steps run, which are passed the parameters only."""
+  leaves = jax.tree.leaves(state.opt_state)
+  if parallel.mode == 'pmap':  # host copies, stacked over the local devices
+    return sum(x[0].nbytes for x in leaves)
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
+
+
+def _check_memory(config, dataset, parallel, state, train_step, train_batch, dropout_rng,
+                  evaluate, limit) -> None:
+  """The memory guard: compiles the train step and every eval step (and the
+  greedy sample's generation) this run will call, each once, and stops the
+  run (ConfigError, exit 2) if the largest would not fit in `limit` = (bytes
+  or None, where from); else logs each step's peak.
+
+  A step's peak is what XLA assigns it (memory.step_bytes): the train step's
+  arguments hold the whole state; an eval step is passed the parameters, and
+  the optimizer state stays allocated beside it. On CPU the local devices
+  share the host's memory, so their peaks add up.
+  """
+  train = train_step.lower(state, train_batch, dropout_rng).compile().memory_analysis()
+  if train is None:  # a backend without XLA's buffer assignment
+    log.info('Memory: no estimate on this backend (%s)', jax.default_backend())
+    return
+  shape = 'x'.join(map(str, train_batch['inputs'].shape))
+  needs = {f'train step, batch {shape}': memory.step_bytes(train)}
+  params, held = parallel.unplace_state(state).params, _opt_state_bytes(parallel, state)
+  for split in _eval_splits(config, dataset):
+    for context in evaluate.contexts():
+      arrays = evaluate.arrays(split, context)
+      shape = f'{evaluate.batch_rows(arrays)[1]}x{arrays["inputs"].shape[1]}'
+      step = evaluate.compiled_step(params, split, context).memory_analysis()
+      needs.setdefault(f'eval step, batch {shape}', memory.step_bytes(step) + held)
+  if evaluate.objective == 'lm' and config.eval.num_examples_to_log:
+    generate, prompt = evaluate.sample_step(params, 'validation')
+    needs[f'greedy sample after {prompt.shape[1]} tokens'] = (
+        memory.step_bytes(generate.memory_analysis()) + held)
+  if jax.default_backend() == 'cpu':
+    needs = {k: v * jax.local_device_count() for k, v in needs.items()}
+  e = config.eval
+  lower = {'train.batch_size': config.train.batch_size,
+           **({'eval.batch_tokens': e.batch_tokens} if e.batch_tokens
+              else {'eval.batch_size': e.batch_size}),
+           'data.max_len': config.data.max_len}
+  limit_bytes, source = limit
+  log.info(memory.check(needs, limit_bytes, source, lower, config.model.remat))
+
+
+def _log_setup(config, parallel, evaluate, num_params, start, row_multiple):
   """The model, the steps to train, and how the batches split over the devices."""
   t, mc = config.train, config.model
   kv_heads = f' ({mc.num_kv_heads} key/value)' if mc.num_kv_heads not in (0, mc.num_heads) else ''
@@ -174,9 +229,11 @@ def _log_setup(config, parallel, eval_rows, num_params, start, row_multiple):
     log.info('Train batch: %d rows + %d padding rows (weight 0) = %d, over %d device(s) x %d '
              'accumulation step(s)', t.batch_size, padded - t.batch_size, padded,
              jax.device_count(), t.grad_accum_steps)
-  log.info('Eval batches: %d examples + %d padding rows (weight 0) = %d, over %d device(s)',
-           config.eval.batch_size, eval_rows - config.eval.batch_size, eval_rows,
-           jax.device_count())
+  for context in evaluate.contexts():
+    size, rows = evaluate.batch_rows(evaluate.arrays('validation', context))
+    log.info('Eval batches%s: %d examples + %d padding rows (weight 0) = %d, over %d '
+             'device(s)', f' at context {context}' if context else '', size, rows - size, rows,
+             jax.device_count())
 
 
 class _TrainWindow:
@@ -270,13 +327,21 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   """Trains config.train.num_steps steps (resuming from the newest checkpoint
   in workdir), evaluates, and returns the final metrics by split.
   allow_config_change: resume a workdir whose config.json differs (logged)."""
+  # Before the run allocates anything: on CPU its buffers come out of MemAvailable.
+  limit = memory.available(jax.devices()[0])
   dataset = _load_dataset(config)
   _prepare_workdir(config, workdir, allow_config_change)
   t = config.train
   parallel = partitioning.Partitioner(t.parallel, t.model_parallel)
   model = models.build(config.model)
   train_iter = _train_batches(config, dataset)
-  state, dropout_rng = _init_state(config, model, dataset, parallel)
+  # A batch that does not split over the devices (x accumulation steps) gets
+  # all-PAD rows, which weigh nothing: the update is the unpadded batch's.
+  row_multiple = jax.local_device_count() * t.grad_accum_steps
+  # An example batch (a fresh iterator's first): the state is initialised from
+  # it and the train step compiled for its shape; train_iter keeps its place.
+  first_batch = next(_train_batches(config, dataset))
+  state, dropout_rng = _init_state(config, model, first_batch, parallel)
   num_params = sum(x.size for x in jax.tree.leaves(state.params))
 
   # The checkpointer and the metric writer are closed once however the run
@@ -286,14 +351,18 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         checkpoints.Checkpointer(workdir, t.keep_checkpoints)))
     state, start = _resume(ckpt, state, train_iter)
     state = parallel.place_state(state)
-    writer = to_close.enter_context(contextlib.closing(metrics_lib.MetricWriter(workdir, start)))
-    evaluate = Evaluator(config, model, dataset, parallel.place_eval_batch)
+    evaluate = Evaluator(config, model, dataset, parallel.place_eval_batch,
+                         sample_path=os.path.join(workdir, 'sample.txt'))
     train_step = _compile_train_step(config, dataset, parallel)
+    _log_setup(config, parallel, evaluate, num_params, start, row_multiple)
+    # Before the metric writer, which drops the points logged after `start`:
+    # a run that cannot fit changes nothing in its workdir.
+    _check_memory(config, dataset, parallel, state, train_step,
+                  parallel.place_batch(data.pad_rows(first_batch, partitioning.padded_rows(
+                      len(first_batch['inputs']), row_multiple))),
+                  dropout_rng, evaluate, limit)
+    writer = to_close.enter_context(contextlib.closing(metrics_lib.MetricWriter(workdir, start)))
     schedule = schedules.create(t, config.model.d_model)
-    # A batch that does not split over the devices (x accumulation steps) gets
-    # all-PAD rows, which weigh nothing: the update is the unpadded batch's.
-    row_multiple = jax.local_device_count() * t.grad_accum_steps
-    _log_setup(config, parallel, evaluate.rows, num_params, start, row_multiple)
 
     window, stop = _TrainWindow(), False
     train_start, eval_seconds, results = time.time(), 0.0, {}

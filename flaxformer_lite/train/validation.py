@@ -8,7 +8,9 @@ from __future__ import annotations
 import jax
 
 from flaxformer_lite.config import ConfigError, check, check_choice
+from flaxformer_lite.model_types import MODEL_TYPES
 from flaxformer_lite.train import partitioning, profiling, schedules
+from flaxformer_lite.train.evaluation import sample_lengths
 
 
 def validate(config) -> None:
@@ -43,6 +45,44 @@ def validate(config) -> None:
   check(t.batch_tokens >= 0, f'train.batch_tokens={t.batch_tokens} must be >= 0')
   e = config.eval
   check(e.batch_size > 0, f'eval.batch_size={e.batch_size} must be > 0')
+  check(e.batch_tokens >= 0,
+        f'eval.batch_tokens={e.batch_tokens} must be >= 0 (0 = eval.batch_size examples a batch)')
   check(e.max_examples >= 0, f'eval.max_examples={e.max_examples} must be >= 0 (0 = all)')
   check(e.beam_size >= 1, f'eval.beam_size={e.beam_size} must be >= 1 (1 = greedy)')
   check(e.max_decode_len >= 0, f'eval.max_decode_len={e.max_decode_len} must be >= 0')
+  _validate_lm_eval(config)
+
+
+def _validate_lm_eval(config) -> None:
+  """eval.contexts (models reading a token stream) and the greedy sample's
+  lengths (decoder-only LMs); learned positions must reach both."""
+  m, e = config.model, config.eval
+  contexts = tuple(e.contexts)
+  check(all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in contexts),
+        f'eval.contexts={contexts!r} must be window lengths in tokens, ints >= 1, '
+        'e.g. (4096, 16384); () = data.max_len only')
+  for key in ('sample_prompt', 'sample_len'):
+    check(e[key] >= 0, f'eval.{key}={e[key]} must be >= 0 (0 = half of data.max_len)')
+  stream = [name for name, t in MODEL_TYPES.items() if t.data == 'lm']
+  check(not contexts or m.type in stream,
+        f'eval.contexts={contexts!r} scores windows of a token stream; model.type={m.type!r} '
+        f'reads sentence pairs. Use eval.contexts=() or model.type in {stream}')
+  lm = [name for name, t in MODEL_TYPES.items() if t.objective == 'lm']
+  check(not (e.sample_prompt or e.sample_len) or m.type in lm,
+        f'eval.sample_prompt={e.sample_prompt} and eval.sample_len={e.sample_len} size the '
+        f'greedy sample of a language model; model.type={m.type!r} has none. Set them to 0 '
+        f'or use model.type in {lm}')
+  if m.positions != 'learned':  # the other positions reach any length
+    return
+  check(max(contexts, default=0) <= m.max_len,
+        f'eval.contexts={contexts!r} has windows longer than model.max_len={m.max_len}, '
+        "the reach of model.positions='learned'; use contexts <= model.max_len, or "
+        "model.positions='none' with a relative attention variant")
+  if m.type in lm:
+    prompt, length = sample_lengths(e, config.data.max_len)
+    check(prompt + length <= m.max_len,
+          f'the greedy sample decodes eval.sample_prompt={e.sample_prompt} + '
+          f'eval.sample_len={e.sample_len} (0 = half of data.max_len={config.data.max_len}) '
+          f'= {prompt} + {length} tokens, more than model.max_len={m.max_len}, the reach of '
+          "model.positions='learned'; shorten them, or use model.positions='none' with a "
+          'relative attention variant')

@@ -1,0 +1,90 @@
+"""Evaluator: eval batches sized in tokens, a language model scored at several
+contexts (against the model applied to the windows by hand), the greedy sample."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from flaxformer_lite import config as config_lib
+from flaxformer_lite import data, models
+from flaxformer_lite.train import checkpoints, loop, metrics, state as state_lib
+from flaxformer_lite.train.evaluation import Evaluator, sample_lengths
+
+
+def _lm_config(**eval_values):
+  c = config_lib.base_config()
+  c.model.type, c.model.vocab_size = 'decoder_only', 40
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_decoder_layers = 16, 2, 32, 1
+  c.data.task, c.data.tokenizer, c.data.max_len = 'tiny_shakespeare', 'char', 16
+  c.eval.update(eval_values)
+  return c
+
+
+def test_eval_rows_come_from_batch_tokens_at_each_width(tiny_config):
+  lm = data.Dataset(40, {'validation': np.arange(3, 400, dtype=np.int32)}, {}, kind='lm')
+  c = _lm_config(batch_tokens=100, contexts=(64, 256))
+  evaluate = Evaluator(c, models.build(c.model), lm)
+  assert evaluate.contexts() == (16, 64, 256)
+  rows = [evaluate.batch_rows(evaluate.arrays('validation', n))[0] for n in evaluate.contexts()]
+  assert rows == [100 // 16, 100 // 64, 1]  # at least one window a batch
+  c.eval.batch_tokens = 0
+  assert evaluate.batch_rows(evaluate.arrays('validation', 64))[0] == c.eval.batch_size
+
+  pairs = data.load(tiny_config.data)  # synthetic: every split padded to max_len + EOS = 7
+  tiny_config.model.vocab_size = pairs.vocab_size
+  tiny_config.eval.batch_tokens = 30
+  evaluate = Evaluator(tiny_config, models.build(tiny_config.model), pairs)
+  assert evaluate.contexts() == (None,)
+  assert evaluate.batch_rows(evaluate.arrays('validation'))[0] == 30 // 7
+  assert evaluate.batch_rows(evaluate.arrays('test_long'))[0] == 30 // 14
+
+
+def test_sample_lengths_default_to_halves_of_the_context():
+  e = config_lib.base_config().eval
+  assert sample_lengths(e, 17) == (8, 9)
+  e.sample_prompt, e.sample_len = 14000, 2000
+  assert sample_lengths(e, 4096) == (14000, 2000)
+
+
+def _hand_nll(model, params, stream, context: int, windows: int) -> float:
+  """Mean next-token nll over the first `windows` non-overlapping windows of
+  `stream`, the model applied to each window on its own."""
+  total = 0.0
+  for i in range(windows):
+    x = stream[i * context:(i + 1) * context]
+    y = stream[i * context + 1:(i + 1) * context + 1]
+    logits = model.apply({'params': params}, x[None])[0]
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
+    total -= float(np.sum(np.asarray(logp)[np.arange(context), y]))
+  return total / (windows * context)
+
+
+def test_lm_run_scores_each_context_and_writes_the_sample(tfds_dir, shared_data, tmp_path):
+  """A 2-step char LM on Tiny Shakespeare evaluated at its context 16 and at
+  64: metrics.jsonl holds loss and loss_64 (etc.), each the mean nll of the
+  restored model applied to the first windows by hand; sample.txt holds the
+  greedy continuation of eval.sample_len characters."""
+  c = _lm_config(contexts=(64,), batch_tokens=48, max_examples=5, sample_prompt=40,
+                 sample_len=24, num_examples_to_log=1)
+  c.model.vocab_size = 0
+  c.data.manual_dir, c.data.data_dir = os.path.join(shared_data, 'tiny_shakespeare'), tfds_dir
+  c.train.num_steps, c.train.batch_size, c.train.label_smoothing = 2, 4, 0.0
+  c.train.log_every = c.train.eval_every = c.train.checkpoint_every = 2
+  workdir = str(tmp_path / 'lm')
+  loop.train_and_evaluate(c, workdir)
+
+  record, = [r for r in metrics.read(workdir) if r['split'] == 'eval']
+  model = models.build(c.model)
+  example = {'inputs': np.ones((1, 16), np.int32), 'targets': np.ones((1, 16), np.int32)}
+  ckpt = checkpoints.Checkpointer(workdir, keep=1)
+  state, _ = ckpt.restore(state_lib.create(model, c, example, jax.random.key(0)))
+  ckpt.close()
+  stream = data.load(c.data).splits['validation']
+  for context, suffix in ((16, ''), (64, '_64')):
+    nll = _hand_nll(model, state.params, stream, context, windows=5)
+    assert record[f'nll{suffix}'] == pytest.approx(nll, rel=1e-5)
+    assert record[f'loss{suffix}'] == pytest.approx(nll, rel=1e-5)  # no label smoothing
+    assert record[f'bpc{suffix}'] == pytest.approx(nll / np.log(2), rel=1e-5)
+  with open(os.path.join(workdir, 'sample.txt')) as f:
+    assert len(f.read()) == 24
