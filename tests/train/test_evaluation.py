@@ -1,5 +1,6 @@
 """Evaluator: eval batches sized in tokens, a language model scored at several
-contexts (against the model applied to the windows by hand), the greedy sample."""
+contexts (against the model applied to the windows by hand), the greedy sample
+(against full passes), on the long-context path."""
 import os
 
 import jax
@@ -60,14 +61,30 @@ def _hand_nll(model, params, stream, context: int, windows: int) -> float:
   return total / (windows * context)
 
 
-def test_lm_run_scores_each_context_and_writes_the_sample(tfds_dir, shared_data, tmp_path):
-  """A 2-step char LM on Tiny Shakespeare evaluated at its context 16 and at
-  64: metrics.jsonl holds loss and loss_64 (etc.), each the mean nll of the
-  restored model applied to the first windows by hand; sample.txt holds the
-  greedy continuation of eval.sample_len characters."""
+def _hand_greedy(model, params, prompt, steps):
+  """The greedy continuation by full passes over prompt + what is generated: [steps]."""
+  ids = list(prompt)
+  for _ in range(steps):
+    logits = model.apply({'params': params}, np.asarray(ids, np.int32)[None])[0, -1]
+    ids.append(int(np.argmax(logits)))
+  return ids[len(prompt):]
+
+
+def test_long_context_lm_run_scores_each_context_and_writes_the_sample(
+    tfds_dir, shared_data, tmp_path):
+  """A 2-step char LM on Tiny Shakespeare on the long-context path: ALiBi, no
+  absolute positions, attention dropout, and the chunked kernel everywhere
+  (dense_max_mib=0, chunk 8: training with dropout, evaluation, the prompt
+  and each decoding step). Evaluated at its context 16 and at 64:
+  metrics.jsonl holds loss and loss_64 (etc.), each the mean nll of the
+  restored model applied to the first windows by hand on the dense kernel;
+  sample.txt holds the greedy continuation of eval.sample_len characters
+  that full dense passes give."""
   c = _lm_config(contexts=(64,), batch_tokens=48, max_examples=5, sample_prompt=40,
                  sample_len=24, num_examples_to_log=1)
   c.model.vocab_size = 0
+  c.model.positions, c.model.attention, c.model.attention_dropout_rate = 'none', 'alibi', 0.1
+  c.model.attention_kwargs.update(implementation='auto', dense_max_mib=0, chunk_size=8)
   c.data.manual_dir, c.data.data_dir = os.path.join(shared_data, 'tiny_shakespeare'), tfds_dir
   c.train.num_steps, c.train.batch_size, c.train.label_smoothing = 2, 4, 0.0
   c.train.log_every = c.train.eval_every = c.train.checkpoint_every = 2
@@ -75,16 +92,21 @@ def test_lm_run_scores_each_context_and_writes_the_sample(tfds_dir, shared_data,
   loop.train_and_evaluate(c, workdir)
 
   record, = [r for r in metrics.read(workdir) if r['split'] == 'eval']
-  model = models.build(c.model)
+  dense = config_lib.from_json(config_lib.to_json(c))
+  dense.model.vocab_size = data.load(c.data).vocab_size
+  dense.model.attention_kwargs.implementation = 'dense'
+  model = models.build(dense.model)
   example = {'inputs': np.ones((1, 16), np.int32), 'targets': np.ones((1, 16), np.int32)}
   ckpt = checkpoints.Checkpointer(workdir, keep=1)
-  state, _ = ckpt.restore(state_lib.create(model, c, example, jax.random.key(0)))
+  state, _ = ckpt.restore(state_lib.create(model, dense, example, jax.random.key(0)))
   ckpt.close()
-  stream = data.load(c.data).splits['validation']
+  dataset = data.load(c.data)
+  stream = dataset.splits['validation']
   for context, suffix in ((16, ''), (64, '_64')):
     nll = _hand_nll(model, state.params, stream, context, windows=5)
     assert record[f'nll{suffix}'] == pytest.approx(nll, rel=1e-5)
     assert record[f'loss{suffix}'] == pytest.approx(nll, rel=1e-5)  # no label smoothing
     assert record[f'bpc{suffix}'] == pytest.approx(nll / np.log(2), rel=1e-5)
   with open(os.path.join(workdir, 'sample.txt')) as f:
-    assert len(f.read()) == 24
+    sample = f.read()
+  assert sample == dataset.tokenizer.decode(_hand_greedy(model, state.params, stream[:40], 24))
