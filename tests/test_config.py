@@ -116,8 +116,7 @@ def test_differences_ignore_resumable_keys():
     (['--config.model.attention=luong_local_m',
       '--config.model.attention_kwargs.implementation=chunked'],
      "attention='luong_local_m' has no chunked form"),
-    (['--config.model.attention_kwargs.implementation=chunked',
-      '--config.model.attention_dropout_rate=0.1'], 'has no attention dropout'),
+    (['--config.model.attention_kwargs.dense_max_mib=-1'], 'dense_max_mib=-1'),
 ])
 def test_cli_bad_config_exits_2_with_message(args, expected, tmp_path, run_main):
   proc = run_main(*args, f'--workdir={tmp_path}/w')

@@ -62,12 +62,14 @@ def _hand_nll(model, params, stream, context: int, windows: int) -> float:
 
 
 def _hand_greedy(model, params, prompt, steps):
-  """The greedy continuation by full passes over prompt + what is generated: [steps]."""
-  ids = list(prompt)
-  for _ in range(steps):
-    logits = model.apply({'params': params}, np.asarray(ids, np.int32)[None])[0, -1]
-    ids.append(int(np.argmax(logits)))
-  return ids[len(prompt):]
+  """The greedy continuation by full passes over prompt + what is generated
+  (causal: the positions after the last token do not change its logits): [steps]."""
+  ids = np.zeros(len(prompt) + steps, np.int32)
+  ids[:len(prompt)] = prompt
+  apply = jax.jit(lambda ids: model.apply({'params': params}, ids[None])[0])
+  for t in range(len(prompt), len(ids)):
+    ids[t] = int(np.argmax(apply(ids)[t - 1]))
+  return ids[len(prompt):].tolist()
 
 
 def test_long_context_lm_run_scores_each_context_and_writes_the_sample(
