@@ -24,7 +24,11 @@ A variant describes its block with `BlockTerms`:
       output of a query that sees no key (the dense path's rule: uniform
       weights, see dot_product.py).
 The backward pass differentiates `logits` and `values` one block at a time
-(`jax.vjp`), so a variant writes its forward math only.
+(`jax.vjp`), so a variant writes its forward math only. Gradients of
+`params` (position tables) are summed over the blocks in a fixed order:
+deterministic on every backend. The q.k and p.v products of the blocks
+(`dot_logits`, `dot_values`) take dO and ds in the inputs' dtype in the
+backward, as FlashAttention-2 does: bf16 matmuls, float32 accumulation.
 
 Attention dropout (FlashAttention's): each block draws its keep bits from
 dropout.py's hash of (row, head, query, key), in the forward and again in
@@ -40,9 +44,7 @@ keys and values (nor a decoding cache).
 Blocks that the causal or window parts hide are outside the loops' bounds;
 blocks that key padding, query padding or segments hide for every row of
 the batch are skipped by a `lax.cond` (packed rows do no cross-example work
-where a whole block is cross-example). Gradients of
-`params` (position tables) are summed over the blocks in a fixed order:
-deterministic on every backend.
+where a whole block is cross-example).
 """
 from __future__ import annotations
 
