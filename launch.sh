@@ -67,7 +67,7 @@ if [ "${1:-}" = "test" ]; then
   # minute-long multi-process tests do not leave one core idle at the end.
   dist=()
   [ "$workers" -eq 0 ] || dist=(--dist worksteal)
-  exec "$PY" -m pytest -n "$workers" "${dist[@]}" --durations=10 "$@"
+  exec "$PY" -m pytest -n "$workers" ${dist[@]+"${dist[@]}"} --durations=10 "$@"
 fi
 if [ "${1:-}" = "run" ]; then
   shift
