@@ -115,7 +115,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
     implementation: None or 'dense' (the default path: explicit
-      weights, the only path with dropout), or 'xla'/'cudnn' for
+      weights; of these three, the one with dropout), or 'xla'/'cudnn' for
       `jax.nn.dot_product_attention`. None does not defer to
       `jax.nn.dot_product_attention`: there (JAX 0.10) None means 'xla',
       never cuDNN, and its XLA path (a vmap over head groups, logits scaled
