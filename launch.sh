@@ -63,11 +63,7 @@ if [ "${1:-}" = "test" ]; then
   cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
   workers="${FFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
   [ "$workers" -ge 2 ] || workers=0
-  # worksteal: an idle worker takes queued tests from a busy one, so the
-  # minute-long multi-process tests do not leave one core idle at the end.
-  dist=()
-  [ "$workers" -eq 0 ] || dist=(--dist worksteal)
-  exec "$PY" -m pytest -n "$workers" ${dist[@]+"${dist[@]}"} --durations=10 "$@"
+  exec "$PY" -m pytest -n "$workers" --durations=10 "$@"
 fi
 if [ "${1:-}" = "run" ]; then
   shift
