@@ -60,6 +60,13 @@ from flaxformer_lite.attention.masks import MaskSpec, pad_to
 DEFAULT_CHUNK_SIZE = 512
 
 
+# _one_query: a single query row against a block of keys is a matrix-vector
+# product, bound by reading the block. As a product and a sum, XLA reads the
+# block where it lies in the cache; as a dot, XLA:CPU first copies it out of
+# the cache and transposes it to [b, h, bk, d], which made a decoding step at
+# the end of a 16k cache 1.7x the dense step (benchmarks/decode_step.py).
+
+
 @jax.custom_vjp
 def dot_logits_(q, k):
   """q . k -> float32 [b, h, bq, bk], accumulated in float32; its gradient
@@ -96,13 +103,6 @@ def dot_values_(p, v):
     weights = p[:, :, 0].astype(v.dtype).astype(jnp.float32).transpose(0, 2, 1)[..., None]
     return jnp.sum(weights * v.astype(jnp.float32), 1)[:, :, None]  # [b, h, 1, dv]
   return jnp.einsum('bhqk,bkhd->bhqd', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
-# _one_query: a single query row against a block of keys is a matrix-vector
-# product, bound by reading the block. As a product and a sum, XLA reads the
-# block where it lies in the cache; as a dot, XLA:CPU first copies it out of
-# the cache and transposes it to [b, h, bk, d], which made a decoding step at
-# the end of a 16k cache 1.7x the dense step (benchmarks/decode_step.py).
 
 
 def _dot_values_fwd(p, v):
@@ -309,9 +309,8 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
     """x [b, h, bq, bk] with dropout applied: keep / (1 - rate), else 0."""
     if not rate:
       return x
-    keep = dropout.keep(seed, rate, x.shape[:2], (qs + jnp.arange(bq))[:, None],
+    return dropout.drop(x, seed, rate, (qs + jnp.arange(bq))[:, None],
                         (ks + jnp.arange(bk))[None, :])
-    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
 
   def forward(q, k, v, params, mask, q_offset, seed):
     b, _, h, _ = q.shape

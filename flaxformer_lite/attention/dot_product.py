@@ -64,7 +64,7 @@ def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
   dtype = dtype or logits.dtype
   weights = _softmax(masked_logits(logits.astype(jnp.float32), mask)).astype(dtype)
   dropped = dropout.apply(weights, dropout_rate, dropout_rng, deterministic, q_idx, k_idx)
-  if dropped is weights or mask is None:
+  if deterministic or dropout_rate == 0.0 or mask is None:
     return dropped
   # A row that sees no key keeps its uniform weights whole, as in the
   # chunked kernel (which never draws dropout for such a row).

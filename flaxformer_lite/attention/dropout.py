@@ -73,8 +73,16 @@ def apply(weights, rate: float, rng, deterministic: bool, q_idx=None, k_idx=None
   if rng is None:
     raise ValueError('attention dropout needs dropout_rng when deterministic=False')
   n, m = weights.shape[-2:]
-  q_idx = jnp.arange(n)[:, None] if q_idx is None else jnp.asarray(q_idx)
-  k_idx = jnp.arange(m)[None, :] if k_idx is None else jnp.asarray(k_idx)
+  q_idx = jnp.arange(n)[:, None] if q_idx is None else q_idx
+  k_idx = jnp.arange(m)[None, :] if k_idx is None else k_idx
+  return drop(weights, seed(rng), rate, q_idx, k_idx)
+
+
+def drop(x, seed_, rate: float, q_idx, k_idx):
+  """x with each weight kept (`keep`) scaled by 1 / (1 - rate), the others 0:
+  the axes of x before broadcast(q_idx, k_idx)'s are keep's (b, h). The
+  chunked kernel calls it per block with the block's indices."""
+  q_idx, k_idx = jnp.asarray(q_idx), jnp.asarray(k_idx)
   trailing = len(jnp.broadcast_shapes(q_idx.shape, k_idx.shape))
-  kept = keep(seed(rng), rate, weights.shape[:weights.ndim - trailing], q_idx, k_idx)
-  return jnp.where(kept, weights / (1.0 - rate), 0).astype(weights.dtype)
+  kept = keep(seed_, rate, x.shape[:x.ndim - trailing], q_idx, k_idx)
+  return jnp.where(kept, x / (1.0 - rate), 0).astype(x.dtype)
