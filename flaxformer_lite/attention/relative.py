@@ -136,53 +136,79 @@ def _block_indices(k, q_pos, k_pos):
   return band_indices(q_pos.shape[0], k_pos.shape[0], k, q_pos[0] - k_pos[0]) if k else None
 
 
-def _side(k, q_pos, k_pos):
-  """0 if every key of the block is at least k before every query (one bucket,
-  the far-left one), 2 if at least k after, else 1 (the band crosses it)."""
-  before = k_pos[-1] - q_pos[0] <= -k
-  after = k_pos[0] - q_pos[-1] >= k
-  return jnp.where(before, 0, jnp.where(after, 2, 1))
+# A block's table terms, split as row 0 (clipped distance -k) for every pair
+# plus (row - row 0) for the pairs nearer than k: row 0 rides on the keys and
+# values (k_j + a_0, v_j + a^V_0, a block-sized add of [b, bk, h, d]), so a
+# block wholly beyond distance k on the left, most blocks of causal attention,
+# is dot_product's block; a block the band of 2k - 1 diagonals crosses adds the
+# difference through bucket_spread / bucket_sum; a sub-diagonal block (the band
+# only in its top-right k x k corner) adds it there only; a block wholly beyond
+# k on the right adds one row's difference. (A corner is written back with
+# dynamic_update_slice: `.at[].add` would put a scatter in the gradient.)
+_FAR_LEFT, _BAND, _CORNER, _FAR_RIGHT = range(4)
+
+
+def _has_corner(k, bq, bk):
+  return 0 < k <= min(bq, bk)
+
+
+def _where(k, q_pos, k_pos):
+  """Which part of the table a block meets (the constants above)."""
+  bq, bk = q_pos.shape[0], k_pos.shape[0]
+  lead = q_pos[0] - k_pos[0]  # query 0 is this many places after key 0
+  corner = lead >= bk - 1 if _has_corner(k, bq, bk) else False  # band: rows < k, keys >= bk - k
+  return jnp.where(lead >= bk - 1 + k, _FAR_LEFT, jnp.where(
+      lead <= -(bq - 1) - k, _FAR_RIGHT, jnp.where(corner, _CORNER, _BAND)))
 
 
 def _block_logits(k, q, key, params, q_pos, k_pos):
-  """(q.k + q.a^K) for one block, q already scaled: the block's queries meet
-  the 2k+1 table rows once and bucket_spread places the result by clipped
-  distance, as in the banded form; a block wholly beyond distance k meets
-  one row (its bucket) and adds one column."""
-  s = chunked.dot_logits(q, key, params, q_pos, k_pos)
+  """q.(k + a^K) for one block, q already scaled (the split above): the
+  band's queries meet the 2k+1 rows' differences once and bucket_spread
+  places them by clipped distance, as in the banded form."""
   table = params.get('rel_key_table')
   if table is None:
-    return s
+    return chunked.dot_logits(q, key, params, q_pos, k_pos)
+  s = chunked.dot_logits(q, key + table[0].astype(key.dtype), params, q_pos, k_pos)
+  rest = table - table[:1]
+  bk = k_pos.shape[0]
 
-  def meet(rows):  # [r, d] -> [b, h, bq, r]
+  def meet(q, rows):  # [b, r_q, h, d], [r, d] -> [b, h, r_q, r]
     return jnp.einsum('bqhd,rd->bhqr', q, rows.astype(q.dtype),
                       preferred_element_type=jnp.float32)
 
-  bk = k_pos.shape[0]
-  return jax.lax.switch(_side(k, q_pos, k_pos), [
-      lambda s: s + meet(table[:1]),
-      lambda s: s + bucket_spread(k, meet(table), _block_indices(k, q_pos, k_pos), bk),
-      lambda s: s + meet(table[-1:])], s)
+  def corner(s):
+    spread = bucket_spread(k, meet(q[:, :k], rest), _block_indices(k, q_pos[:k], k_pos[-k:]), k)
+    return jax.lax.dynamic_update_slice(s, s[:, :, :k, bk - k:] + spread, (0, 0, 0, bk - k))
+
+  def band(s):
+    return s + bucket_spread(k, meet(q, rest), _block_indices(k, q_pos, k_pos), bk)
+
+  return jax.lax.switch(_where(k, q_pos, k_pos), [
+      lambda s: s, band, corner if _has_corner(k, q_pos.shape[0], bk) else band,
+      lambda s: s + meet(q, rest[-1:])], s)
 
 
 def _block_values(k, p, v, params, q_pos, k_pos):
-  """sum_j p_ij (v_j + a^V_ij) for one block: the weights summed per clipped
-  distance (bucket_sum) times the table; a block wholly beyond distance k
-  has one bucket, its row sum."""
-  out = chunked.dot_values(p, v, params, q_pos, k_pos)
+  """sum_j p_ij (v_j + a^V_ij) for one block (the split above): the band's
+  weights summed per clipped distance (bucket_sum) times the rows'
+  differences."""
   table = params.get('rel_value_table')
   if table is None:
-    return out
-  table = table.astype(jnp.float32)
+    return chunked.dot_values(p, v, params, q_pos, k_pos)
+  out = chunked.dot_values(p, v + table[0].astype(v.dtype), params, q_pos, k_pos)
+  rest = (table - table[:1]).astype(jnp.float32)
+  bk = k_pos.shape[0]
 
-  def one_row(p, row):  # [b, h, bq, bk], [d] -> [b, h, bq, d]
-    return jnp.sum(p, -1, keepdims=True) * row
+  def corner(out):
+    sums = bucket_sum(k, p[:, :, :k, bk - k:], _block_indices(k, q_pos[:k], k_pos[-k:]))
+    return jax.lax.dynamic_update_slice(out, out[:, :, :k] + sums @ rest, (0, 0, 0, 0))
 
-  return out + jax.lax.switch(_side(k, q_pos, k_pos), [
-      lambda p: one_row(p, table[0]),
-      lambda p: jnp.einsum('bhqr,rd->bhqd', bucket_sum(k, p, _block_indices(k, q_pos, k_pos)),
-                           table),
-      lambda p: one_row(p, table[-1])], p)
+  def band(out):
+    return out + bucket_sum(k, p, _block_indices(k, q_pos, k_pos)) @ rest
+
+  return jax.lax.switch(_where(k, q_pos, k_pos), [
+      lambda out: out, band, corner if _has_corner(k, q_pos.shape[0], bk) else band,
+      lambda out: out + jnp.sum(p, -1, keepdims=True) * rest[-1]], out)
 
 
 def _uniform(k, value, params, q_pos, m):

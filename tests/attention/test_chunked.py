@@ -42,7 +42,7 @@ CONFIGS = {
 # beyond the clipping distance; t5: blocks wholly in one bucket; deberta: log
 # buckets and clamped rows), and every form whose option picks a code path.
 FORMS = {
-    'shaw': [{'max_distance': 3}, {'max_distance': 1, 'relative_keys': False}],
+    'shaw': [{'max_distance': 3}, {'max_distance': 5, 'relative_keys': False}],
     'local': [{'window': 4, 'causal': False}, {'window': 4, 'causal': True}],
     't5_bias': [{'num_buckets': 8, 'bucket_max_distance': 4},
                 {'num_buckets': 8, 'bucket_max_distance': 6, 'bidirectional': False}],
