@@ -1,6 +1,6 @@
 """Multi30k En->De, the full recipe: a 4+4-layer Transformer, beam 5.
 
-  FFL_EXTRAS=cuda ./launch.sh experiments/multi30k.py --config.data.manual_dir=../shared/data/multi30k
+  FFL_EXTRAS=cuda ./launch.sh experiments/multi30k.py
   ./launch.sh experiments/multi30k.py --config.model.attention=shaw --config.model.positions=none
   ./launch.sh experiments/multi30k.py --config.model.attention=t5_bias --config.model.positions=none
 

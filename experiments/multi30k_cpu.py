@@ -1,6 +1,6 @@
 """Multi30k En->De on 2 CPU cores: a small Transformer, test2016 BLEU > 30.
 
-  ./launch.sh experiments/multi30k_cpu.py --config.data.manual_dir=../shared/data/multi30k
+  ./launch.sh experiments/multi30k_cpu.py
 
 experiments/multi30k.py at a CPU size: 3+3 pre-LN layers, d=128, 4 heads, ff
 512, dropout 0.1, shared embeddings (1.9M parameters), a joint En+De 4k
@@ -9,7 +9,8 @@ tokens (padding included), 2000 steps (~13 epochs) of Adam at lr 2e-3 (300
 warmup steps, cosine decay to 0), label smoothing 0.1; beam 4 on test2016.
 Data: Multi30k task 1 (29,000 / 1,014 / 1,000 pairs; test = test2016), raw
 cased text from data.manual_dir (train/val/test_2016_flickr .en/.de, .gz or
-plain), else downloaded from github.com/multi30k/dataset.
+plain), else the shared corpora (README, "Data"), else downloaded from
+github.com/multi30k/dataset.
 Expected: test2016 BLEU 33.5 (beam 4), validation 32.4 (greedy); 36 minutes
 on one CPU core.
 """

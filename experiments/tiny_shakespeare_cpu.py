@@ -1,6 +1,6 @@
 """nanoGPT's CPU recipe on Tiny Shakespeare, characters: a 4-layer GPT.
 
-  ./launch.sh experiments/tiny_shakespeare_cpu.py --config.data.manual_dir=../shared/data/tiny_shakespeare
+  ./launch.sh experiments/tiny_shakespeare_cpu.py
 
 experiments/tiny_shakespeare.py (nanoGPT's GPU recipe) at the size of
 nanoGPT's README "I only have a macbook" run (--block_size=64 --batch_size=12
@@ -10,7 +10,8 @@ train), vocabulary (the file's 65 characters), GPT-2 blocks and
 initialisation, AdamW with 100 warmup steps and cosine decay to a tenth of the
 peak. The peak learning rate is 3e-3 rather than nanoGPT's 1e-3 (at 1e-3:
 1.892 / 1.903 / 1.907 for seeds 0/1/2; 2e-3: 1.798; 5e-3: 1.774).
-Raw data: data.manual_dir (input.txt), else downloaded from karpathy/char-rnn.
+Raw data: data.manual_dir (input.txt), else the shared corpora (README,
+"Data"), else downloaded from karpathy/char-rnn.
 Expected: validation loss 1.769 (bpc 2.55) over every character of the
 validation split after 2000 steps (nanoGPT reports 1.88, averaged over 20
 random batches); 105 s wall on 2 CPU cores.

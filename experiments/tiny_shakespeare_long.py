@@ -1,6 +1,6 @@
 """Long context on Tiny Shakespeare, characters: the CPU recipe at 4096 characters.
 
-  ./launch.sh experiments/tiny_shakespeare_long.py --config.data.manual_dir=../shared/data/tiny_shakespeare
+  ./launch.sh experiments/tiny_shakespeare_long.py
 
 experiments/tiny_shakespeare_cpu.py (a 4-layer GPT, d=128, 4 heads) trained
 on windows of 4096 characters instead of 64, with no absolute positions and

@@ -1,6 +1,6 @@
 """A BERT-style encoder (masked LM) on Tiny Shakespeare characters.
 
-  ./launch.sh experiments/tiny_shakespeare_mlm.py --config.data.manual_dir=../shared/data/tiny_shakespeare
+  ./launch.sh experiments/tiny_shakespeare_mlm.py
 
 experiments/tiny_shakespeare_cpu.py's corpus, size, optimiser and budget
 (2000 steps of 12 windows of 64 characters) with a 4-layer bidirectional

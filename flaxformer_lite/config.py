@@ -113,7 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = d = ml_collections.ConfigDict()
   d.task = 'reverse'  # data.TASKS: synthetic (reverse, copy, sort), multi30k, tiny_shakespeare, tfds
   d.tfds_name = ''  # task=tfds: a TFDS catalog name, e.g. wmt14_translate/de-en, lm1b
-  d.manual_dir = ''  # raw files of a real corpus; '' = download from the public location
+  d.manual_dir = ''  # raw files of a real corpus; '': the shared corpora (data/shared.py), else downloaded
   d.data_dir = ''  # TFDS data dir; '' = $TFDS_DATA_DIR or ~/tensorflow_datasets
   # Synthetic tasks: lengths min_len..max_len (+ EOS). Translation: training
   # pairs longer than max_len tokens (+ EOS) are dropped or truncated

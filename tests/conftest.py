@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite.data import shared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,36 +41,7 @@ def compilation_cache(tmp_path_factory):
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 
 
-def _origin_checkout() -> str | None:
-  """The repository this checkout was cloned from, when it is a local folder
-  (a fresh `git clone /path/to/flaxformer_lite` keeps the corpora next to it)."""
-  try:
-    url = subprocess.run(['git', 'remote', 'get-url', 'origin'], cwd=REPO, capture_output=True,
-                         text=True, timeout=10).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return None
-  url = url[len('file://'):] if url.startswith('file://') else url
-  return url if url and os.path.isdir(url) else None
-
-
-def find_shared_data() -> tuple[str | None, list[str]]:
-  """(the folder holding multi30k/ and tiny_shakespeare/, or None; the places looked at).
-  Looked for in $FFL_SHARED_DATA, then ../shared/data next to this checkout,
-  then next to the checkout it was cloned from."""
-  if os.environ.get('FFL_SHARED_DATA'):
-    candidates = [os.environ['FFL_SHARED_DATA']]
-  else:
-    candidates = [os.path.join(os.path.dirname(REPO), 'shared', 'data')]
-    origin = _origin_checkout()
-    if origin:
-      candidates.append(os.path.join(os.path.dirname(os.path.abspath(origin)), 'shared', 'data'))
-  for path in candidates:
-    if all(os.path.isdir(os.path.join(path, corpus)) for corpus in ('multi30k', 'tiny_shakespeare')):
-      return os.path.abspath(path), candidates
-  return None, candidates
-
-
-SHARED_DATA, _LOOKED_AT = find_shared_data()
+SHARED_DATA, _LOOKED_AT = shared.find(REPO)
 _SKIPPED_FOR_DATA: list[str] = []
 _NOT_FOUND = 'the real corpora (multi30k/, tiny_shakespeare/) were not found'
 

@@ -9,7 +9,10 @@
 - `catalog(name)`: any builder of the TFDS catalog ('wmt14_translate/de-en', 'lm1b').
 
 Raw files come from `manual_dir` (each as `X.gz` or plain `X`), or are
-downloaded when no manual_dir is given. Lines that are not valid UTF-8, empty
+downloaded when no manual_dir is given (loading.py first looks for the
+shared corpora, shared.py). A download whose host cannot be reached fails
+within seconds, naming the file, its URL and `data.manual_dir`, instead of
+TFDS's retries with growing waits. Lines that are not valid UTF-8, empty
 pairs and unpaired lines are skipped and counted in the dataset's metadata:
 `bad_line_counts(builder)` -> {split: {'invalid_utf8': n, 'empty': n, 'unpaired': n}}.
 """
@@ -21,7 +24,12 @@ import itertools
 import logging
 import os
 
+import urllib.error
+import urllib.request
+
 import tensorflow_datasets as tfds
+
+from flaxformer_lite.data import shared
 
 log = logging.getLogger('flaxformer_lite')
 
@@ -34,6 +42,8 @@ RAW_FILES = {
                  for stem in MULTI30K_SPLITS.values() for lang in ('en', 'de')},
     'tiny_shakespeare_char': {'input.txt': SHAKESPEARE_URL + 'input.txt'},
 }
+# Seconds to wait for a download's host before failing with the manual_dir hint.
+REACH_TIMEOUT = 10
 REASONS = ('invalid_utf8', 'empty', 'unpaired')
 CATALOG_EXAMPLES = ('wmt14_translate/de-en', 'wmt17_translate/de-en', 'lm1b')
 
@@ -57,6 +67,22 @@ def check_manual_dir(name: str, manual_dir: str) -> dict[str, str]:
         f'{", ".join(RAW_FILES[name])}, gzipped (NAME.gz) or plain; or leave manual_dir '
         f'empty to download them.')
   return found
+
+
+def check_reachable(name: str) -> None:
+  """DataError unless every raw file of `name` answers a HEAD request within
+  REACH_TIMEOUT seconds."""
+  for raw, url in RAW_FILES[name].items():
+    try:
+      urllib.request.urlopen(urllib.request.Request(url, method='HEAD'),
+                             timeout=REACH_TIMEOUT).close()
+    except (OSError, urllib.error.URLError) as e:  # HTTPError, timeouts, no route
+      looked_at = ' or '.join(shared.candidates())
+      raise DataError(
+          f'{name}: cannot download {raw} from {url} ({getattr(e, "reason", e)}), and the '
+          f'shared corpora were not found in {looked_at}. Put the raw files in a folder and '
+          f'pass --config.data.manual_dir=FOLDER, or set FFL_SHARED_DATA to the folder '
+          f'holding multi30k/ and tiny_shakespeare/ (README, "Data").') from None
 
 
 def _raw_paths(builder, dl_manager) -> dict[str, str]:
@@ -182,19 +208,28 @@ def _prepare(builder, manual_dir: str):
   return builder
 
 
+def _check_source(builder, manual_dir: str) -> None:
+  """Before anything is written to data_dir: the raw files are in manual_dir,
+  or (none given) their host answers."""
+  if builder.is_prepared():
+    return
+  if manual_dir:
+    check_manual_dir(builder.name, manual_dir)
+  else:
+    check_reachable(builder.name)
+
+
 def multi30k(data_dir: str, manual_dir: str) -> Multi30k:
   """The prepared Multi30k builder; raw files from manual_dir, or downloaded if ''."""
   builder = Multi30k(data_dir=data_dir, file_format='array_record')
-  if manual_dir and not builder.is_prepared():
-    check_manual_dir(builder.name, manual_dir)  # before anything is written to data_dir
+  _check_source(builder, manual_dir)
   return _prepare(builder, manual_dir)
 
 
 def tiny_shakespeare(data_dir: str, manual_dir: str) -> TinyShakespeare:
   """The prepared Tiny Shakespeare builder; input.txt from manual_dir, or downloaded if ''."""
   builder = TinyShakespeare(data_dir=data_dir, file_format='array_record')
-  if manual_dir and not builder.is_prepared():
-    check_manual_dir(builder.name, manual_dir)
+  _check_source(builder, manual_dir)
   return _prepare(builder, manual_dir)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import corpora, pipeline, synthetic, tokenizers
+from flaxformer_lite.data import corpora, pipeline, shared, synthetic, tokenizers
 from flaxformer_lite.data.corpora import DataError
 from flaxformer_lite.tokens import EOS_ID
 
@@ -98,6 +98,10 @@ def _load(data_config) -> Dataset:
     return _load_synthetic(data_config, data_dir)
   d = data_config
   manual_dir = os.path.abspath(os.path.expanduser(d['manual_dir'])) if d['manual_dir'] else ''
+  if not manual_dir:
+    manual_dir = shared.manual_dir(task)
+    if manual_dir:
+      log.info('data: %s from %s', task, manual_dir)
   if task == 'multi30k':
     builder = corpora.multi30k(data_dir, manual_dir)
   elif task == 'tiny_shakespeare':

@@ -2,11 +2,12 @@
 import gzip
 import logging
 import pathlib
+import time
 
 import pytest
 import tensorflow_datasets as tfds
 
-from flaxformer_lite.data import corpora
+from flaxformer_lite.data import corpora, shared
 
 MULTI30K = {'train': ('train', 29000), 'validation': ('val', 1014),
             'test': ('test_2016_flickr', 1000)}
@@ -129,6 +130,7 @@ def test_without_manual_dir_the_public_urls_are_downloaded(tmp_path, monkeypatch
     return paths
 
   monkeypatch.setattr(tfds.download.DownloadManager, 'download', download)
+  monkeypatch.setattr(corpora, 'check_reachable', lambda name: None)  # offline
   builder = corpora.multi30k(str(tmp_path / 'tfds'), '')
   assert corpora.read_pairs(builder, 'test', 'en', 'de') == (
       ['test_2016_flickr.en line'], ['test_2016_flickr.de line'])
@@ -139,6 +141,35 @@ def test_without_manual_dir_the_public_urls_are_downloaded(tmp_path, monkeypatch
                    for stem in ('train', 'val', 'test_2016_flickr') for lang in ('en', 'de')]
   shakespeare_url = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
   assert sorted(requested) == sorted(multi30k_urls + [shakespeare_url])
+
+
+def test_an_unreachable_download_fails_in_seconds_naming_file_url_and_manual_dir(
+    tmp_path, monkeypatch):
+  """Port 9 of this host refuses the connection: no retries, nothing written."""
+  url = 'http://127.0.0.1:9/input.txt'
+  monkeypatch.setitem(corpora.RAW_FILES, 'tiny_shakespeare_char', {'input.txt': url})
+  monkeypatch.setenv('FFL_SHARED_DATA', str(tmp_path / 'nowhere'))
+  tfds_dir = tmp_path / 'tfds'
+  start = time.monotonic()
+  with pytest.raises(corpora.DataError) as e:
+    corpora.tiny_shakespeare(str(tfds_dir), '')
+  assert time.monotonic() - start < corpora.REACH_TIMEOUT
+  message = str(e.value)
+  for part in ('input.txt', url, '--config.data.manual_dir=', str(tmp_path / 'nowhere')):
+    assert part in message
+  assert not tfds_dir.exists()
+
+
+def test_shared_corpora_are_found_where_ffl_shared_data_points(tmp_path, monkeypatch):
+  for folder in ('multi30k', 'tiny_shakespeare'):
+    (tmp_path / folder).mkdir()
+  monkeypatch.setenv('FFL_SHARED_DATA', str(tmp_path))
+  assert shared.find() == (str(tmp_path), [str(tmp_path)])
+  assert shared.manual_dir('tiny_shakespeare') == str(tmp_path / 'tiny_shakespeare')
+  assert shared.manual_dir('tfds') == ''
+  (tmp_path / 'multi30k').rmdir()  # a folder with one corpus only is not the shared data
+  assert shared.find() == (None, [str(tmp_path)])
+  assert shared.manual_dir('tiny_shakespeare') == ''
 
 
 def test_missing_raw_file_raises_before_writing(tmp_path):
