@@ -7,6 +7,9 @@ The small model uses one core about as well as two, so on a 2-core machine
 one process per seed (`taskset -c 0 ... --seeds 0 &`, `taskset -c 1 ...
 --seeds 1`) halves the wall time; a last run of the command without --seeds
 then finds every run done and writes the table and the plot.
+`--plot_only=RESULTS.jsonl` redraws the figure of saved results without
+training (benchmarks/results/train_short_test_long.png:
+`--plot_only=benchmarks/results/train_short_test_long.jsonl`).
 
 Trains a character LM on Tiny Shakespeare (experiments/tiny_shakespeare_cpu.py:
 nanoGPT's CPU recipe, with Flax's initialisation) at context --train_context
@@ -37,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from flaxformer_lite import config as config_lib, data, models  # noqa: E402
+from flaxformer_lite import config as config_lib, data, models, sweep_plots  # noqa: E402
 from flaxformer_lite.train import checkpoints, loop, state as state_lib  # noqa: E402
 
 # scheme -> (model.positions, model.attention, attention_kwargs)
@@ -133,29 +136,80 @@ def _summary(records, schemes, contexts):
   return '\n'.join(lines)
 
 
-def _plot(records, schemes, contexts, path):
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+# Each scheme its own marker and dash: curves that share a color or cross stay apart.
+MARKERS = 'osD^vP*Xh<'
+DASHES = ('-', '--', '-.', ':')
+ZOOM = 0.1  # the right panel: losses within 10% of the lowest
+
+
+def _curves(records, schemes, contexts):
+  """{scheme: (contexts, means, mins, maxs, the first context it cannot run at)}."""
+  out = {}
   for scheme in schemes:
-    xs, ys, lo, hi = [], [], [], []
+    xs, ys, lo, hi, na = [], [], [], [], None
     for n in contexts:
       vals = [r['loss'] for r in records if r['scheme'] == scheme and r['context'] == n]
       if vals and all(v is not None for v in vals):
         xs.append(n), ys.append(np.mean(vals)), lo.append(min(vals)), hi.append(max(vals))
+      elif vals and na is None:
+        na = n
     if xs:
-      line, = ax.plot(xs, ys, marker='o', label=scheme)
-      ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2)
-  ax.set_xscale('log', base=2)
-  ax.set_xticks(contexts, [str(n) for n in contexts])
-  ax.set_xlabel('evaluation context (characters)')
-  ax.set_ylabel('validation loss (nats/char)')
-  ax.set_title('Tiny Shakespeare, trained at context '
-               f'{min(r["train_context"] for r in records)}')
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+      out[scheme] = xs, ys, lo, hi, na
+  return out
+
+
+def _plot(records, schemes, contexts):
+  """Validation loss against evaluation context: every scheme from 0 on the
+  left, the best ones (within ZOOM of the lowest loss) magnified on the right,
+  the legend below both. Returns the matplotlib Figure."""
+  plt = sweep_plots.pyplot()
+  curves = _curves(records, schemes, contexts)
+  seeds = sorted({r['seed'] for r in records})
+  best = min(min(ys) for _, ys, _, _, _ in curves.values())
+  top = max(max(hi) for _, _, _, hi, _ in curves.values())
+  with plt.rc_context(sweep_plots.READABLE):
+    fig, (full, zoom) = plt.subplots(1, 2, figsize=(11, 5.2), layout='constrained')
+    for i, (scheme, (xs, ys, lo, hi, na)) in enumerate(curves.items()):
+      style = dict(color=f'C{i % 10}', marker=MARKERS[i % len(MARKERS)],
+                   linestyle=DASHES[i % len(DASHES)], markersize=5)
+      label = scheme + (f' (n/a from {na})' if na else '')
+      for ax in (full, zoom):
+        ax.plot(xs, ys, label=label if ax is full else None, **style)
+        if len(seeds) > 1:
+          ax.fill_between(xs, lo, hi, color=style['color'], alpha=0.15, linewidth=0)
+    full.set_ylim(0, top * 1.05)
+    full.axhspan(best * 0.995, best * (1 + ZOOM), color='0.5', alpha=0.15)
+    full.set_title('every scheme (shaded: the zoomed range)')
+    zoom.set_ylim(best * 0.995, best * (1 + ZOOM))
+    zoom.set_title(f'zoom: within {ZOOM:.0%} of the lowest loss')
+    for ax in (full, zoom):
+      ax.set_xscale('log', base=2)
+      ax.set_xticks(contexts, [str(n) for n in contexts], rotation=45)
+      ax.minorticks_off()
+      ax.set_xlabel('evaluation context (characters)')
+      ax.set_ylabel('validation loss (nats/char)')
+      ax.grid(alpha=0.3)
+    spread = (f'mean of {len(seeds)} seeds, band: their range' if len(seeds) > 1
+              else 'one seed')
+    fig.suptitle('Tiny Shakespeare, trained at context '
+                 f'{min(r["train_context"] for r in records)} ({spread})')
+    fig.legend(loc='outside lower center', ncol=5)
+  return fig
+
+
+def _read(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _selected(records, args) -> list[dict]:
+  """The records of this command's budget, context and schemes."""
+  return [r for r in records if r['steps'] == args.steps
+          and r['train_context'] == args.train_context and r['scheme'] in args.schemes]
+
+
+def _save_plot(records, args, path: str):
+  sweep_plots.save(_plot(records, args.schemes, args.eval_contexts), path)
 
 
 def main(argv=None):
@@ -173,13 +227,18 @@ def main(argv=None):
   parser.add_argument('--eval_chars', type=int, default=0,
                       help='score only the first N validation characters (0: all)')
   parser.add_argument('--tokens_per_batch', type=int, default=16384)
+  parser.add_argument('--plot_only', metavar='RESULTS.jsonl',
+                      help='draw the figure of these results beside them (RESULTS.png) and '
+                      'exit: no training')
   args = parser.parse_args(argv)
+  if args.plot_only:
+    figure = os.path.splitext(args.plot_only)[0] + '.png'
+    _save_plot(_selected(_read(args.plot_only), args), args, figure)
+    print(f'wrote {figure}')
+    return
   os.makedirs(args.out, exist_ok=True)
   results_path = os.path.join(args.out, 'results.jsonl')
-  done = []
-  if os.path.exists(results_path):
-    with open(results_path) as f:
-      done = [json.loads(line) for line in f if line.strip()]
+  done = _read(results_path) if os.path.exists(results_path) else []
   runs = [(s, seed) for s in args.schemes for seed in args.seeds]
   start = time.time()
   for i, (scheme, seed) in enumerate(runs, 1):
@@ -219,12 +278,11 @@ def main(argv=None):
           f'(val loss {results["eval"]["loss"]:.3f} at {args.train_context}); eval '
           f'{time.time() - t1:.0f}s: {shown}; {(time.time() - start) / 60:.1f} min so far',
           flush=True)
-  records = [r for r in done if r['steps'] == args.steps
-             and r['train_context'] == args.train_context and r['scheme'] in args.schemes]
+  records = _selected(done, args)
   table = _summary(records, args.schemes, args.eval_contexts)
   with open(os.path.join(args.out, 'table.md'), 'w') as f:
     f.write(table + '\n')
-  _plot(records, args.schemes, args.eval_contexts, os.path.join(args.out, 'loss_vs_context.png'))
+  _save_plot(records, args, os.path.join(args.out, 'loss_vs_context.png'))
   print(table)
   print(f'wrote {args.out}/table.md and loss_vs_context.png; '
         f'{(time.time() - start) / 60:.1f} min', flush=True)

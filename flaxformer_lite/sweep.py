@@ -2,12 +2,14 @@
 
   ./launch.sh sweep experiments/sweeps/position_study.py [--jobs=2] [--dry_run]
   nohup ./launch.sh sweep GRID.py > sweep.log 2>&1 &          # in the background
+  ./launch.sh sweep GRID.py --plot_only --results DIR         # DIR/results.csv -> figures
 
 A grid file holds values only; its get_sweep() returns
 
   {'seeds': [0, 1, 2],
-   'out': 'workdirs/my_sweep',       # one workdir per run: OUT/STUDY/ROW/seed_S
-   'results': 'my_results',          # results.csv, tables.md, STUDY_TABLE.png (default: out)
+   'out': 'workdirs/my_sweep',   # one workdir per run: OUT/STUDY/ROW/seed_S
+                                 # (default: workdirs/sweeps/GRID_NAME)
+   'results': 'my_results',      # results.csv, tables.md, STUDY_TABLE.png (default: out)
    'studies': {STUDY: {
        'experiment': 'experiments/multi30k_cpu.py',
        'overrides': {'train.num_steps': 300},          # every row of the study
@@ -16,16 +18,20 @@ A grid file holds values only; its get_sweep() returns
        'tables': {TABLE: [ROW, ...]},                  # default: one table of every row
    }}}
 
-Each run is `python -m flaxformer_lite.main --config=EXPERIMENT
---workdir=OUT/STUDY/ROW/seed_S --config.seed=S --config.KEY=VALUE ...`, its
-output in the workdir's run.log. A finished run leaves sweep_run.json in its
-workdir (the command and its wall time); a later invocation skips it, so
-re-running the command resumes a half-done grid (an interrupted run resumes
-from its last checkpoint) and, with nothing left, only rewrites the results.
-Runs go `--jobs` at a time, each pinned to its own share of the cores (Linux).
-results.csv has one line per (study, row, seed, metric) with the run's wall
-time; tables.md gives mean ± sample std over seeds per table; each table's
-figure is a bar per row (mean, error bar std, a dot per seed) per metric.
+Each run is `./launch.sh EXPERIMENT --workdir=OUT/STUDY/ROW/seed_S
+--config.seed=S --config.KEY=VALUE ...` (run as `python -m
+flaxformer_lite.main`), its output in the workdir's run.log; `--dry_run`
+prints every run's status, estimated time and that command. A finished run
+leaves sweep_run.json in its workdir (the command and its wall time); a later
+invocation skips it, so re-running the command resumes a half-done grid (an
+interrupted run resumes from its last checkpoint) and, with nothing left,
+only rewrites the results. A workdir whose config.json differs from its row's
+config (a changed row or experiment file) is moved to WORKDIR.old-N, kept,
+and the row runs from scratch. Runs go `--jobs` at a time, each pinned to its
+own share of the cores (Linux). results.csv has one line per (study, row,
+seed, metric) of the grid's rows with the run's wall time; tables.md gives
+mean ± sample std over seeds per table; each table's figure is a bar per row
+(mean from 0, error bar std, a dot per seed) per metric.
 """
 from __future__ import annotations
 
@@ -36,16 +42,29 @@ import json
 import math
 import os
 import runpy
+import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
+from flaxformer_lite import sweep_plots
 from flaxformer_lite.train.metrics import fmt_time
 
 DONE = 'sweep_run.json'
 ENTRY = ('-m', 'flaxformer_lite.main')  # what a run executes, after the interpreter
 CSV_FIELDS = ('study', 'row', 'overrides', 'seed', 'metric', 'value', 'wall_seconds')
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATUSES = {
+    'done': 'finished with this config (skipped)',
+    'to run': 'nothing in its workdir yet',
+    'partial': 'started: resumes from its newest checkpoint',
+    'changed': 'its workdir holds a run of another config: moved to WORKDIR.old-N '
+               '(kept), then run from scratch',
+}
+COMMAND_WIDTH = 100
 
 
 class SweepError(ValueError):
@@ -54,15 +73,43 @@ class SweepError(ValueError):
 
 @dataclasses.dataclass
 class Run:
+  """One (study, row, seed): `flags` maps config keys to values (the seed,
+  the study's overrides, the row's); `config` is the resulting full config
+  (a ConfigDict; None where unknown), compared with the workdir's config.json."""
   study: str
   row: str
   seed: int
   workdir: str
-  argv: list
+  experiment: str = ''
+  flags: dict = dataclasses.field(default_factory=dict)
+  config: Any = None
 
   @property
   def name(self) -> str:
     return f'{self.study}/{self.row} seed {self.seed}'
+
+  @property
+  def argv(self) -> list[str]:
+    """The subprocess's command line."""
+    return [sys.executable, *ENTRY, f'--config={self.experiment}', f'--workdir={self.workdir}',
+            *(f'--config.{k}={_value(v)}' for k, v in self.flags.items())]
+
+  def command(self, width: int = COMMAND_WIDTH) -> str:
+    """The same run as a shell command to paste: `./launch.sh EXPERIMENT
+    --workdir=... --config.k=v ...` (launch.sh's full path outside the
+    repository root), values quoted, lines past `width` continued with a
+    backslash."""
+    words = [_launcher(), shlex.quote(_from_repo(self.experiment)),
+             '--workdir=' + shlex.quote(_from_repo(self.workdir))]
+    words += [f'--config.{k}=' + shlex.quote(_value(v)) for k, v in self.flags.items()]
+    lines, line = [], words[0]
+    for word in words[1:]:
+      if len(line) + 1 + len(word) + 2 > width:
+        lines.append(line + ' \\')
+        line = '    ' + word
+      else:
+        line += ' ' + word
+    return '\n'.join(lines + [line])
 
   def overrides(self, grid) -> str:
     rows = grid['studies'][self.study]['rows'][self.row]
@@ -79,9 +126,27 @@ class Run:
     return record if record.get('argv', [None])[1:] == self.argv[1:] else None
 
 
-def load_grid(path: str) -> dict:
+def _value(v) -> str:
+  return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+
+
+def _launcher() -> str:
+  """launch.sh as the user can type it from here."""
+  here = os.path.abspath(os.getcwd())
+  return './launch.sh' if here == REPO else shlex.quote(os.path.join(REPO, 'launch.sh'))
+
+
+def _from_repo(path: str) -> str:
+  """`path` as launch.sh (which runs in the repository root) reads it:
+  relative inside the repository, absolute outside."""
+  full = os.path.abspath(path)
+  inside = os.path.commonpath([full, REPO]) == REPO
+  return os.path.relpath(full, REPO) if inside else full
+
+
+def load_grid(path: str, check_configs: bool = True) -> dict:
   """The grid file's get_sweep(), checked: every key is known, every table's
-  rows exist, every row's config is valid."""
+  rows exist and (check_configs) every row's config is valid."""
   if not os.path.exists(path):
     raise SweepError(f'grid file {path!r} not found')
   grid = runpy.run_path(path).get('get_sweep')
@@ -105,7 +170,8 @@ def load_grid(path: str) -> dict:
     for metric in study['metrics']:
       if metric.count('.') != 1:
         raise SweepError(f'{where}.metrics: {metric!r} is not SPLIT.KEY (e.g. eval.loss, test.bleu)')
-    _check_overrides(study, where)
+    if check_configs:
+      _check_overrides(study, where)
   return grid
 
 
@@ -118,13 +184,14 @@ def _keys(d: dict, valid: set, where: str, required: set):
     raise SweepError(f'{where} lacks {missing}')
 
 
-def _check_overrides(study: dict, where: str):
-  """Every row's config is valid (main.validate on the experiment with the
-  overrides): a typo or a bad value fails here, not hours into the grid."""
-  from flaxformer_lite import config as config_lib, main
+def row_configs(study: dict, where: str) -> dict:
+  """{row: the experiment's config with the study's and the row's overrides}
+  (SweepError naming a key that does not exist or a value of the wrong type)."""
+  from flaxformer_lite import config as config_lib
   if not os.path.exists(study['experiment']):
     raise SweepError(f'{where}.experiment={study["experiment"]!r} not found')
   get_config = runpy.run_path(study['experiment'])['get_config']
+  out = {}
   for row, overrides in study['rows'].items():
     config = get_config()
     for key, value in {**study['overrides'], **overrides}.items():
@@ -139,42 +206,158 @@ def _check_overrides(study: dict, where: str):
         node[leaf] = value
       except TypeError as e:
         raise SweepError(f'{where} row {row}: {key}={value!r}: {e}') from None
+    out[row] = config
+  return out
+
+
+def _check_overrides(study: dict, where: str):
+  """Every row's config is valid (main.validate on the experiment with the
+  overrides): a typo or a bad value fails here, not hours into the grid."""
+  from flaxformer_lite import config as config_lib, main
+  for row, config in row_configs(study, where).items():
     try:
       main.validate(config)
     except config_lib.ConfigError as e:
       raise SweepError(f'{where} row {row}: {e}') from None
 
 
-def _value(v) -> str:
-  return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
-
-
 def runs(grid: dict, out: str) -> list[Run]:
   """Every (study, row, seed), seeds innermost: a half-done grid has whole rows."""
   result = []
   for study_name, study in grid['studies'].items():
+    configs = row_configs(study, f'studies.{study_name}')
     for row, overrides in study['rows'].items():
       for seed in grid['seeds']:
-        workdir = os.path.join(out, study_name, row, f'seed_{seed}')
-        argv = [sys.executable, *ENTRY, f'--config={study["experiment"]}',
-                f'--workdir={workdir}', f'--config.seed={seed}']
-        argv += [f'--config.{k}={_value(v)}' for k, v in {**study['overrides'], **overrides}.items()]
-        result.append(Run(study_name, row, seed, workdir, argv))
+        config = configs[row].copy_and_resolve_references()
+        config.seed = seed
+        result.append(Run(study_name, row, seed, os.path.join(out, study_name, row, f'seed_{seed}'),
+                          study['experiment'],
+                          {'seed': seed, **study['overrides'], **overrides}, config))
   return result
+
+
+def config_changes(run: Run) -> list[str]:
+  """'key: saved -> row' for each value of the workdir's config.json that
+  differs from the run's config where main would refuse to resume (empty
+  without a saved config). A model.vocab_size of 0 means the dataset's: the
+  run saved the number it took."""
+  from flaxformer_lite import config as config_lib
+  path = os.path.join(run.workdir, 'config.json')
+  if run.config is None or not os.path.exists(path):
+    return []
+  with open(path) as f:
+    saved = config_lib.from_json(f.read())
+  diffs = config_lib.differences(saved, run.config)
+  if not run.config.model.vocab_size:
+    diffs = [d for d in diffs if not d.startswith('model.vocab_size:')]
+  return diffs
+
+
+def status(run: Run) -> str:
+  """One of STATUSES."""
+  if config_changes(run):
+    return 'changed'
+  if run.done():
+    return 'done'
+  started = any(os.path.exists(os.path.join(run.workdir, f))
+                for f in ('config.json', 'metrics.jsonl'))
+  return 'partial' if started else 'to run'
+
+
+def move_aside(workdir: str, log=print) -> str:
+  """Renames `workdir` to the first free `workdir.old-N`; returns the new path."""
+  n = 1
+  while os.path.exists(f'{workdir}.old-{n}'):
+    n += 1
+  os.rename(workdir, f'{workdir}.old-{n}')
+  log(f'sweep: moved {workdir} to {workdir}.old-{n}: it holds a run of another config')
+  return f'{workdir}.old-{n}'
+
+
+def _records(workdir: str):
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          yield json.loads(line)
 
 
 def final_metrics(workdir: str) -> dict:
   """{'SPLIT.KEY': value} of the last eval and test records of metrics.jsonl."""
   out = {}
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        r = json.loads(line)
-        if r['split'] in ('eval', 'test'):
-          out.update({f'{r["split"]}.{k}': v for k, v in r.items()
-                      if k not in ('step', 'split') and isinstance(v, (int, float))})
+  for r in _records(workdir):
+    if r['split'] in ('eval', 'test'):
+      out.update({f'{r["split"]}.{k}': v for k, v in r.items()
+                  if k not in ('step', 'split') and isinstance(v, (int, float))})
   return out
+
+
+def recorded_walls(all_runs: list[Run]) -> dict:
+  """{study: [wall seconds]} of the runs that sweep_run.json records as done."""
+  walls = {}
+  for run in all_runs:
+    record = run.done()
+    if record and 'wall_seconds' in record:
+      walls.setdefault(run.study, []).append(record['wall_seconds'])
+  return walls
+
+
+def step_rates(all_runs: list[Run]) -> dict:
+  """{study: [steps/s]} logged by its runs' training (metrics.jsonl 'train' records)."""
+  rates = {}
+  for run in all_runs:
+    for r in _records(run.workdir):
+      if r['split'] == 'train' and r.get('steps_per_sec'):
+        rates.setdefault(run.study, []).append(r['steps_per_sec'])
+  return rates
+
+
+def steps_left(run: Run, from_scratch: bool = False) -> tuple[int, int] | None:
+  """(steps to go, train.num_steps); the steps done are the last step in its
+  metrics.jsonl unless from_scratch. None without a config."""
+  if run.config is None:
+    return None
+  steps = run.config.train.num_steps
+  done = 0 if from_scratch else max((r['step'] for r in _records(run.workdir)), default=0)
+  return max(steps - done, 0), steps
+
+
+def seconds_left(run: Run, walls: dict, rates: dict, from_scratch: bool = False) -> float | None:
+  """A run's remaining seconds: the median wall time of its study's finished
+  runs times the share of its steps left (steps_left); else its steps left at
+  the median steps/s its study's runs logged (training only: evaluation comes
+  on top); else None."""
+  left, steps = steps_left(run, from_scratch) or (None, None)
+  share = left / steps if steps else 1.0
+  if walls.get(run.study):
+    return statistics.median(walls[run.study]) * share
+  if rates.get(run.study) and steps:
+    return left / statistics.median(rates[run.study])
+  return None
+
+
+def time_left(todo: list[Run], walls: dict, jobs: int, rates: dict | None = None) -> str:
+  """'~1h05m left' for `todo`, `jobs` at once (seconds_left per run), with
+  the runs of unknown length counted apart."""
+  each = [seconds_left(r, walls, rates or {}) for r in todo]
+  known = [s for s in each if s is not None]
+  unknown = len(each) - len(known)
+  if not known:
+    return 'time left unknown'
+  text = f'~{fmt_time(sum(known) / jobs)} left'
+  return text + (f' (+{unknown} run{"s" * (unknown > 1)} of unknown length)' if unknown else '')
+
+
+def estimate_basis(study: str, walls: dict, rates: dict) -> str:
+  """What seconds_left bases a study's runs on, in words."""
+  if walls.get(study):
+    return (f'median wall time of its {len(walls[study])} finished runs '
+            f'({fmt_time(statistics.median(walls[study]))}) x the share of steps left')
+  if rates.get(study):
+    return (f'steps left at {statistics.median(rates[study]):.2f} steps/s, as its runs logged '
+            '(training only: evaluation comes on top)')
+  return '? until one of its runs finishes or logs a step rate'
 
 
 def _core_sets(jobs: int) -> list:
@@ -189,22 +372,14 @@ def _core_sets(jobs: int) -> list:
   return [set(cores[i * per:(i + 1) * per]) for i in range(jobs)]
 
 
-def time_left(todo: list[Run], walls: dict, jobs: int) -> str:
-  """'~1h05m left': each run to go costs the mean wall time of its study's
-  finished runs (of all finished runs for a study with none yet), `jobs` at once."""
-  every = [w for ws in walls.values() for w in ws]
-  if not every:
-    return 'time left unknown'
-  mean = lambda ws: sum(ws) / len(ws)
-  seconds = sum(mean(walls.get(r.study) or every) for r in todo) / jobs
-  return f'~{fmt_time(seconds)} left'
-
-
-def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
+def execute(todo: list[Run], jobs: int, log=print, walls=None, rates=None) -> list[Run]:
   """Runs `todo`, `jobs` at a time; a progress line per finished run with the
-  time left. Returns the runs that failed. SIGINT/SIGTERM stop the runs (they
-  checkpoint on SIGTERM) and raise KeyboardInterrupt."""
-  slots, running, failed, walls = _core_sets(jobs), {}, [], {}  # walls: study -> seconds
+  time left (time_left from `walls`, {study: seconds} of finished runs, which
+  grows as runs finish, and `rates`). Returns the runs that failed.
+  SIGINT/SIGTERM stop the runs (they checkpoint on SIGTERM) and raise
+  KeyboardInterrupt."""
+  slots, running, failed = _core_sets(jobs), {}, []
+  walls = {k: list(v) for k, v in (walls or {}).items()}
   queue, total, finished = list(todo), len(todo), 0
   stop = []
 
@@ -242,18 +417,62 @@ def execute(todo: list[Run], jobs: int, log=print) -> list[Run]:
           walls.setdefault(run.study, []).append(wall)
           with open(os.path.join(run.workdir, DONE), 'w') as f:
             json.dump({'argv': run.argv, 'wall_seconds': wall}, f)
-          status = f'done in {fmt_time(wall)}'
+          outcome = f'done in {fmt_time(wall)}'
         else:
           failed.append(run)
-          status = f'FAILED (exit {code}; {os.path.join(run.workdir, "run.log")})'
+          outcome = f'FAILED (exit {code}; {os.path.join(run.workdir, "run.log")})'
         left = total - finished
-        log(f'[{finished}/{total}] {run.name}: {status}; {left} to go'
-            + (f', {time_left(queue + [r for _, r, _, _ in running.values()], walls, jobs)}'
+        log(f'[{finished}/{total}] {run.name}: {outcome}; {left} to go'
+            + (f', {time_left(queue + [r for _, r, _, _ in running.values()], walls, jobs, rates)}'
                if left else ''))
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
   return failed
+
+
+def _aligned(header: list[str], rows: list[list[str]], right: set = frozenset()) -> list[str]:
+  """Text table lines, each column as wide as its widest cell (`right`: the
+  right-aligned columns' indices)."""
+  widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+  def line(cells):
+    return '  '.join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                     for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+  return [line(header), *map(line, rows)]
+
+
+def dry_run_report(all_runs: list[Run], statuses: dict, walls: dict, rates: dict,
+                   jobs: int) -> str:
+  """The table of runs (number, study, row, seed, status, steps and time
+  left), what the estimates rest on, the statuses' meaning, then each run's
+  command."""
+  table, left = [], []
+  for i, run in enumerate(all_runs, 1):
+    state = statuses[run.name]
+    steps, seconds = '-', '-'
+    if state != 'done':
+      scratch = state == 'changed'
+      estimate = seconds_left(run, walls, rates, scratch)
+      left.append(estimate)
+      seconds = '?' if estimate is None else f'~{fmt_time(estimate)}'
+      to_go = steps_left(run, scratch)
+      steps = '?' if to_go is None else (f'{to_go[0]}' if to_go[0] == to_go[1]
+                                         else f'{to_go[0]} of {to_go[1]}')
+    table.append([str(i), run.study, run.row, str(run.seed), state, steps, seconds])
+  out = _aligned(['#', 'study', 'row', 'seed', 'status', 'steps left', 'time left'], table,
+                 right={0, 3, 5, 6})
+  known = [s for s in left if s is not None]
+  total = f'~{fmt_time(sum(known) / jobs)}' if known else '?'
+  out += ['', f'time left: {total} at {jobs} at a time'
+          + (f', and {len(left) - len(known)} runs of unknown length' if len(known) < len(left)
+             else '') + '; per run, estimated from:']
+  out += [f'  {study}: {estimate_basis(study, walls, rates)}'
+          for study in dict.fromkeys(r.study for r in all_runs)]
+  out += ['status:'] + [f'  {k}: {v}' for k, v in STATUSES.items() if k in statuses.values()]
+  out += ['', 'commands (one run each; paste in any shell):']
+  for i, run in enumerate(all_runs, 1):
+    out += [f'# {i}: {run.name} ({statuses[run.name]})', run.command()]
+  return '\n'.join(out)
 
 
 def collect(grid: dict, all_runs: list[Run]) -> list[dict]:
@@ -268,6 +487,13 @@ def collect(grid: dict, all_runs: list[Run]) -> list[dict]:
                     'seed': run.seed, 'metric': metric, 'value': value,
                     'wall_seconds': round(record['wall_seconds'], 1)})
   return lines
+
+
+def read_results(path: str) -> list[dict]:
+  """results.csv's lines back, seed an int, value and wall_seconds floats."""
+  with open(path, newline='') as f:
+    return [dict(line, seed=int(line['seed']), value=float(line['value']),
+                 wall_seconds=float(line['wall_seconds'])) for line in csv.DictReader(f)]
 
 
 def summarise(values: list[float]) -> tuple[float, float, int]:
@@ -289,6 +515,7 @@ def _by_row(lines, study, metric) -> dict:
 def tables_markdown(grid: dict, lines: list[dict]) -> str:
   """One markdown table per (study, table): mean ± std (n seeds) per metric,
   and the mean wall time of a run."""
+  fmt = sweep_plots.fmt_value
   out = []
   for name, study in grid['studies'].items():
     for table, rows in study['tables'].items():
@@ -304,9 +531,8 @@ def tables_markdown(grid: dict, lines: list[dict]) -> str:
           values = _by_row(lines, name, metric).get(row)
           if values:
             mean, std, n = summarise(values)
-            digits = 2 if abs(mean) >= 10 else 3  # BLEU to 0.01, losses to 0.001
-            cells.append(f'{mean:.{digits}f} ± {std:.{digits}f} (n={n})' if n > 1
-                         else f'{mean:.{digits}f} (n=1)')
+            cells.append(f'{fmt(mean)} ± {fmt(std, like=mean)} (n={n})' if n > 1
+                         else f'{fmt(mean)} (n=1)')
           else:
             cells.append('–')
         wall = walls.get(row)
@@ -317,40 +543,13 @@ def tables_markdown(grid: dict, lines: list[dict]) -> str:
 
 
 def plot(grid: dict, lines: list[dict], results: str) -> list[str]:
-  """A figure per (study, table); returns the paths written."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+  """A figure per (study, table), STUDY_TABLE.png in `results`; returns the paths written."""
   paths = []
   for name, study in grid['studies'].items():
     for table, rows in study['tables'].items():
-      metrics = study['metrics']
-      fig, axes = plt.subplots(1, len(metrics), figsize=(1.0 + 0.9 * len(rows) * len(metrics), 3.6),
-                               squeeze=False)
-      for ax, (metric, label) in zip(axes[0], metrics.items()):
-        values = _by_row(lines, name, metric)
-        for x, row in enumerate(rows):
-          v = values.get(row, [])
-          if not v:
-            continue
-          mean, std, _ = summarise(v)
-          ax.bar(x, mean, color='C0', alpha=0.6)
-          if len(v) > 1:
-            ax.errorbar(x, mean, yerr=std, color='k', capsize=4)
-          ax.plot([x] * len(v), v, 'k.', markersize=4)
-        ax.set_xticks(range(len(rows)), rows, rotation=30, ha='right')
-        ax.set_title(label, fontsize=10)
-        present = [x for r in rows for x in values.get(r, [])]
-        if present:  # bars from a floor near the data: the differences are the point
-          lo, hi = min(present), max(present)
-          pad = (hi - lo) * 0.3 or abs(hi) * 0.05 or 1.0
-          ax.set_ylim(max(lo - pad, 0) if lo >= 0 else lo - pad, hi + pad)
-      fig.suptitle(f'{name}: {table} (mean ± std over seeds; dots: seeds)', fontsize=10)
-      fig.tight_layout()
-      path = os.path.join(results, f'{name}_{table}.png')
-      fig.savefig(path, dpi=110)
-      plt.close(fig)
-      paths.append(path)
+      panels = {label: _by_row(lines, name, metric) for metric, label in study['metrics'].items()}
+      fig = sweep_plots.bar_figure(f'{name}: {table}', rows, panels)
+      paths.append(sweep_plots.save(fig, os.path.join(results, f'{name}_{table}.png')))
   return paths
 
 
@@ -368,42 +567,80 @@ def write_results(grid: dict, all_runs: list[Run], results: str, *, figures=True
   return lines
 
 
-def main(argv=None) -> int:
+def locations(grid: dict, grid_path: str, out: str | None = None,
+              results: str | None = None) -> tuple[str, str]:
+  """(the workdirs' root, the results' folder): the flags, else the grid's
+  values, else workdirs/sweeps/GRID_NAME for both."""
+  name = os.path.splitext(os.path.basename(grid_path))[0]
+  out = out or grid.get('out') or os.path.join('workdirs', 'sweeps', name)
+  return out, results or grid.get('results') or out
+
+
+def _plot_only(grid: dict, results: str) -> int:
+  """Redraws the figures from results/results.csv; runs nothing."""
+  path = os.path.join(results, 'results.csv')
+  if not os.path.exists(path):
+    print(f'sweep: --plot_only needs {path}; run the sweep first or pass --results DIR',
+          file=sys.stderr)
+    return 2
+  for figure in plot(grid, read_results(path), results):
+    print(f'sweep: wrote {figure}')
+  return 0
+
+
+def _count(n: int, noun: str) -> str:
+  plural = noun[:-1] + 'ies' if noun.endswith('y') else noun + 's'
+  return f'{n} {noun if n == 1 else plural}'
+
+
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('grid', help='a grid file: get_sweep() -> dict (see this module)')
-  parser.add_argument('--out', help="workdirs' root (default: the grid's 'out')")
+  parser.add_argument('--out', help="workdirs' root (default: the grid's 'out', else "
+                      'workdirs/sweeps/GRID_NAME)')
   parser.add_argument('--results', help="where results.csv, tables.md and the figures go "
-                      "(default: the grid's 'results', else --out)")
+                      "(default: the grid's 'results', else the workdirs' root)")
   parser.add_argument('--jobs', type=int, default=1, help='runs at a time (one per core or two)')
-  parser.add_argument('--dry_run', action='store_true', help='list the runs and what is done')
+  parser.add_argument('--dry_run', action='store_true',
+                      help="each run's status, time left and command; runs nothing")
+  parser.add_argument('--plot_only', action='store_true',
+                      help="redraw the figures from the results' results.csv; runs nothing")
   parser.add_argument('--no_figures', action='store_true')
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
   try:
-    grid = load_grid(args.grid)
+    grid = load_grid(args.grid, check_configs=not args.plot_only)
   except SweepError as e:
     print(f'sweep: {e}', file=sys.stderr)
-    return 2
-  out = args.out or grid.get('out')
-  if not out:
-    print("sweep: no --out and the grid sets no 'out'", file=sys.stderr)
     return 2
   if args.jobs < 1:
     print(f'sweep: --jobs={args.jobs} must be >= 1', file=sys.stderr)
     return 2
-  results = args.results or grid.get('results') or out
+  out, results = locations(grid, args.grid, args.out, args.results)
+  if args.plot_only:
+    return _plot_only(grid, results)
   all_runs = runs(grid, out)
-  todo = [r for r in all_runs if r.done() is None]
-  print(f'sweep: {len(all_runs)} runs ({len(grid["studies"])} studies, '
-        f'{len(grid["seeds"])} seeds), {len(all_runs) - len(todo)} done, {len(todo)} to run '
-        f'{args.jobs} at a time; workdirs in {out}', flush=True)
+  statuses = {r.name: status(r) for r in all_runs}
+  todo = [r for r in all_runs if statuses[r.name] != 'done']
+  walls, rates = recorded_walls(all_runs), step_rates(all_runs)
+  print(f'sweep: {_count(len(all_runs), "run")} ({_count(len(grid["studies"]), "study")}, '
+        f'{_count(len(grid["seeds"]), "seed")}): {len(all_runs) - len(todo)} done, '
+        f'{len(todo)} to run {args.jobs} at a time\n  workdirs in {out}\n'
+        f'  results (results.csv, tables.md, figures) in {results}', flush=True)
   if args.dry_run:
-    for r in all_runs:
-      print(f'  {"done" if r.done() else "todo"}  {r.name}: {" ".join(r.argv[1:])}')
+    print(dry_run_report(all_runs, statuses, walls, rates, args.jobs))
     return 0
+  for run in todo:
+    if statuses[run.name] == 'changed':
+      move_aside(run.workdir, log=lambda s: print(s, flush=True))
   failed = []
   try:
-    failed = execute(todo, args.jobs, log=lambda s: print(s, flush=True))
+    failed = execute(todo, args.jobs, log=lambda s: print(s, flush=True), walls=walls,
+                     rates=rates)
   except KeyboardInterrupt:
     print('sweep: stopped; the unfinished runs checkpointed. Re-run the same command to '
           'resume.', file=sys.stderr)

@@ -1,20 +1,29 @@
-"""The sweep driver: runs a grid once, resumes it, tabulates it; bad grids exit 2.
+"""The sweep driver: runs a grid once, resumes it, tabulates it, draws it;
+bad grids exit 2; a dry run lists statuses, time left and commands to paste.
 
 A fake run (a script writing metrics.jsonl from its flags) stands in for
 training where the driver's own logic is under test; one test runs the real
-command line on the reverse task.
+command line on the reverse task (twice: the second time with a changed row).
+Figures are checked for what a reader needs at 100%: bars from 0, text of 9 pt
+or more, legends off the data.
 """
 import csv
 import glob
+import importlib.util
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import textwrap
 
+import matplotlib.text
+import ml_collections
 import pytest
+from PIL import Image
 
-from flaxformer_lite import sweep
+from flaxformer_lite import sweep, sweep_plots
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REVERSE = os.path.join(REPO, 'experiments', 'reverse.py')
@@ -40,13 +49,14 @@ with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
 '''
 
 
-def _grid(tmp_path, rows, seeds=(0, 1, 2), extra=''):
+def _grid(tmp_path, rows, seeds=(0, 1, 2), extra='', out=True):
   path = tmp_path / 'grid.py'
+  out = f"'out': {str(tmp_path / 'out')!r}," if out else ''
   path.write_text(textwrap.dedent(f'''
       def get_sweep():
         return {{
             'seeds': {list(seeds)!r},
-            'out': {str(tmp_path / 'out')!r},
+            {out}
             'studies': {{'s': {{
                 'experiment': {REVERSE!r},
                 'overrides': {{'train.num_steps': 5}},
@@ -120,7 +130,8 @@ def test_grid_runs_each_cell_once_resumes_after_a_failure_and_tabulates(tmp_path
   assert (tmp_path / 'out' / 'results.csv').read_text() == before
 
 
-def test_a_changed_row_runs_again_and_a_new_seed_runs_alone(tmp_path, fake):
+def test_a_changed_row_runs_again_a_new_seed_runs_alone_a_renamed_row_leaves_the_csv(tmp_path,
+                                                                                      fake):
   grid = _grid(tmp_path, {'a': {'model.d_model': 32, 'model.num_heads': 2}}, seeds=(0,))
   assert sweep.main([grid, '--no_figures']) == 0
   grid = _grid(tmp_path, {'a': {'model.d_model': 48, 'model.num_heads': 2}}, seeds=(0, 1))
@@ -129,6 +140,86 @@ def test_a_changed_row_runs_again_and_a_new_seed_runs_alone(tmp_path, fake):
   losses = {l['seed']: float(l['value']) for l in _csv(tmp_path / 'out' / 'results.csv')
             if l['metric'] == 'eval.loss'}
   assert losses == pytest.approx({'0': 0.48, '1': 0.58})
+
+  grid = _grid(tmp_path, {'b': {'model.d_model': 48, 'model.num_heads': 2}}, seeds=(0, 1))
+  assert sweep.main([grid, '--no_figures']) == 0
+  assert {l['row'] for l in _csv(tmp_path / 'out' / 'results.csv')} == {'b'}
+  assert (tmp_path / 'out' / 's' / 'a' / 'seed_0' / 'metrics.jsonl').exists()  # kept on disk
+
+
+def _pasted(text: str, number: int) -> list[str]:
+  """Run `number`'s command in a dry run's output as bash splits it when pasted."""
+  lines = text.splitlines()
+  start = next(i for i, l in enumerate(lines) if l.startswith(f'# {number}: ')) + 1
+  end = next((i for i in range(start, len(lines)) if lines[i].startswith('#')), len(lines))
+  command = '\n'.join(lines[start:end])
+  words = subprocess.run(['bash', '-c', f'set -- {command}\nprintf "%s\\0" "$@"'],
+                         capture_output=True, text=True, check=True).stdout
+  return words.split('\0')[:-1]
+
+
+def _table(text: str) -> dict:
+  """A dry run's table: {run number: its other cells}."""
+  cells = [re.split(r'\s{2,}', line.strip()) for line in text.splitlines()]
+  return {int(c[0]): c[1:] for c in cells if c[0].isdigit()}
+
+
+def test_a_dry_run_tabulates_status_and_time_left_and_prints_commands_to_paste(
+    tmp_path, monkeypatch, capsys, fake):
+  monkeypatch.chdir(REPO)  # where a user types ./launch.sh
+  rows = {'small': {'model.d_model': 32, 'model.num_heads': 2},
+          'large': {'model.d_model': 64, 'model.num_heads': 4}}
+  assert sweep.main([_grid(tmp_path, rows, seeds=(0,)), '--no_figures']) == 0
+  out = tmp_path / 'out' / 's'
+  for row, wall in (('small', 100.0), ('large', 300.0)):  # the median: 200 s a run
+    done = out / row / 'seed_0' / sweep.DONE
+    done.write_text(json.dumps(dict(json.loads(done.read_text()), wall_seconds=wall)))
+  (out / 'small' / 'seed_1').mkdir()  # interrupted after 2 of its 5 steps
+  (out / 'small' / 'seed_1' / 'metrics.jsonl').write_text(
+      json.dumps({'step': 2, 'split': 'train', 'loss': 1.0}) + '\n')
+  capsys.readouterr()
+
+  assert sweep.main([_grid(tmp_path, rows, seeds=(0, 1)), '--dry_run', '--jobs=2']) == 0
+  text = capsys.readouterr().out
+  assert len(fake()) == 2  # nothing more ran
+  assert _table(text) == {1: ['s', 'small', '0', 'done', '-', '-'],
+                          2: ['s', 'small', '1', 'partial', '3 of 5', '~2m00s'],  # 200 s x 3/5
+                          3: ['s', 'large', '0', 'done', '-', '-'],
+                          4: ['s', 'large', '1', 'to run', '5', '~3m20s']}
+  assert 'time left: ~2m40s at 2 at a time' in text  # (120 + 200) s over 2 jobs
+  assert 'median wall time of its 2 finished runs (3m20s)' in text
+  header = next(l for l in text.splitlines() if l.split()[:2] == ['#', 'study'])
+  table = [l for l in text.splitlines() if l.strip()[:1].isdigit()]
+  col = header.index('status')
+  assert [l[col:col + 7] for l in table] == ['done   ', 'partial', 'done   ', 'to run ']
+  assert max(map(len, table)) <= 80
+  assert _pasted(text, 4) == ['./launch.sh', 'experiments/reverse.py',
+                              f'--workdir={out}/large/seed_1', '--config.seed=1',
+                              '--config.train.num_steps=5', '--config.model.d_model=64',
+                              '--config.model.num_heads=4']
+  assert text.index('# 4: ') > text.index('time left:')  # the commands under the table
+  assert '-m flaxformer_lite.main' not in text
+
+
+def test_a_command_quotes_values_for_the_shell(tmp_path):
+  run = sweep.Run('s', 'r', 0, str(tmp_path / 'my runs' / 'seed_0'), REVERSE,
+                  {'seed': 0, 'data.data_dir': "/data/it's here", 'eval.contexts': [8, 16]})
+  assert _pasted('# 1: s/r\n' + run.command(width=40), 1)[1:] == [
+      'experiments/reverse.py', f'--workdir={tmp_path}/my runs/seed_0', '--config.seed=0',
+      "--config.data.data_dir=/data/it's here", '--config.eval.contexts=[8, 16]']
+
+
+def test_results_go_under_workdirs_unless_results_names_a_folder(tmp_path, monkeypatch, fake):
+  monkeypatch.chdir(tmp_path)
+  grid = _grid(tmp_path, {'a': {'model.d_model': 32, 'model.num_heads': 2}}, seeds=(0,),
+               out=False)
+  assert sweep.main([grid, '--no_figures']) == 0
+  assert fake() == [os.path.join('workdirs', 'sweeps', 'grid', 's', 'a', 'seed_0')]
+  home = tmp_path / 'workdirs' / 'sweeps' / 'grid'
+  assert [l['metric'] for l in _csv(home / 'results.csv')] == ['eval.loss', 'test.bleu']
+  assert sweep.main([grid, '--results=mine', '--no_figures']) == 0
+  assert _csv(tmp_path / 'mine' / 'results.csv') == _csv(home / 'results.csv')
+  assert len(fake()) == 1
 
 
 @pytest.mark.parametrize('rows, extra, named', [
@@ -158,32 +249,63 @@ def test_job_slots_split_the_cores(monkeypatch):
   assert sweep._core_sets(6) == [None] * 6
 
 
-def test_the_real_command_line_on_the_reverse_task(tmp_path, tfds_dir):
+
+def test_the_real_command_line_on_the_reverse_task_and_a_changed_row(tmp_path, tfds_dir, capsys):
   grid = tmp_path / 'grid.py'
-  grid.write_text(textwrap.dedent(f'''
-      def get_sweep():
-        return {{'seeds': [3], 'studies': {{'reverse': {{
-            'experiment': {REVERSE!r},
-            'overrides': {{'data.data_dir': {tfds_dir!r}, 'train.num_steps': 2,
-                           'model.d_model': 16, 'model.num_heads': 2, 'model.mlp_dim': 32,
-                           'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1,
-                           'data.max_len': 5, 'data.num_train': 64, 'data.num_eval': 10,
-                           'train.batch_size': 8, 'eval.batch_size': 10}},
-            'rows': {{'shaw_k2': {{'model.attention': 'shaw', 'model.positions': 'none',
-                                   'model.attention_kwargs.max_distance': 2}}}},
-            'metrics': {{'eval.loss': 'loss'}}}}}}}}
-      '''))
-  assert sweep.main([str(grid), f'--out={tmp_path / "out"}', '--no_figures']) == 0
-  workdir = tmp_path / 'out' / 'reverse' / 'shaw_k2' / 'seed_3'
+
+  def write(row):
+    grid.write_text(textwrap.dedent(f'''
+        def get_sweep():
+          return {{'seeds': [3], 'studies': {{'reverse': {{
+              'experiment': {REVERSE!r},
+              'overrides': {{'data.data_dir': {tfds_dir!r}, 'train.num_steps': 2,
+                             'model.d_model': 16, 'model.num_heads': 2, 'model.mlp_dim': 32,
+                             'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1,
+                             'data.max_len': 5, 'data.num_train': 64, 'data.num_eval': 10,
+                             'train.batch_size': 8, 'eval.batch_size': 10}},
+              'rows': {{'relative': {row!r}}},
+              'metrics': {{'eval.loss': 'loss'}}}}}}}}
+        '''))
+
+  def dry_run_status():
+    capsys.readouterr()
+    assert sweep.main(args + ['--dry_run']) == 0
+    return _table(capsys.readouterr().out)[1][3]
+
+  def final_eval_loss(workdir):
+    records = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+    return [r for r in records if r['split'] == 'eval'][-1]['loss']
+
+  write({'model.attention': 'shaw', 'model.positions': 'none',
+         'model.attention_kwargs.max_distance': 2})
+  args = [str(grid), f'--out={tmp_path / "out"}', '--no_figures']
+  assert sweep.main(args) == 0
+  workdir = tmp_path / 'out' / 'reverse' / 'relative' / 'seed_3'
   saved = json.loads((workdir / 'config.json').read_text())
   assert saved['seed'] == 3 and saved['model']['attention_kwargs']['max_distance'] == 2
-  records = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  final_eval = [r for r in records if r['split'] == 'eval'][-1]
   line = [l for l in _csv(tmp_path / 'out' / 'results.csv') if l['metric'] == 'eval.loss']
-  assert len(line) == 1 and float(line[0]['value']) == pytest.approx(final_eval['loss'])
+  assert len(line) == 1 and float(line[0]['value']) == pytest.approx(final_eval_loss(workdir))
+  first_metrics = (workdir / 'metrics.jsonl').read_text()
+  # The saved config (its vocabulary size taken from the data) is the row's.
+  assert dry_run_status() == 'done'
+
+  write({'model.attention': 'alibi', 'model.positions': 'none'})
+  assert dry_run_status() == 'changed'
+  assert json.loads((workdir / 'config.json').read_text())['model']['attention'] == 'shaw'
+  assert sweep.main(args) == 0  # not main's refusal of a workdir of another config
+  assert f'moved {workdir} to {workdir}.old-1' in capsys.readouterr().out
+  old = workdir.parent / 'seed_3.old-1'
+  assert json.loads((old / 'config.json').read_text())['model']['attention'] == 'shaw'
+  assert (old / 'metrics.jsonl').read_text() == first_metrics
+  assert json.loads((workdir / 'config.json').read_text())['model']['attention'] == 'alibi'
+  line = [l for l in _csv(tmp_path / 'out' / 'results.csv') if l['metric'] == 'eval.loss']
+  assert len(line) == 1 and line[0]['overrides'] == 'model.attention=alibi model.positions=none'
+  assert float(line[0]['value']) == pytest.approx(final_eval_loss(workdir))
+  assert dry_run_status() == 'done'
 
 
-def test_every_shipped_grid_is_valid(monkeypatch, shared_data):
+def test_every_shipped_grid_is_valid_and_writes_its_results_under_workdirs(monkeypatch,
+                                                                          shared_data):
   paths = sorted(glob.glob(os.path.join(REPO, 'experiments', 'sweeps', '*.py')))
   assert paths
   monkeypatch.setenv('FFL_SHARED_DATA', shared_data)  # the corpora's paths are checked
@@ -192,10 +314,106 @@ def test_every_shipped_grid_is_valid(monkeypatch, shared_data):
     grid = sweep.load_grid(path)
     assert sweep.runs(grid, '/nonexistent')
     assert './launch.sh sweep' in open(path).read()
+    _, results = sweep.locations(grid, path)
+    assert results.startswith('workdirs' + os.sep), path  # not the committed benchmarks/results
 
 
-def test_time_left_costs_each_run_its_studys_mean_wall_time():
-  todo = [sweep.Run(s, 'r', 0, '', []) for s in ('a', 'a', 'b')]  # 'b' has none finished
-  walls = {'a': [60.0, 120.0], 'c': [300.0]}  # a: 90 s each; all: 160 s
-  assert sweep.time_left(todo, walls, jobs=2) == f'~{(90 + 90 + 160) // 2 // 60}m50s left'
+def test_time_left_costs_each_run_its_studys_median_wall_time_else_its_logged_step_rate(
+    tmp_path):
+  config = ml_collections.ConfigDict({'train': {'num_steps': 100}})
+  todo = [sweep.Run(s, 'r', 0, str(tmp_path / f'{s}{i}'), config=config)
+          for i, s in enumerate('aab')]  # 'b' has no finished run
+  walls = {'a': [60.0, 120.0, 300.0], 'c': [1000.0]}  # a: 120 s a run
+  assert sweep.time_left(todo, walls, jobs=2) == '~2m00s left (+1 run of unknown length)'
+  rates = {'b': [2.0, 4.0, 5.0]}  # 100 steps at 4 steps/s: 25 s
+  assert sweep.time_left(todo, walls, 2, rates) == '~2m12s left'  # (120 + 120 + 25) / 2 s
+  os.makedirs(todo[0].workdir)
+  with open(os.path.join(todo[0].workdir, 'metrics.jsonl'), 'w') as f:
+    f.write(json.dumps({'step': 40, 'split': 'train', 'loss': 1.0}) + '\n')
+  assert sweep.seconds_left(todo[0], walls, rates) == pytest.approx(120 * 0.6)
+  assert sweep.seconds_left(todo[0], walls, rates, from_scratch=True) == pytest.approx(120)
+  assert sweep.seconds_left(todo[2], walls, {}) is None
   assert sweep.time_left(todo, {}, jobs=2) == 'time left unknown'
+
+
+def _small_text(fig) -> list[str]:
+  """The figure's visible texts below 9 pt."""
+  return [t.get_text() for t in fig.findobj(matplotlib.text.Text)
+          if t.get_visible() and t.get_text() and t.get_fontsize() < 9]
+
+
+def _on_the_data(fig, legend) -> list:
+  """The axes that `legend`'s box overlaps, once drawn."""
+  fig.canvas.draw()
+  box = legend.get_window_extent()
+  return [ax for ax in fig.axes if box.overlaps(ax.get_window_extent())]
+
+
+def _texts(fig) -> list[str]:
+  return [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+
+
+def test_a_bar_figure_starts_at_0_says_one_seed_and_reads_at_100_percent():
+  one = sweep_plots.bar_figure('s: t', ['a', 'b'], {'acc': {'a': [1.0], 'b': [0.997]}})
+  ax, = one.axes
+  assert [(p.get_x(), p.get_width()) for p in ax.patches] == [(0, 1.0), (0, 0.997)]
+  assert ax.get_xlim()[0] <= 0
+  assert {'1.000', '0.997'} <= set(_texts(one))  # the values a bar from 0 cannot show
+  assert 'one seed' in one.get_suptitle() and '±' not in one.get_suptitle()
+  assert not one.legends and not _small_text(one)
+
+  three = sweep_plots.bar_figure('s: t', ['a', 'b'], {
+      'loss': {'a': [3.9, 4.0, 4.1], 'b': [4.0]}, 'BLEU': {'a': [20.0, 21.0, 22.0]}})
+  assert 'mean ± sample std over 1-3 seeds' in three.get_suptitle()
+  assert all(ax.get_xlim()[0] <= 0 for ax in three.axes)
+  assert {'4.000', '21.00'} <= set(_texts(three))
+  legend, = three.legends
+  assert _on_the_data(three, legend) == [] and not _small_text(three)
+
+
+def _write_csv(path, values: dict):
+  """results.csv from {(row, seed, metric): value}."""
+  with open(path, 'w', newline='') as f:
+    writer = csv.writer(f)
+    writer.writerow(sweep.CSV_FIELDS)
+    for (row, seed, metric), value in values.items():
+      writer.writerow(['s', row, 'model.d_model=32', seed, metric, value, 60.0])
+
+
+def test_plot_only_draws_the_figures_from_results_csv_and_runs_nothing(tmp_path, fake):
+  grid = _grid(tmp_path, {'a': {'model.d_model': 32}, 'b': {'model.d_model': 48}})
+  results = tmp_path / 'committed'
+  results.mkdir()
+  _write_csv(results / 'results.csv', {('a', 0, 'eval.loss'): 1.0, ('b', 0, 'eval.loss'): 0.997,
+                                       ('a', 0, 'test.bleu'): 20.0, ('b', 0, 'test.bleu'): 21.5})
+  before = (results / 'results.csv').read_text()
+  assert sweep.main([grid, '--plot_only', f'--results={results}']) == 0
+  assert fake() == [] and not (tmp_path / 'out').exists()
+  assert sorted(os.listdir(results)) == ['results.csv', 's_t.png']
+  assert (results / 'results.csv').read_text() == before
+  image = Image.open(results / 's_t.png')
+  assert image.info['dpi'][0] >= 100 and 600 <= image.size[0] <= 1600, image.size
+  assert sweep.main([grid, '--plot_only', f'--results={tmp_path / "none"}']) == 2
+
+
+def test_the_train_short_test_long_figure_tells_its_curves_apart_off_the_data():
+  spec = importlib.util.spec_from_file_location(
+      'train_short_test_long', os.path.join(REPO, 'benchmarks', 'train_short_test_long.py'))
+  benchmark = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(benchmark)
+  contexts = [256, 512, 1024]
+  losses = {'sinusoidal': [1.75, 2.6, 3.0], 'learned': [1.98, None, None],
+            'alibi': [1.65, 1.64, 1.64], 'shaw_k64': [1.59, 1.58, 1.58]}
+  records = [dict(scheme=s, seed=seed, steps=10, train_context=256, context=n,
+                  loss=None if v is None else v + seed / 100)
+             for s, vs in losses.items() for n, v in zip(contexts, vs) for seed in (0, 1)]
+  fig = benchmark._plot(records, list(losses), contexts)
+  full, zoom = fig.axes
+  assert full.get_ylim()[0] == 0
+  assert zoom.get_ylim() == pytest.approx((1.585 * 0.995, 1.585 * 1.1))  # the best mean + 10%
+  markers = [line.get_marker() for line in full.get_lines()]
+  assert len(set(markers)) == len(markers) == 4
+  legend, = fig.legends
+  assert 'learned (n/a from 512)' in [t.get_text() for t in legend.get_texts()]
+  assert _on_the_data(fig, legend) == [] and not _small_text(fig)
+  assert 'mean of 2 seeds' in fig.get_suptitle()

@@ -6,8 +6,11 @@ tested on 17-32, split test_long) with the position scheme as the variable:
   clipping:  Shaw et al. 2018's clipping distance k (their Table 2).
 Relative schemes run without absolute positions. One seed: add seeds to see
 the spread (a few points at this budget).
-Results: benchmarks/results/length_generalisation/ (results.csv, tables.md,
-a figure per table); the workdirs in workdirs/length_generalisation/.
+Workdirs, results.csv, tables.md and a figure per table: in
+workdirs/length_generalisation/. The committed results in
+benchmarks/results/length_generalisation/ come from `--results
+benchmarks/results/length_generalisation`; `--plot_only` with it redraws their
+figures from their results.csv.
 Expected: sequence accuracy near 1.0 in distribution for every scheme but
 shaw k=0; on the long lengths sinusoidal ~0, the relative schemes well above.
 """
@@ -33,7 +36,6 @@ def get_sweep():
   return {
       'seeds': [0],
       'out': 'workdirs/length_generalisation',
-      'results': 'benchmarks/results/length_generalisation',
       'studies': {
           'reverse': {
               'experiment': 'experiments/reverse_relative.py',

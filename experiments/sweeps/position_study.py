@@ -9,8 +9,11 @@ Tiny Shakespeare (experiments/tiny_shakespeare_cpu.py, nanoGPT's CPU recipe
 with Flax's initialisation for every scheme): the positions rows.
 Relative schemes run without absolute positions (model.positions=none), as in
 the paper; cross-attention stays dot-product.
-Results: benchmarks/results/position_study/ (results.csv, tables.md, a figure
-per table); the workdirs in workdirs/position_study/. Expected (mean over 3
+Workdirs, results.csv, tables.md and a figure per table: in
+workdirs/position_study/. The committed results in
+benchmarks/results/position_study/ come from `--results
+benchmarks/results/position_study`; `--plot_only` with it redraws their figures
+from their results.csv. Expected (mean over 3
 seeds): test2016 BLEU 15.5 sinusoidal, 15.0 shaw k=16, 16.6 rotary, 13.7 no
 positions; shaw k=0 13.3, k=1-4 ~16; Tiny Shakespeare 1.699 sinusoidal, 1.623
 shaw. 2h11m on 2 CPU cores with --jobs=2.
@@ -48,7 +51,6 @@ def get_sweep():
   return {
       'seeds': [0, 1, 2],
       'out': 'workdirs/position_study',
-      'results': 'benchmarks/results/position_study',
       'studies': {
           'tiny_shakespeare': {
               'experiment': 'experiments/tiny_shakespeare_cpu.py',

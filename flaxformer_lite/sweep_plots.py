@@ -1,0 +1,115 @@
+"""Figures that read at 100%: bars per row from zero, curves told apart, legends off the data.
+
+bar_figure draws a sweep table (flaxformer_lite/sweep.py); READABLE and save
+are shared with the benchmarks' figures (benchmarks/train_short_test_long.py).
+matplotlib is imported on first use: the sweep imports this module at start.
+"""
+from __future__ import annotations
+
+import math
+
+DPI = 110
+# 10 pt text, 9 pt at the smallest: legible at 100% without zooming.
+READABLE = {'font.size': 10, 'axes.titlesize': 10, 'axes.labelsize': 10,
+            'xtick.labelsize': 9, 'ytick.labelsize': 9, 'legend.fontsize': 9,
+            'figure.titlesize': 11, 'savefig.dpi': DPI}
+
+
+# Hollow: a seed on the error bar's line stays visible.
+SEED_DOT = dict(marker='o', markersize=4, color='k', markerfacecolor='white', zorder=3)
+
+
+def pyplot():
+  """matplotlib.pyplot on the file-only backend (no display needed)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def fmt_value(x: float, like: float | None = None) -> str:
+  """A metric as the tables print it: BLEU-sized values to 0.01, losses and
+  accuracies to 0.001 (the digits of `like`'s size, e.g. a std beside its mean)."""
+  return f'{x:.2f}' if abs(x if like is None else like) >= 10 else f'{x:.3f}'
+
+
+def seeds_phrase(counts: list[int]) -> str:
+  """'one seed', '3 seeds' or '2-3 seeds' for the number of values per row."""
+  lo, hi = min(counts), max(counts)
+  if hi == 1:
+    return 'one seed'
+  return f'{hi} seeds' if lo == hi else f'{lo}-{hi} seeds'
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+  """(mean, sample std; 0 for one value, which gets no error bar)."""
+  n = len(values)
+  mean = sum(values) / n
+  return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+
+
+def bar_figure(title: str, rows: list[str], panels: dict[str, dict[str, list[float]]]):
+  """A panel per metric (`panels`: label -> {row: per-seed values}), a
+  horizontal bar per row: the mean over seeds from 0, its value written at
+  the bar's end, with several seeds an error bar (± sample std) and a dot per
+  seed. Rows without values are left empty. Returns the matplotlib Figure."""
+  plt = pyplot()
+  from matplotlib.lines import Line2D
+  from matplotlib.patches import Patch
+  counts = [len(v) for p in panels.values() for v in p.values() if v] or [1]
+  several = max(counts) > 1
+  spread = (f'mean ± sample std over {seeds_phrase(counts)}' if several
+            else 'one seed: no spread shown')
+  # Wide enough for the row labels, the panels and the title (~0.1 inch a character).
+  width = max(1.2 + 0.08 * max(len(r) for r in rows) + 3.2 * len(panels),
+              0.1 * max(len(title), len(spread)) + 0.5)
+  height = 1.5 + 0.3 * len(rows) + 0.4 * several
+  with plt.rc_context(READABLE):
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, height), sharey=True,
+                             squeeze=False, layout='constrained')
+    for ax, (label, values) in zip(axes[0], panels.items()):
+      _bars(ax, rows, values)
+      ax.set_title(label)
+    axes[0][0].set_yticks(range(len(rows)), rows)
+    axes[0][0].invert_yaxis()  # the table's first row on top
+    fig.suptitle(f'{title}\n{spread}')
+    if several:
+      handles = [Patch(color='C0', alpha=0.6, label='mean'),
+                 Line2D([], [], color='k', marker='|', markersize=8, label='± sample std'),
+                 Line2D([], [], **SEED_DOT, linestyle='', label='each seed')]
+      fig.legend(handles=handles, loc='outside lower center', ncol=3, frameon=False)
+  return fig
+
+
+def _bars(ax, rows: list[str], values: dict[str, list[float]]):
+  """One metric's bars on `ax`; the axis runs from 0 (or below it, for
+  negative values) to past the longest bar's label."""
+  ends = [0.0]
+  for y, row in enumerate(rows):
+    v = values.get(row)
+    if not v:
+      continue
+    mean, std = _mean_std(v)
+    ax.barh(y, mean, color='C0', alpha=0.6, height=0.7)
+    if len(v) > 1:
+      ax.errorbar(mean, y, xerr=std, color='k', capsize=3, linewidth=1)
+      ax.plot(v, [y] * len(v), **SEED_DOT, linestyle='')
+    end = max(v + [mean + std]) if mean >= 0 else min(v + [mean - std])
+    ax.annotate(fmt_value(mean), (end, y), xytext=(3 if mean >= 0 else -3, 0),
+                textcoords='offset points', va='center', ha='left' if mean >= 0 else 'right',
+                fontsize=9)
+    ends.append(end)
+  lo, hi = min(ends), max(ends)
+  span = (hi - lo) or 1.0
+  # Room for the value labels: about 8 characters of 9 pt in a 3.2 inch panel.
+  ax.set_xlim(lo - (0.25 * span if lo < 0 else 0), hi + (0.25 * span if hi > 0 else 0))
+  ax.axvline(0, color='k', linewidth=0.8)
+  ax.grid(axis='x', alpha=0.3)
+
+
+def save(fig, path: str) -> str:
+  """Writes `fig` as a PNG at DPI and closes it; returns the path."""
+  plt = pyplot()
+  fig.savefig(path, dpi=DPI)
+  plt.close(fig)
+  return path
