@@ -1,15 +1,99 @@
 #!/usr/bin/env bash
-# Quick start:
-#   ./launch.sh                                  the embedded default (experiments/reverse.py)
-#   ./launch.sh test [PYTEST_ARGS...]            the test suite (pytest-xdist, a worker per core)
-#   ./launch.sh EXPERIMENT.py [--workdir=DIR] [--config.a.b=value ...]
-#   ./launch.sh --list_attention                 the attention variants and their kwargs
-#   ./launch.sh run SCRIPT.py [ARGS...]          any script (e.g. benchmarks/) with this setup
-#   ./launch.sh sweep GRID.py [--jobs=N]         a grid of overrides x seeds (flaxformer_lite/sweep.py)
-# The first call creates .venv from pyproject.toml; an edited pyproject.toml re-installs it.
-# FFL_EXTRAS=cuda (or tpu) adds the accelerator build of jax.
+# Sets up .venv once (from pyproject.toml; an edited pyproject.toml re-installs
+# it), then runs an experiment, the tests, a script or a sweep in it. The
+# usage text below is the reference for the commands and flags.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+usage() {
+  cat <<'USAGE'
+Usage: ./launch.sh [EXPERIMENT.py] [FLAGS...]   train and evaluate an experiment
+       ./launch.sh test [PYTEST_ARGS...]        the test suite
+       ./launch.sh run SCRIPT.py [ARGS...]      a script (e.g. benchmarks/*.py) in
+       ./launch.sh run -m MODULE [ARGS...]      this setup; -c CODE works too
+       ./launch.sh sweep GRID.py [--jobs=N]     a grid of overrides x seeds
+                                                (./launch.sh sweep --help)
+       ./launch.sh --list_attention             the attention variants and options
+       ./launch.sh --help | -h | help           this text
+
+EXPERIMENT.py defaults to experiments/reverse.py (reverse random sequences;
+a few minutes on a laptop CPU). Each experiment file's docstring gives its
+command and the numbers it should reach.
+
+Flags of an experiment:
+  --config.a.b=value     set one config value; the value parses as the type of
+                         the key, e.g.
+                           ./launch.sh --config.model.attention=shaw \
+                             --config.model.attention_kwargs.max_distance=8
+  --workdir=DIR          checkpoints, metrics.jsonl, TensorBoard events and
+                         config.json; the same command again resumes from the
+                         newest checkpoint. Default: workdirs/EXPERIMENT without
+                         --config overrides, else workdirs/EXPERIMENT-HASH, HASH
+                         = 8 hex digits of the sha256 of the sorted overrides
+                         (the run logs its workdir as its first line)
+  --devices=N            N simulated CPU devices (appends
+                         --xla_force_host_platform_device_count=N to XLA_FLAGS);
+                         also among a sweep's flags and before run or test.
+                         On a GPU host add JAX_PLATFORMS=cpu
+  --allow_config_change  resume a workdir whose config.json differs
+  --local_processes=N    N JAX processes on this machine (a multi-host job)
+  --multihost            jax.distributed.initialize() first (TPU pod, SLURM)
+
+Data: the synthetic tasks are generated from a seed. A real corpus is read
+from --config.data.manual_dir=DIR; left empty, from $FFL_SHARED_DATA, else
+../shared/data next to this checkout or the one it was cloned from, else it
+is downloaded (README, "Data").
+
+Progress goes to stdout (./launch.sh > run.log keeps it), warnings and errors
+to stderr. Exit codes: 0 done; 2 bad flag, config or data (nothing compiled,
+nothing saved overwritten); 3 non-finite loss (the last good checkpoint kept).
+
+Environment: FFL_EXTRAS=cuda (or tpu) installs the accelerator build of jax;
+FFL_VENV=DIR another venv (default .venv); FFL_SYSTEM_MALLOC=1 keeps glibc's
+malloc defaults; JAX_PLATFORMS=cpu ignores any accelerator.
+USAGE
+}
+
+# --devices=N before the command, or anywhere among an experiment's or a
+# sweep's flags (all of which are ours; a script's or pytest's are not).
+devices=""
+while [ $# -gt 0 ] && [[ "$1" == --devices* ]]; do
+  devices="$1"; shift
+done
+subcommand="${1:-}"
+case "$subcommand" in
+  -h|--help|help) usage; exit 0 ;;
+esac
+if [ "$subcommand" != test ] && [ "$subcommand" != run ]; then
+  rest=()
+  for arg in "$@"; do
+    case "$arg" in
+      --devices*) devices="$arg" ;;
+      -h|--help) if [ "$subcommand" = sweep ]; then rest+=("$arg"); else usage; exit 0; fi ;;
+      *) rest+=("$arg") ;;
+    esac
+  done
+  set -- ${rest[@]+"${rest[@]}"}
+fi
+if [ -n "$devices" ]; then
+  if ! [[ "$devices" =~ ^--devices=[1-9][0-9]*$ ]]; then
+    echo "launch.sh: '$devices': give the number of devices as --devices=N, N >= 1 (./launch.sh --help)" >&2
+    exit 2
+  fi
+  # Read by XLA when JAX creates its CPU client; a count already in XLA_FLAGS is overridden.
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=${devices#--devices=}"
+fi
+
+EXPERIMENT=experiments/reverse.py
+if [ "$subcommand" != test ] && [ "$subcommand" != run ] && [ "$subcommand" != sweep ]; then
+  if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
+    EXPERIMENT="$1"; shift
+  fi
+  if [ ! -f "${EXPERIMENT%%:*}" ]; then
+    echo "launch.sh: experiment file '${EXPERIMENT%%:*}' not found; experiments are: $(ls experiments/*.py | tr '\n' ' ')(./launch.sh --help for the commands)" >&2
+    exit 2
+  fi
+fi
 
 VENV="${FFL_VENV:-.venv}"
 
@@ -34,7 +118,9 @@ setup_venv() {
     echo "launch.sh: installing into $VENV with $py (first run takes a few minutes)" >&2
     [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-    "$VENV/bin/python" -m pip install -q -e ".[test${FFL_EXTRAS:+,$FFL_EXTRAS}]" 2>&1 \
+    # setuptools' notice on every editable install of a flat layout is not an error.
+    PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation" \
+      "$VENV/bin/python" -m pip install -q -e ".[test${FFL_EXTRAS:+,$FFL_EXTRAS}]" 2>&1 \
       | grep -v "is ignored: it is neither" >&2 || true
     "$VENV/bin/python" -c "import flaxformer_lite, jax, flax, optax, orbax.checkpoint" \
       || { echo "launch.sh: installation into $VENV failed (see above)" >&2; exit 1; }
@@ -76,12 +162,4 @@ if [ "${1:-}" = "sweep" ]; then
   exec "$PY" -m flaxformer_lite.sweep "$@"
 fi
 
-EXPERIMENT=experiments/reverse.py
-if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
-  EXPERIMENT="$1"; shift
-fi
-if [ ! -f "${EXPERIMENT%%:*}" ]; then
-  echo "launch.sh: experiment file '${EXPERIMENT%%:*}' not found; experiments are: $(ls experiments/*.py | tr '\n' ' ')" >&2
-  exit 2
-fi
 exec "$PY" -m flaxformer_lite.main --config="$EXPERIMENT" "$@"

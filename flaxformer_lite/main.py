@@ -1,14 +1,19 @@
 """Entry point: `python -m flaxformer_lite.main --config=EXP.py [--workdir=DIR] [--config.a.b=v]`.
 
-Exit codes: 0 done; 2 bad flag, config or data (nothing compiled, nothing
-saved overwritten); 3 non-finite loss (the last good checkpoint is kept).
+Progress goes to stdout, warnings and errors to stderr. Exit codes: 0 done;
+2 bad flag, config or data (nothing compiled, nothing saved overwritten);
+3 non-finite loss (the last good checkpoint is kept). `./launch.sh --help`
+describes the commands and flags.
 """
 from __future__ import annotations
 
+import hashlib
 import logging as std_logging
 import os
 import runpy
+import shutil
 import sys
+from typing import Any, Mapping
 
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
@@ -24,9 +29,14 @@ config_flags.DEFINE_config_file('config', None,
                                 f'default {DEFAULT_EXPERIMENT}.',
                                 lock_config=True)
 flags.DEFINE_string('workdir', None,
-                    'Checkpoints, metrics.jsonl, TensorBoard events, config.json. '
-                    'Default: workdirs/<experiment name>. Re-running on it resumes.')
-flags.DEFINE_bool('list_attention', False, 'List attention variants and exit.')
+                    'Checkpoints, metrics.jsonl, TensorBoard events, config.json; re-running '
+                    'on it resumes. Default: workdirs/<experiment name> without --config '
+                    'overrides, else workdirs/<experiment name>-<first 8 hex digits of the '
+                    'sha256 of the sorted overrides>: the same command finds its own run, and '
+                    'other overrides never share it.')
+flags.DEFINE_bool('list_attention', False,
+                  'Print a table of the attention variants (models, kernels, options, '
+                  'description) and exit.')
 flags.DEFINE_integer('local_processes', 0,
                      'Run as this many JAX processes on 127.0.0.1 (a multi-host job on one '
                      'machine; train/multihost.py).')
@@ -53,6 +63,23 @@ def validate(config) -> None:
 def _fail(message: str, code: int = 2):
   print(f'error: {message}', file=sys.stderr)
   sys.exit(code)
+
+
+def default_workdir(experiment: str, overrides: Mapping[str, Any]) -> str:
+  """workdirs/NAME for experiment file NAME.py without overrides, else
+  workdirs/NAME-HASH, HASH the first 8 hex digits of the sha256 of the sorted
+  `key=value` overrides: one set of overrides, one workdir, in any order."""
+  name = os.path.splitext(os.path.basename(experiment))[0]
+  if not overrides:
+    return os.path.join('workdirs', name)
+  text = '\n'.join(sorted(f'{key}={value!r}' for key, value in overrides.items()))
+  return os.path.join('workdirs', f'{name}-{hashlib.sha256(text.encode()).hexdigest()[:8]}')
+
+
+def workdir() -> str:
+  """--workdir, else the default for the parsed experiment and overrides."""
+  return FLAGS.workdir or default_workdir(
+      _experiment_path(sys.argv), config_flags.get_override_values(FLAGS['config']))
 
 
 def _experiment_path(argv) -> str:
@@ -102,8 +129,14 @@ def parse_flags(argv):
           f'{", ".join(sorted(os.listdir("experiments"))) if os.path.isdir("experiments") else "?"}')
   try:
     rest = FLAGS(argv)
+  except flags.UnrecognizedFlagError as e:
+    given = next((a.split('=', 1)[0] for a in argv[1:]
+                  if a.lstrip('-').split('=', 1)[0] == e.flagname), f'--{e.flagname}')
+    _fail(f'unknown flag {given}; ./launch.sh --help lists the commands and flags')
   except flags.Error as e:
-    _fail(f'{e}. Override values must parse as the type of the key they replace.')
+    if str(e).startswith('flag --config.'):
+      _fail(f'{e}. Override values must parse as the type of the key they replace.')
+    _fail(f'{e} (./launch.sh --help lists the flags)')
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     _fail(_explain_override(argv) or f'bad --config override: {e}')
   if len(rest) > 1:
@@ -115,45 +148,58 @@ def parse_flags(argv):
   return rest
 
 
-def _setup_logging(process_index: int = 0):
-  """Our progress at INFO on stderr (process 0; the others warn only); other
-  libraries (orbax, tfds) at WARNING."""
+def _quiet_libraries():
+  """Other libraries (jax, orbax, tfds) at WARNING, set before JAX starts its
+  backends: on a host without a TPU, JAX logs at INFO that libtpu.so is
+  missing. tfds warns 'Using custom data configuration' for any builder
+  config its class does not list, which ours never do (data/synthetic.py
+  builds one from config values): a warning on every run with nothing to do."""
   logging.set_verbosity(logging.WARNING)
+  std_logging.getLogger('absl').addFilter(
+      lambda record: not str(record.msg).startswith('Using custom data configuration'))
+
+
+def _setup_logging(process_index: int = 0):
+  """Our progress (INFO) on stdout, our warnings on stderr, for process 0;
+  the other processes warn only."""
   log = std_logging.getLogger('flaxformer_lite')
-  handler = std_logging.StreamHandler(sys.stderr)
   prefix = f'[{process_index}] ' if process_index else ''
-  handler.setFormatter(std_logging.Formatter(f'%(asctime)s {prefix}%(message)s', '%H:%M:%S'))
-  log.addHandler(handler)
+  formatter = std_logging.Formatter(f'%(asctime)s {prefix}%(message)s', '%H:%M:%S')
+  progress = std_logging.StreamHandler(sys.stdout)
+  progress.addFilter(lambda record: record.levelno < std_logging.WARNING)
+  problems = std_logging.StreamHandler(sys.stderr)
+  problems.setLevel(std_logging.WARNING)
+  for handler in (progress, problems):
+    handler.setFormatter(formatter)
+    log.addHandler(handler)
   log.setLevel(std_logging.INFO if process_index == 0 else std_logging.WARNING)
   log.propagate = False
 
 
 def main(argv):
   del argv
+  if FLAGS.list_attention:
+    print(registry.table(shutil.get_terminal_size((100, 24)).columns))
+    return
+  _quiet_libraries()
   from flaxformer_lite.train import multihost
   if FLAGS.local_processes > 1 and not os.environ.get('FFL_PROCESS_ID'):
     sys.exit(multihost.launch_local(
         FLAGS.local_processes,
         [a for a in sys.argv[1:] if not a.startswith('--local_processes')]))
-  if not FLAGS.list_attention:
-    multihost.initialize(auto=FLAGS.multihost)
+  multihost.initialize(auto=FLAGS.multihost)
   import jax
-  _setup_logging(jax.process_index() if not FLAGS.list_attention else 0)
-  if FLAGS.list_attention:
-    for name in registry.names():
-      print(registry.describe(registry.get(name)))
-    return
+  _setup_logging(jax.process_index())
   # Imported late: --list_attention stays fast.
   from flaxformer_lite import data
   from flaxformer_lite.train import checkpoints, loop
 
   config = FLAGS.config
-  workdir = FLAGS.workdir or os.path.join(
-      'workdirs', os.path.splitext(os.path.basename(_experiment_path(sys.argv)))[0])
+  run_dir = workdir()
   try:
     validate(config)
-    std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(workdir))
-    loop.train_and_evaluate(config, workdir, allow_config_change=FLAGS.allow_config_change)
+    std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(run_dir))
+    loop.train_and_evaluate(config, run_dir, allow_config_change=FLAGS.allow_config_change)
   except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError) as e:
     _fail(str(e), 2)
   except loop.NonFiniteLossError as e:

@@ -1,9 +1,16 @@
 """Config validation (exit 2 paths) and config.json round trips."""
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import main
 from flaxformer_lite.attention import registry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BAD = [
     ('model.type', 'rnn', 'encoder_decoder'),
@@ -135,18 +142,67 @@ def test_cli_variant_option_settable_from_command_line(tmp_path, run_main):
   assert "implementation='bogus'" in proc.stderr and "'chunked'" in proc.stderr
 
 
-def test_cli_list_attention(run_main):
-  proc = run_main('--list_attention')
-  assert proc.returncode == 0
-  lines = proc.stdout.strip().splitlines()
-  assert [line.split('\t')[0] for line in lines] == registry.names()
-  by_name = {line.split('\t')[0]: line for line in lines}
-  assert 'kernels=dense,chunked,xla,cudnn\t' in by_name['dot_product']
-  assert 'max_distance=16' in by_name['shaw'] and 'encoder_decoder' in by_name['shaw']
-  for name in registry.names():  # the kernels each variant can run on, said plainly
-    can = registry.get(name).chunked is not None
-    assert ('kernels=dense,chunked' in by_name[name]) == can, by_name[name]
-    assert ('(cannot be chunked)' in by_name[name]) != can, by_name[name]
+def _table_rows(text: str, width: int) -> tuple[list[str], dict]:
+  """`registry.table(width)` read back: (header names, {name: (models, kernels,
+  options, description)}), each column the cells' lines, the description its
+  words run together. Asserts the table's shape: a header and a rule that give
+  the columns, no line longer than `width`, no cell over its column's edge."""
+  lines = text.split('\n')
+  assert max(map(len, lines)) <= width, max(lines, key=len)
+  rule = lines.index(next(line for line in lines if line.startswith('---')))
+  starts = [m.start() for m in re.finditer(r'-+', lines[rule])]
+  body = lines[rule + 1:lines.index('')]
+  rows = {}
+  for line in body:
+    if line.startswith('    ') and line[4] != ' ':  # a description line
+      rows[name][3].append(line[4:])
+      continue
+    for start in starts[1:]:
+      assert not line[start - 2:start].strip(), line  # nothing in the gaps
+    cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+    if cells[0]:
+      name = cells[0]
+      rows[name] = ([], [], [], [])
+    for column, cell in zip(rows[name], cells[1:]):
+      if cell:
+        column.append(cell)
+  header = lines[:rule]
+  return header, {k: (m, ' '.join(k_).split(), o, ''.join(''.join(d).split()))
+                  for k, (m, k_, o, d) in rows.items()}
+
+
+@pytest.mark.parametrize('width', [72, 100, 160])
+def test_list_attention_table_lists_every_variant_in_aligned_columns(width):
+  text = registry.table(width)
+  header, rows = _table_rows(text, width)
+  assert header[0].split() == ['name', 'models', 'kernels', 'options']
+  assert header[1].split() == ['description']
+  assert list(rows) == registry.names()  # every registered variant, in order
+  footer = ' '.join(text.split('\n\n', 1)[1].split())
+  shorthand = {'all': registry.ALL_MODELS, 'transformers': registry.TRANSFORMER_MODELS}
+  for name, short in shorthand.items():
+    assert f'{name} = {", ".join(short)}' in footer
+  for name in ('implementation=', 'chunk_size=', 'dense_max_mib='):
+    assert name in footer
+  for name, (models, kernels, options, description) in rows.items():
+    variant = registry.get(name)
+    assert [m for cell in models for m in shorthand.get(cell, (cell,))] == list(variant.models)
+    assert kernels == ['dense', *(['chunked'] if variant.chunked else []),
+                       *variant.dense_implementations]
+    own = [f'{k}={v!r}' for k, v in variant.kwargs.items()] or ['-']
+    assert ''.join(options) == ''.join(own)  # a long option may wrap inside its column
+    assert description == ''.join(variant.doc.split())
+
+
+@pytest.mark.parametrize('columns,width', [('90', 90), ('', 100)])
+def test_cli_list_attention_fits_the_terminal(columns, width):
+  """The width is the terminal's (COLUMNS stands for it), 100 when there is none."""
+  env = {k: v for k, v in os.environ.items() if k != 'COLUMNS'}
+  proc = subprocess.run([sys.executable, '-m', 'flaxformer_lite.main', '--list_attention'],
+                        cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env=dict(env, COLUMNS=columns) if columns else env)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout == registry.table(width) + '\n'
 
 
 REAL_BAD = [

@@ -1,4 +1,5 @@
-"""launch.sh: the `run` subcommand and the glibc malloc settings it exports.
+"""launch.sh: its help, --devices, the `run` subcommand and the glibc malloc
+settings it exports.
 
 What the settings do to page faults is measured by benchmarks/page_faults.py
 (a timing-dependent property, so not asserted here)."""
@@ -50,3 +51,44 @@ def test_malloc_settings_exported_unless_set_or_disabled():
   assert r.stdout.split() == ['4', '4294967296', '8589934592']  # a value already set wins
   r = launch('run', '-c', PRINT_ENV, env={'FFL_SYSTEM_MALLOC': '1'})
   assert r.stdout.split() == ['-', '-', '-']
+
+
+HELP_NAMES = ('./launch.sh test', './launch.sh run SCRIPT.py', '-m MODULE', './launch.sh sweep',
+              '--list_attention', 'experiments/reverse.py', '--config.a.b=value',
+              '--config.model.attention=shaw', '--workdir=DIR', 'workdirs/EXPERIMENT-HASH',
+              '--devices=N', 'Exit codes: 0 done; 2 bad flag, config or data',
+              '3 non-finite loss', '--config.data.manual_dir', '../shared/data', 'stdout')
+
+
+def test_help_is_one_text_exit_0_without_a_venv(tmp_path):
+  """--help, -h, help (and --help among an experiment's flags) print the same
+  usage and exit 0, before any venv is made."""
+  venv = tmp_path / 'no_venv'
+  runs = [launch(*args, env={'FFL_VENV': str(venv)}) for args in (
+      ['--help'], ['-h'], ['help'], ['experiments/reverse.py', '--config.seed=1', '--help'])]
+  for r in runs:
+    assert (r.returncode, r.stderr, r.stdout) == (0, '', runs[0].stdout)
+  for name in HELP_NAMES:
+    assert name in runs[0].stdout, name
+  assert not venv.exists()
+
+
+def test_devices_sets_the_cpu_device_count_for_every_command(tmp_path):
+  """--devices=N before `run` reaches the script as N CPU devices, appended to
+  XLA_FLAGS; among an experiment's flags it is taken out before main.py (which
+  would refuse it); a bad count exits 2 before anything starts."""
+  skip_unless_launch_uses_this_venv()
+  r = launch('--devices=4', 'run', '-c',
+             'import os, jax; print(jax.device_count(), os.environ["XLA_FLAGS"])',
+             env={'XLA_FLAGS': '--xla_backend_optimization_level=0', 'JAX_PLATFORMS': 'cpu'})
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.split() == ['4', '--xla_backend_optimization_level=0',
+                              '--xla_force_host_platform_device_count=4']
+  r = launch('experiments/reverse.py', '--devices=2', '--list_attention', env={'COLUMNS': '72'})
+  assert r.returncode == 0, r.stderr
+  lines = r.stdout.splitlines()
+  assert lines[0].split() == ['name', 'models', 'kernels', 'options']
+  assert max(map(len, lines)) <= 72
+  for bad in ('--devices=0', '--devices=two', '--devices'):
+    r = launch(bad, env={'FFL_VENV': str(tmp_path / 'no_venv')})
+    assert r.returncode == 2 and '--devices=N' in r.stderr, (bad, r.stderr)

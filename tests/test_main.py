@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -27,21 +28,85 @@ def test_every_experiment_file_is_valid_and_documents_its_command(path):
   assert './launch.sh' in module['__doc__'] and 'Expected' in module['__doc__']
 
 
+# Printed by JAX on a host without a TPU, and by tfds for every builder config
+# its class does not list: nothing a user could act on.
+NOISE = ('libtpu', 'Unable to initialize backend', 'SyntheticConfig')
+
+
 def test_default_experiment_runs_and_resumes_from_the_command_line(tmp_path, tfds_dir, run_main):
+  """Progress on stdout (`./launch.sh > run.log` keeps it), none on stderr."""
   workdir = tmp_path / 'run'
   common = [f'--workdir={workdir}', f'--config.data.data_dir={tfds_dir}', *TINY]
   proc = run_main(*common, '--config.train.num_steps=6')
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'step 6/6' in proc.stderr and 'sequence_accuracy' in proc.stderr
+  assert 'step 6/6' in proc.stdout and 'sequence_accuracy' in proc.stdout
+  assert 'step 6/6' not in proc.stderr
+  for noise in NOISE:
+    assert noise not in proc.stderr + proc.stdout, noise
   saved = json.loads((workdir / 'config.json').read_text())
   assert saved['model']['d_model'] == 16 and saved['train']['num_steps'] == 6
 
   proc = run_main(*common, '--config.train.num_steps=9')  # same command, longer
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'Resumed from' in proc.stderr and 'at step 6' in proc.stderr
+  assert 'Resumed from' in proc.stdout and 'at step 6' in proc.stdout
   steps = [json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()
            if json.loads(line)['split'] == 'train']
   assert steps == [3, 6, 9]
+
+
+def _forget_flags():
+  """Unparses main's flags and removes the flags that config_flags defines
+  for each --config.a.b override (parsing one twice in a process would
+  define it twice)."""
+  main.FLAGS.unparse_flags()
+  for name in [name for name in main.FLAGS if name.startswith('config.')]:
+    delattr(main.FLAGS, name)
+
+
+@pytest.fixture
+def parse(monkeypatch):
+  """parse(*ARGS): main.parse_flags on ARGS in this process, as a fresh one would."""
+  monkeypatch.setattr(sys, 'argv', ['main'])  # parse_flags writes it
+
+  def parse_flags(*args):
+    _forget_flags()
+    return main.parse_flags(['main', *args])
+  yield parse_flags
+  _forget_flags()
+
+
+def test_default_workdir_is_one_per_experiment_and_set_of_overrides(parse):
+  def workdir(*args):
+    parse(*args)
+    return main.workdir()
+
+  assert workdir() == os.path.join('workdirs', 'reverse')
+  assert workdir('--config=experiments/reverse_rnn.py') == os.path.join('workdirs', 'reverse_rnn')
+  shaw = workdir('--config.model.attention=shaw', '--config.model.attention_kwargs.max_distance=8')
+  assert re.fullmatch(r'workdirs/reverse-[0-9a-f]{8}', shaw.replace(os.sep, '/')), shaw
+  assert workdir('--config.model.attention_kwargs.max_distance=8',
+                 '--config.model.attention=shaw') == shaw  # the order does not matter
+  assert workdir('--config.model.attention=shaw', '--config.model.attention_kwargs.max_distance=8',
+                 '--config.seed=0') != shaw  # a seed set, even to its default, is an override
+  others = {workdir('--config.model.attention=shaw'),
+            workdir('--config.model.attention_kwargs.max_distance=8'),
+            workdir('--config.model.attention=shaw', '--config.model.attention_kwargs.max_distance=4'),
+            workdir('--config=experiments/reverse_rnn.py', '--config.model.attention=shaw',
+                    '--config.model.attention_kwargs.max_distance=8')}
+  assert len(others) == 4 and shaw not in others
+  assert workdir('--workdir=/tmp/mine', '--config.model.attention=shaw') == '/tmp/mine'
+
+
+@pytest.mark.parametrize('arg,says,not_said', [
+    ('-h', 'unknown flag -h; ./launch.sh --help', 'Override values'),
+    ('--foo=1', 'unknown flag --foo; ./launch.sh --help', 'Override values'),
+    ('--config.model.d_model=abc', 'Override values must parse as the type', 'unknown flag'),
+])
+def test_a_bad_flag_exits_2_with_what_applies_to_it(parse, capsys, arg, says, not_said):
+  with pytest.raises(SystemExit) as e:
+    parse(arg)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith('error: ') and says in err and not_said not in err
 
 
 START_ON_DEVICES = '''

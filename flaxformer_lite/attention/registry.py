@@ -27,6 +27,7 @@ may have fewer heads than the queries there (grouped-query attention).
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -258,12 +259,63 @@ def choose_kernel(variant: AttentionVariant, kernel: Kernel, query, key, *,
   return 'chunked' if score_bytes > kernel.dense_max_mib * 2**20 else 'dense'
 
 
-def describe(variant: AttentionVariant) -> str:
-  """One line: name, models, kernels, its own options with defaults, doc."""
-  opts = ' '.join(f'{k}={v!r}' for k, v in variant.kwargs.items()) or '-'
-  kernels = ','.join(('dense', 'chunked') if variant.chunked else ('dense',))
-  kernels += ''.join(f',{k}' for k in variant.dense_implementations)
-  if variant.chunked is None:
-    kernels += ' (cannot be chunked)'
-  return (f'{variant.name}\tmodels={",".join(variant.models)}\tkernels={kernels}\t'
-          f'kwargs: {opts}\t{variant.doc}')
+class Description(NamedTuple):
+  """A variant's row in `table`: one entry a line in each list column."""
+  name: str
+  models: tuple[str, ...]  # 'all' and 'transformers' stand for those sets
+  kernels: tuple[str, ...]  # values of attention_kwargs.implementation besides 'auto'
+  options: tuple[str, ...]  # its own options, 'name=default'
+  doc: str
+
+
+def describe(variant: AttentionVariant) -> Description:
+  """`variant`'s row in `table`."""
+  if variant.models == ALL_MODELS:
+    models = ('all',)
+  elif variant.models == TRANSFORMER_MODELS:
+    models = ('transformers',)
+  else:
+    models = variant.models
+  kernels = ('dense', 'chunked') if variant.chunked else ('dense',)
+  return Description(variant.name, models, kernels + variant.dense_implementations,
+                     tuple(f'{k}={v!r}' for k, v in variant.kwargs.items()) or ('-',),
+                     variant.doc)
+
+
+_HEADER = Description('name', ('models',), ('kernels',), ('options',), 'description')
+_GAP, _INDENT = '  ', '    '
+
+
+def table(width: int = 100) -> str:
+  """Every variant (`describe`) as a table with a header, then what all
+  variants share. Name, models, kernels and options are aligned columns, the
+  kernels and each option wrapped in theirs; the description follows on lines
+  of its own, indented, wrapped to `width`. No line is longer than `width`
+  unless `width` leaves the options fewer than 12 characters."""
+  rows = [describe(get(name)) for name in names()]
+  kernels = [textwrap.wrap(' '.join(r.kernels), len('dense chunked')) for r in [_HEADER, *rows]]
+  widths = [max(len(r.name) for r in [_HEADER, *rows]),
+            max(len(m) for r in [_HEADER, *rows] for m in r.models),
+            max(len(k) for lines in kernels for k in lines)]
+  options_width = min(max(len(o) for r in [_HEADER, *rows] for o in r.options),
+                      max(12, width - sum(widths) - 3 * len(_GAP)))
+  widths.append(options_width)
+
+  def render(row: Description, kernel_lines: list[str]) -> list[str]:
+    cells = [[row.name], list(row.models), kernel_lines,
+             [part for option in row.options for part in textwrap.wrap(option, options_width)]]
+    columns = [_GAP.join((cell[i] if i < len(cell) else '').ljust(w)
+                         for cell, w in zip(cells, widths)).rstrip()
+               for i in range(max(map(len, cells)))]
+    return columns + textwrap.wrap(row.doc, width, initial_indent=_INDENT,
+                                   subsequent_indent=_INDENT, break_on_hyphens=False)
+
+  kernel_options = ', '.join(f'{k}={v!r}' for k, v in KERNEL_OPTIONS.items())
+  footer = (f'models: all = {", ".join(ALL_MODELS)}; transformers = '
+            f'{", ".join(TRANSFORMER_MODELS)}. Every variant also takes the kernel options '
+            f'{kernel_options} (attention_kwargs; implementation: auto or one of its '
+            'kernels).')
+  lines = render(_HEADER, kernels[0]) + [_GAP.join('-' * w for w in widths)]
+  for row, kernel_lines in zip(rows, kernels[1:]):
+    lines += render(row, kernel_lines)
+  return '\n'.join([*lines, '', *textwrap.wrap(footer, width)])

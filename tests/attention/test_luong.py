@@ -285,8 +285,8 @@ def test_registry_holds_exactly_the_expected_variants():
       'luong_general', 'luong_concat', 'luong_local_p', 'luong_local_m',
       'location_sensitive', 'hard', 'transformer_xl', 'deberta'}
   for name in registry.names():
-    fields = registry.describe(registry.get(name)).split('\t')
-    assert fields[0] == name and fields[1].startswith('models=') and fields[3]
+    row = registry.describe(registry.get(name))
+    assert row.name == name and row.models and row.kernels and row.options and row.doc
 
 
 @pytest.mark.parametrize('name,models,flags', [

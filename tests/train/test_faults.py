@@ -72,11 +72,11 @@ def test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes(tmp_path,
     proc = _start(workdir, tfds_dir)
     _wait_for_training(proc, workdir, after=saved[-1] if saved else 0)
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert f'Stopped on {signal.Signals(signum).name}' in err and 'Re-run the same command' in err
     if saved:
-      assert f'Resumed from {workdir}/checkpoints at step {saved[-1]}' in err, err[-3000:]
+      assert f'Resumed from {workdir}/checkpoints at step {saved[-1]}' in out, out[-3000:]
     # no checkpoint_every step was reached: the newest is this signal's
     steps = _steps(workdir)
     assert steps[:-1] == saved and steps[-1] >= (saved[-1] + 1 if saved else 5), (saved, steps)
@@ -89,7 +89,7 @@ def test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes(tmp_path,
        '--config.train.eval_every=100000', '--config.eval.final_test=False'],
       cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f'at step {last}' in proc.stderr
+  assert f'at step {last}' in proc.stdout
   assert _steps(workdir)[-1] == last + 3
 
 

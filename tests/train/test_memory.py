@@ -127,7 +127,7 @@ def test_a_run_that_cannot_fit_exits_2_before_training_and_keeps_its_checkpoints
       cwd=REPO, capture_output=True, text=True, timeout=300,
       env=dict(os.environ, FFL_MEMORY_LIMIT='64KiB'))
   assert proc.returncode == 2, proc.stderr[-3000:]
-  assert 'Resumed from' in proc.stderr and 'step 20/20' not in proc.stderr
+  assert 'Resumed from' in proc.stdout and 'step 20/20' not in proc.stdout
   error = proc.stderr[proc.stderr.index('error: '):]
   assert 'this run needs about' in error and '64.0 KiB is available (FFL_MEMORY_LIMIT)' in error
   for option in ('train.batch_size (now 16)', 'eval.batch_size (now 20)', 'data.max_len (now 6)',

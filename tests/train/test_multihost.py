@@ -120,7 +120,7 @@ def test_a_signal_to_one_process_stops_both_at_one_step_and_resumes_to_the_curve
                         timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   assert len(re.findall(r'launch: process \d of 2 is pid', done.stderr)) == 2
-  assert re.search(rf'Resumed from \S+ at step {step}\n', done.stderr), done.stderr[-3000:]
+  assert re.search(rf'Resumed from \S+ at step {step}\n', done.stdout), done.stdout[-3000:]
   assert 'Stopped on' not in done.stderr
   assert sorted(_losses(workdir)) == list(range(1, num_steps + 1))
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints')), key=int) == [
@@ -134,7 +134,7 @@ def test_a_signal_to_one_process_stops_both_at_one_step_and_resumes_to_the_curve
                                  + ' --xla_force_host_platform_device_count=2'),
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert 'over 2 device(s)' in done.stderr and 'launch: process' not in done.stderr
+  assert 'over 2 device(s)' in done.stdout and 'launch: process' not in done.stderr
   a, b = _losses(one), _losses(workdir)
   assert sorted(a) == sorted(b) == list(range(1, num_steps + 1))
   for s in a:
