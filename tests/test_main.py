@@ -1,4 +1,4 @@
-"""The command line end to end: an experiment file, overrides, outputs, resume."""
+"""The command line: experiment files, flags, the default workdir, several devices."""
 import glob
 import json
 import os
@@ -13,12 +13,6 @@ from flaxformer_lite import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = sorted(glob.glob(os.path.join(REPO, 'experiments', '*.py')))
-TINY = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.model.mlp_dim=32',
-        '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
-        '--config.data.max_len=5', '--config.data.num_train=256', '--config.data.num_eval=20',
-        '--config.train.batch_size=8', '--config.train.log_every=3',
-        '--config.train.eval_every=6', '--config.train.checkpoint_every=3',
-        '--config.eval.batch_size=10']
 
 
 @pytest.mark.parametrize('path', EXPERIMENTS, ids=os.path.basename)
@@ -28,30 +22,8 @@ def test_every_experiment_file_is_valid_and_documents_its_command(path):
   assert './launch.sh' in module['__doc__'] and 'Expected' in module['__doc__']
 
 
-# Printed by JAX on a host without a TPU, and by tfds for every builder config
-# its class does not list: nothing a user could act on.
-NOISE = ('libtpu', 'Unable to initialize backend', 'SyntheticConfig')
-
-
-def test_default_experiment_runs_and_resumes_from_the_command_line(tmp_path, tfds_dir, run_main):
-  """Progress on stdout (`./launch.sh > run.log` keeps it), none on stderr."""
-  workdir = tmp_path / 'run'
-  common = [f'--workdir={workdir}', f'--config.data.data_dir={tfds_dir}', *TINY]
-  proc = run_main(*common, '--config.train.num_steps=6')
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'step 6/6' in proc.stdout and 'sequence_accuracy' in proc.stdout
-  assert 'step 6/6' not in proc.stderr
-  for noise in NOISE:
-    assert noise not in proc.stderr + proc.stdout, noise
-  saved = json.loads((workdir / 'config.json').read_text())
-  assert saved['model']['d_model'] == 16 and saved['train']['num_steps'] == 6
-
-  proc = run_main(*common, '--config.train.num_steps=9')  # same command, longer
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'Resumed from' in proc.stdout and 'at step 6' in proc.stdout
-  steps = [json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').read_text().splitlines()
-           if json.loads(line)['split'] == 'train']
-  assert steps == [3, 6, 9]
+# The command line end to end (progress on stdout, no noise, resume) is the
+# README's quick start: tests/test_readme.py.
 
 
 def _forget_flags():

@@ -1,0 +1,146 @@
+"""The README's fenced commands run as written, so that the README cannot rot.
+
+Every line of a ```bash block that starts with ./launch.sh is run through
+launch.sh (the venv that runs these tests, so nothing is installed): a
+command that trains gets tiny model and step overrides appended (later
+overrides win) and a workdir under tmp_path; everything else runs as it is.
+`./launch.sh test` is this suite. The error examples (the $-lines of the
+plain ``` block after "Bad values") must print the error shown under them.
+"""
+import os
+import json
+import shlex
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, 'README.md')
+
+# Appended to a training command, per experiment: seconds instead of minutes.
+TINY_MODEL = ['--config.model.d_model=16', '--config.model.num_heads=2',
+              '--config.model.mlp_dim=32', '--config.model.num_decoder_layers=1',
+              '--config.train.num_steps=2', '--config.train.log_every=1',
+              '--config.train.eval_every=2', '--config.train.checkpoint_every=2']
+TINY = {
+    'experiments/reverse.py': TINY_MODEL + [
+        '--config.model.num_encoder_layers=1', '--config.data.max_len=5',
+        '--config.data.num_train=64', '--config.data.num_eval=8', '--config.train.batch_size=8',
+        '--config.eval.batch_size=8'],
+    'experiments/tiny_shakespeare_long.py': TINY_MODEL + [
+        '--config.data.max_len=64', '--config.model.max_len=256', '--config.train.batch_size=2',
+        '--config.eval.contexts=(128,)', '--config.eval.batch_tokens=2048',
+        '--config.eval.sample_prompt=32', '--config.eval.sample_len=8'],
+}
+TRAINS = ('EXPERIMENT', '--config.')  # a command that is not a subcommand trains
+
+
+def fenced(text: str, language: str) -> list[list[str]]:
+  """The blocks fenced as ```language (a bare ``` for ''), each as its lines."""
+  blocks, current, kind = [], None, None
+  for line in text.split('\n'):
+    if line.startswith('```') and current is None:
+      current, kind = [], line[3:].strip()
+    elif line.startswith('```'):
+      if kind == language:
+        blocks.append(current)
+      current = None
+    elif current is not None:
+      current.append(line)
+  return blocks
+
+
+def launch_commands(text: str) -> list[str]:
+  """The ./launch.sh lines of the ```bash blocks: continuations joined,
+  trailing comments dropped."""
+  commands = []
+  for block in fenced(text, 'bash'):
+    joined = '\n'.join(block).replace('\\\n', ' ')
+    for line in joined.split('\n'):
+      line = line.split(' #')[0].strip()
+      if line.startswith('./launch.sh'):
+        commands.append(' '.join(line.split()))
+  return commands
+
+
+def _trains(argv: list[str]) -> bool:
+  rest = argv[1:]
+  return not rest or rest[0].endswith('.py') or rest[0].startswith('--config.') or (
+      rest[0].startswith('--devices'))
+
+
+def _experiment(argv: list[str]) -> str:
+  return argv[1] if len(argv) > 1 and argv[1].endswith('.py') else 'experiments/reverse.py'
+
+
+def _launch(argv, env, timeout=600):
+  return subprocess.run(['bash', os.path.join(REPO, 'launch.sh'), *argv[1:]], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def env(shared_data, tfds_dir):
+  """launch.sh on the venv that runs these tests, the real corpora found
+  where the README says (FFL_SHARED_DATA), a scratch TFDS folder."""
+  venv = os.path.join(REPO, '.venv')
+  if not os.path.isfile(os.path.join(venv, '.pyproject.sha256')):
+    pytest.skip(f'{venv} was not made by launch.sh (it would install a new one)')
+  return dict(os.environ, FFL_VENV=venv, FFL_SHARED_DATA=shared_data, TFDS_DATA_DIR=tfds_dir)
+
+
+# Printed by JAX on a host without a TPU, and by tfds for every builder config
+# its class does not list: nothing a user could act on.
+NOISE = ('libtpu', 'Unable to initialize backend', 'SyntheticConfig')
+
+
+def _quick_start_logs_and_resumes(done, argv, env, workdir):
+  """Progress on stdout (`./launch.sh > run.log` keeps it), none on stderr,
+  no noise; the same command with more steps resumes where it stopped."""
+  assert 'step 2/2' in done.stdout and 'sequence_accuracy' in done.stdout
+  assert 'step 2/2' not in done.stderr
+  for noise in NOISE:
+    assert noise not in done.stderr + done.stdout, noise
+  again = _launch(argv + ['--config.train.num_steps=3'], env)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert 'Resumed from' in again.stdout and 'at step 2' in again.stdout
+  metrics = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert [m['step'] for m in metrics if m['split'] == 'train'] == [1, 2, 3]
+
+
+def test_every_readme_command_runs_as_written(env, tmp_path):
+  commands = launch_commands(open(README).read())
+  assert './launch.sh' in commands and './launch.sh test' in commands  # the quick start
+  quick_start = tmp_path / 'quick_start'
+  ran = []
+  for i, command in enumerate(commands):
+    argv = shlex.split(command)
+    if argv[1:2] == ['test']:
+      continue  # this suite
+    if _trains(argv):
+      experiment = _experiment(argv)
+      assert experiment in TINY, f'add tiny overrides for {experiment} ({command})'
+      workdir = quick_start if command == './launch.sh' else tmp_path / f'run_{i}'
+      argv = argv + TINY[experiment] + [f'--workdir={workdir}']
+    else:  # a plot of the quick start's run
+      argv = [a.replace('workdirs/reverse', str(quick_start)) for a in argv]
+    done = _launch(argv, env)
+    assert done.returncode == 0, f'{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
+    assert 'Traceback' not in done.stderr, f'{command}\n{done.stderr[-3000:]}'
+    if _trains(argv):
+      assert os.path.isfile(os.path.join(argv[-1].split('=', 1)[1], 'metrics.jsonl')), command
+    if command == './launch.sh':
+      _quick_start_logs_and_resumes(done, argv, env, quick_start)
+    ran.append(command)
+  assert len(ran) == len(commands) - 1
+  assert list((quick_start / 'attention').glob('*.png')), 'the plot command wrote no figure'
+
+
+def test_readme_error_examples_print_what_they_show(env):
+  (block,) = [b for b in fenced(open(README).read(), '') if any(l.startswith('$ ') for l in b)]
+  examples = [(line[2:], block[i + 1]) for i, line in enumerate(block) if line.startswith('$ ')]
+  assert len(examples) >= 2
+  for command, shown in examples:
+    done = _launch(shlex.split(command), env)
+    assert done.returncode == 2, command
+    errors = [line for line in done.stderr.splitlines() if line.startswith('error:')]
+    assert errors and errors[0].startswith(shown.split('...')[0].rstrip()), (command, errors)
