@@ -112,8 +112,8 @@ def run_main():
 # Tests that train in subprocesses or on real data run first: with several
 # workers (launch.sh test runs pytest-xdist), the short ones then fill the
 # gaps instead of one worker finishing a long test alone at the end.
-SLOW_FIRST = ('tests/train/', 'tests/test_real_data.py', 'tests/test_main.py',
-              'tests/test_chunked_models.py')
+SLOW_FIRST = ('tests/train/', 'tests/test_real_data.py', 'tests/test_readme.py',
+              'tests/test_chunked_models.py', 'tests/test_sweep.py', 'tests/test_main.py')
 
 
 def pytest_collection_modifyitems(items):

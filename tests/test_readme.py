@@ -93,18 +93,15 @@ def env(shared_data, tfds_dir):
 NOISE = ('libtpu', 'Unable to initialize backend', 'SyntheticConfig')
 
 
-def _quick_start_logs_and_resumes(done, argv, env, workdir):
-  """Progress on stdout (`./launch.sh > run.log` keeps it), none on stderr,
-  no noise; the same command with more steps resumes where it stopped."""
+def _quick_start_logs(done, workdir):
+  """Progress on stdout (`./launch.sh > run.log` keeps it), none on stderr, no
+  noise. (The same command resuming: tests/train/test_faults.py.)"""
   assert 'step 2/2' in done.stdout and 'sequence_accuracy' in done.stdout
   assert 'step 2/2' not in done.stderr
   for noise in NOISE:
     assert noise not in done.stderr + done.stdout, noise
-  again = _launch(argv + ['--config.train.num_steps=3'], env)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert 'Resumed from' in again.stdout and 'at step 2' in again.stdout
   metrics = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
-  assert [m['step'] for m in metrics if m['split'] == 'train'] == [1, 2, 3]
+  assert [m['step'] for m in metrics if m['split'] == 'train'] == [1, 2]
 
 
 def test_every_readme_command_runs_as_written(env, tmp_path):
@@ -129,7 +126,7 @@ def test_every_readme_command_runs_as_written(env, tmp_path):
     if _trains(argv):
       assert os.path.isfile(os.path.join(argv[-1].split('=', 1)[1], 'metrics.jsonl')), command
     if command == './launch.sh':
-      _quick_start_logs_and_resumes(done, argv, env, quick_start)
+      _quick_start_logs(done, quick_start)
     ran.append(command)
   assert len(ran) == len(commands) - 1
   assert list((quick_start / 'attention').glob('*.png')), 'the plot command wrote no figure'

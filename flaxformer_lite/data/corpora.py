@@ -18,11 +18,14 @@ pairs and unpaired lines are skipped and counted in the dataset's metadata:
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib
+import io
 import itertools
 import logging
 import os
+import time
 
 import urllib.error
 import urllib.request
@@ -202,10 +205,28 @@ class TinyShakespeare(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     yield 0, {'text': text}
 
 
-def _prepare(builder, manual_dir: str):
-  builder.download_and_prepare(
-      download_config=tfds.download.DownloadConfig(manual_dir=manual_dir or None))
+def prepare(builder, **kwargs):
+  """builder.download_and_prepare(**kwargs), once, with TFDS's own output
+  (progress bars, and banners such as "Downloading and preparing dataset
+  Unknown size" for data generated here) replaced by one log line: the
+  corpora here take seconds to prepare."""
+  if (builder.data_path / 'dataset_info.json').exists():  # is_prepared() warns on a new folder
+    return builder
+  start = time.monotonic()
+  tfds.display_progress_bar(False)
+  try:
+    with contextlib.redirect_stdout(io.StringIO()):
+      builder.download_and_prepare(**kwargs)
+  finally:
+    tfds.display_progress_bar(True)
+  log.info('data: prepared %s under %s (%.1f s)', builder.name, builder.data_dir_root,
+           time.monotonic() - start)
   return builder
+
+
+def _prepare(builder, manual_dir: str):
+  return prepare(builder, download_config=tfds.download.DownloadConfig(
+      manual_dir=manual_dir or None))
 
 
 def _check_source(builder, manual_dir: str) -> None:

@@ -125,7 +125,7 @@ def _load(data_config) -> Dataset:
 
 def _load_synthetic(d, data_dir) -> Dataset:
   builder = synthetic.builder(d, data_dir)
-  builder.download_and_prepare()
+  corpora.prepare(builder)
   max_len = d['max_len'] + 1  # + EOS
   splits, dropped = {}, {}
   for split, length in (('train', max_len), ('validation', max_len),

@@ -1,11 +1,12 @@
 """The synthetic TFDS builder: tasks, lengths, EOS, determinism, no TensorFlow."""
+import logging
 import sys
 
 import numpy as np
 import pytest
 
 from flaxformer_lite import data
-from flaxformer_lite.data import synthetic
+from flaxformer_lite.data import corpora, synthetic
 
 SPEC = dict(num_symbols=5, min_len=2, max_len=7, num_train=300, num_eval=50, seed=3)
 
@@ -65,3 +66,18 @@ def test_prepared_as_array_record_without_tensorflow(tfds_dir):
   files = [p.name for p in builder.data_path.iterdir()]
   assert any('array_record' in f for f in files)
   assert 'tensorflow' not in sys.modules
+
+
+def test_prepare_prints_nothing_of_tfds_and_logs_one_line(tmp_path, capfd, caplog):
+  """TFDS's progress bars (stderr) and banners (stdout) take the place of a
+  run's own lines for data that takes a second to generate."""
+  builder = synthetic.builder(dict(task='reverse', **SPEC), str(tmp_path))
+  with caplog.at_level(logging.INFO, logger='flaxformer_lite'):
+    corpora.prepare(builder)
+    corpora.prepare(builder)  # prepared: nothing to do, nothing said
+  out, err = capfd.readouterr()
+  assert (out, err) == ('', '')
+  assert [r.getMessage().split(' (')[0] for r in caplog.records
+          if r.name == 'flaxformer_lite'] == [
+      f'data: prepared synthetic_tasks under {tmp_path}']
+  assert builder.is_prepared()
