@@ -3,9 +3,14 @@ DeBERTa-v2's log-bucketed relative positions).
 
 For query i at absolute position p_i = q_offset + i and key j, per head:
 
-  A_ij = (q_i . k_j + q_i . K^r_{idx(p_i - j)} + k_j . Q^r_{idx(j - p_i)}) / sqrt(3d)
+  A_ij = (q_i . k_j + q_i . K^r_{idx(p_i - j)} + k_j . Q^r_{idx(+-(p_i - j))}) / sqrt(3d)
 
-content-to-content, content-to-position and position-to-content. K^r = P W_k,r
+content-to-content, content-to-position and position-to-content. The
+position-to-content row: the paper's eq. 4 reads the row of j - p_i
+(`p2c_row='paper'`); the released DeBERTa code and Hugging Face's read the
+row of p_i - j, as content-to-position does (microsoft/DeBERTa issue 162),
+and published weights and numbers carry that convention (`'released'`, the
+default). K^r = P W_k,r
 and Q^r = P W_q,r project one relative-position embedding table P
 [2s, h*d] onto each head; s = `position_buckets`. idx(r) = clamp(bucket(r) + s,
 0, 2s - 1) with `log_bucket`: offsets shorter than s/2 keep their own row,
@@ -60,12 +65,15 @@ def position_projections(rel_embeddings, position_key_kernel, position_query_ker
           jnp.einsum('rf,fhd->rhd', p, position_query_kernel.astype(jnp.float32)))
 
 
-def _distance_rows(kr, qr, distances, buckets, one_hot: bool):
-  """Per distance t = p - j: K^r_idx(t) and Q^r_idx(-t), float32 [L, h, d]
-  each. A one-hot matmul (gradient: a matmul, deterministic) or a gather
-  (cheaper; gradient: a scatter-add)."""
+P2C_ROWS = {'released': 1, 'paper': -1}  # the sign of p - j in the p2c row
+
+
+def _distance_rows(kr, qr, distances, buckets, one_hot: bool, p2c_row: str = 'released'):
+  """Per distance t = p - j: K^r_idx(t) and Q^r_idx(t) ('released') or
+  Q^r_idx(-t) ('paper'), float32 [L, h, d] each. A one-hot matmul (gradient:
+  a matmul, deterministic) or a gather (cheaper; gradient: a scatter-add)."""
   rows = []
-  for table, sign in ((kr, 1), (qr, -1)):
+  for table, sign in ((kr, 1), (qr, P2C_ROWS[p2c_row])):
     index = row_index(sign * distances, *buckets)
     if one_hot:
       rows.append(jnp.einsum('lr,rhd->lhd', jax.nn.one_hot(index, table.shape[0]), table))
@@ -75,7 +83,7 @@ def _distance_rows(kr, qr, distances, buckets, one_hot: bool):
 
 
 def _position_logits(q, k, k_rows, q_rows):
-  """q_i . K^r_idx(p_i - j) + k_j . Q^r_idx(j - p_i): q [b, n, h, d],
+  """q_i . K^r_idx(p_i - j) + k_j . Q^r_(its row of p_i - j): q [b, n, h, d],
   k [b, m, h, d]; k_rows, q_rows [n + m - 1, h, d] for the block's distances
   p_i - j from the largest (p_{n-1} - j_0) down -> float32 [b, h, n, m].
 
@@ -89,14 +97,16 @@ def _position_logits(q, k, k_rows, q_rows):
 
 def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
                       position_query_kernel, *, mask=None, bias=None, q_offset=0,
-                      position_buckets=256, max_relative_positions=512, dropout_rate=0.0,
-                      dropout_rng=None, deterministic=True, dtype=None, return_weights=False):
+                      position_buckets=256, max_relative_positions=512, p2c_row='released',
+                      dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
+                      return_weights=False):
   """DeBERTa disentangled attention (module docstring).
 
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
     rel_embeddings: P [2 * position_buckets, h*d];
+    p2c_row: 'released' | 'paper' (module docstring);
     position_key_kernel, position_query_kernel: W_k,r, W_q,r [h*d, h, d].
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
@@ -109,7 +119,7 @@ def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
   kr, qr = position_projections(rel_embeddings, position_key_kernel, position_query_kernel)
   distances = q_offset + n - 1 - jnp.arange(n + m - 1)
   k_rows, q_rows = _distance_rows(kr, qr, distances, (position_buckets, max_relative_positions),
-                                  one_hot=False)
+                                  one_hot=False, p2c_row=p2c_row)
   position = _position_logits(query.astype(cdt), key.astype(cdt), k_rows, q_rows) / np.sqrt(3 * d)
   if bias is not None:
     position = position + bias.astype(jnp.float32)
@@ -144,8 +154,8 @@ def saturation(position_buckets: int, max_relative_positions: int, cap: int = 1 
 
 def deberta_chunked(query, key, value, rel_embeddings, position_key_kernel,
                     position_query_kernel, *, mask=None, q_offset=0, position_buckets=256,
-                    max_relative_positions=512, chunk_size=None, dtype=None,
-                    **dropout):
+                    max_relative_positions=512, p2c_row='released', chunk_size=None,
+                    dtype=None, **dropout):
   """deberta_attention block by block (chunked.attend). The K^r and Q^r rows
   of every distance a block can meet are looked up once, by a one-hot matmul
   (a deterministic gradient), and each block slices its own. Distances past
@@ -162,7 +172,7 @@ def deberta_chunked(query, key, value, rel_embeddings, position_key_kernel,
     if 2 * bound + 1 < distances.shape[0]:
       top, distances = jnp.asarray(bound, jnp.float32), bound - jnp.arange(2 * bound + 1)
   k_rows, q_rows = _distance_rows(kr, qr, distances, (position_buckets, max_relative_positions),
-                                  one_hot=True)
+                                  one_hot=True, p2c_row=p2c_row)
   params = {'k_rows': k_rows, 'q_rows': q_rows / np.sqrt(3 * d), 'top': top}
   # dot_product_chunked scales the queries by 1/sqrt(d); / sqrt(3) completes 1/sqrt(3d).
   return dot_product_chunked(query / np.sqrt(3.0).astype(query.dtype), key, value,
@@ -190,6 +200,10 @@ def _validate(kwargs):
       raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int')
   if s < 2:
     raise ValueError(f'attention_kwargs.position_buckets={s}; must be >= 2')
+  if kwargs['p2c_row'] not in P2C_ROWS:
+    raise ValueError(f"attention_kwargs.p2c_row={kwargs['p2c_row']!r}; valid: "
+                     f"{', '.join(P2C_ROWS)} (the released code's row of i - j, or eq. 4's "
+                     'j - i)')
   if top <= s // 2 + 1:
     raise ValueError(f'attention_kwargs.max_relative_positions={top}; must be > '
                      f'{s // 2 + 1} (position_buckets / 2 + 1 for position_buckets={s})')
@@ -200,9 +214,10 @@ registry.register(registry.AttentionVariant(
     models=registry.TRANSFORMER_MODELS,
     fn=deberta_attention,
     chunked=deberta_chunked,
-    kwargs={'position_buckets': 256, 'max_relative_positions': 512},
+    kwargs={'position_buckets': 256, 'max_relative_positions': 512, 'p2c_row': 'released'},
     params=_params,
     validate=_validate,
     uses_positions=True,
     doc='disentangled content-to-content, content-to-position and position-to-content '
-        'terms over log-bucketed offsets, scale 1/sqrt(3d) (DeBERTa, He et al. 2021)'))
+        'terms over log-bucketed offsets, scale 1/sqrt(3d) (DeBERTa, He et al. 2021); '
+        "p2c_row: 'released' (the released code's row of i - j) or 'paper' (eq. 4's j - i)"))

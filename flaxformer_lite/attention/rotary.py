@@ -1,24 +1,76 @@
-"""Rotary position embedding, RoPE (Su et al. 2021, "RoFormer", eq. 34).
+"""Rotary position embedding, RoPE (Su et al. 2021, "RoFormer", eq. 34), and
+the context-extension family.
 
 Queries and keys are rotated by an angle proportional to their position, pair
 of features by pair of features, so that q_rot(i) . k_rot(j) depends on the
-positions only through j - i.
+positions only through j - i. Pair i turns by theta_i = b^(-2i/d) a position
+(b = max_wavelength). A model trained at context L runs at s * L
+(rope_factor s, rope_original_max_len L) with the frequencies changed:
+  linear (Position Interpolation, Chen et al. 2023): theta_i / s, positions
+      squeezed into the trained range;
+  ntk (NTK-aware, bloc97 2023): base b * s^(d / (d - 2)): the fastest pair
+      unchanged, the slowest interpolated by exactly s;
+  yarn (Peng et al. 2023, eq. 17-20): per pair, by r = L / wavelength_i,
+      theta_i / s where r < 1 (pairs that never turned a full circle in
+      training), theta_i where r > 32, a linear ramp between; and q and k
+      each scaled by 0.1 ln s + 1 (the paper's sqrt(1/t), a temperature on
+      the logits).
+rotary_fraction < 1 rotates the first fraction of each head's features only
+(partial RoPE, GPT-J / GPT-NeoX's rotary_pct); the rest carry no position.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
 
 
-def apply_rotary(x, positions, *, max_wavelength=10000.0):
-  """Rotates each feature pair (x[2i], x[2i+1]) by positions * theta_i.
+SCALINGS = ('none', 'linear', 'ntk', 'yarn')
+# YaRN's ramp bounds (alpha, beta of the paper's eq. 18, its LLaMA values): a
+# pair with fewer than YARN_ALPHA turns over the trained context is
+# interpolated, one with more than YARN_BETA is kept.
+YARN_ALPHA, YARN_BETA = 1.0, 32.0
 
-  theta_i = max_wavelength^(-2i/d), i = 0 .. d/2-1: the paper's interleaved
-  layout (not the "rotate halves" layout of GPT-NeoX and others).
+
+def rotated_dims(d: int, fraction: float = 1.0) -> int:
+  """The features of a head of d that turn: an even count, at most d."""
+  return 2 * int(d * fraction // 2)
+
+
+def frequencies(d: int, *, max_wavelength=10000.0, scaling='none', factor=1.0,
+                original_max_len=0):
+  """theta_i, i = 0 .. d/2 - 1, for d rotated features (module docstring):
+  -> float32 [d/2] radians a position."""
+  exponent = -np.arange(0, d, 2, dtype=np.float64) / d
+  base = max_wavelength * factor ** (d / (d - 2)) if scaling == 'ntk' and d > 2 else max_wavelength
+  theta = base ** exponent
+  if scaling == 'linear':
+    theta = theta / factor
+  elif scaling == 'yarn':
+    turns = original_max_len * theta / (2 * np.pi)  # r = L / wavelength
+    ramp = np.clip((turns - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0.0, 1.0)
+    theta = (1 - ramp) * theta / factor + ramp * theta
+  return jnp.asarray(theta, jnp.float32)
+
+
+def temperature(scaling='none', factor=1.0) -> float:
+  """What YaRN multiplies q and k by (0.1 ln s + 1); 1 otherwise."""
+  return 0.1 * math.log(factor) + 1.0 if scaling == 'yarn' and factor > 1 else 1.0
+
+
+def apply_rotary(x, positions, *, max_wavelength=10000.0, rope_scaling='none', rope_factor=1.0,
+                 rope_original_max_len=0, rotary_fraction=1.0):
+  """Rotates each feature pair (x[2i], x[2i+1]) of the first
+  rotated_dims(d, rotary_fraction) features by positions * theta_i
+  (`frequencies`), and scales them by `temperature`.
+
+  The paper's interleaved layout (not the "rotate halves" layout of GPT-NeoX
+  and others).
 
   Args:
     x: [b, n, h, d], d even.
@@ -29,48 +81,61 @@ def apply_rotary(x, positions, *, max_wavelength=10000.0):
   b, n, h, d = x.shape
   if d % 2:
     raise ValueError(f'rotary attention needs an even head_dim, got d={d}')
-  theta = max_wavelength ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [d/2]
-  angle = jnp.asarray(positions, jnp.float32)[:, None] * theta[None, :]  # [n, d/2]
-  cos = jnp.cos(angle)[None, :, None, :]  # [1, n, 1, d/2]
-  sin = jnp.sin(angle)[None, :, None, :]
-  pairs = x.astype(jnp.float32).reshape(b, n, h, d // 2, 2)  # [b, n, h, d/2, 2]
-  x0, x1 = pairs[..., 0], pairs[..., 1]  # [b, n, h, d/2] each
+  r = rotated_dims(d, rotary_fraction)
+  theta = frequencies(r, max_wavelength=max_wavelength, scaling=rope_scaling, factor=rope_factor,
+                      original_max_len=rope_original_max_len)  # [r/2]
+  angle = jnp.asarray(positions, jnp.float32)[:, None] * theta[None, :]  # [n, r/2]
+  scale = temperature(rope_scaling, rope_factor)
+  cos = scale * jnp.cos(angle)[None, :, None, :]  # [1, n, 1, r/2]
+  sin = scale * jnp.sin(angle)[None, :, None, :]
+  pairs = x[..., :r].astype(jnp.float32).reshape(b, n, h, r // 2, 2)  # [b, n, h, r/2, 2]
+  x0, x1 = pairs[..., 0], pairs[..., 1]  # [b, n, h, r/2] each
   rotated = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-  return rotated.reshape(b, n, h, d).astype(x.dtype)  # [b, n, h, d]
+  rotated = rotated.reshape(b, n, h, r).astype(x.dtype)
+  return rotated if r == d else jnp.concatenate([rotated, x[..., r:]], axis=-1)
 
 
-def rotary_attention(query, key, value, *, q_offset=0, max_wavelength=10000.0, **common):
+OPTIONS = {'max_wavelength': 10000.0, 'rope_scaling': 'none', 'rope_factor': 1.0,
+           'rope_original_max_len': 0, 'rotary_fraction': 1.0}
+
+
+def rotary_attention(query, key, value, *, q_offset=0, max_wavelength=10000.0,
+                     rope_scaling='none', rope_factor=1.0, rope_original_max_len=0,
+                     rotary_fraction=1.0, **common):
   """Dot-product attention over rotated queries and keys; values unrotated.
 
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
+    max_wavelength .. rotary_fraction: apply_rotary's (module docstring).
     common: dot_product_attention's mask, bias, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
-  query = apply_rotary(query, q_offset + jnp.arange(query.shape[1]),
-                       max_wavelength=max_wavelength)
-  key = apply_rotary(key, jnp.arange(key.shape[1]), max_wavelength=max_wavelength)
+  rope = dict(max_wavelength=max_wavelength, rope_scaling=rope_scaling, rope_factor=rope_factor,
+              rope_original_max_len=rope_original_max_len, rotary_fraction=rotary_fraction)
+  query = apply_rotary(query, q_offset + jnp.arange(query.shape[1]), **rope)
+  key = apply_rotary(key, jnp.arange(key.shape[1]), **rope)
   return dot_product_attention(query, key, value, **common)
 
 
-def _block_logits(max_wavelength, q, k, params, q_pos, k_pos):
+def _block_logits(rope, q, k, params, q_pos, k_pos):
   """q_rot . k_rot for one block, each rotated by its absolute positions."""
-  q = apply_rotary(q, q_pos, max_wavelength=max_wavelength)
-  k = apply_rotary(k, k_pos, max_wavelength=max_wavelength)
+  q = apply_rotary(q, q_pos, **rope)
+  k = apply_rotary(k, k_pos, **rope)
   return chunked.dot_logits(q, k, params, q_pos, k_pos)
 
 
-def rotary_chunked(query, key, value, *, mask=None, q_offset=0, max_wavelength=10000.0,
-                   chunk_size=None, dtype=None, **dropout):
+def rotary_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None,
+                   dropout_rate=0.0, dropout_rng=None, **rope):
   """rotary_attention block by block. The rotation is applied to each block
   as it is read (O(block * d) beside the block's O(block^2 * d) dot): rotated
   copies of q and k would be two more [b, n, h, d] arrays in the forward
   pass and two more, their gradients, in the backward."""
-  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, max_wavelength))
+  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, rope))
   return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype, **dropout)
+                             chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
+                             dropout_rng=dropout_rng)
 
 
 def _check_head_dim(head_dim):
@@ -78,14 +143,32 @@ def _check_head_dim(head_dim):
     raise ValueError(f'rotary rotates pairs of features: the head size {head_dim} must be even')
 
 
+def _validate(kwargs):
+  registry.positive_number('max_wavelength')(kwargs)
+  if kwargs['rope_scaling'] not in SCALINGS:
+    raise ValueError(f"attention_kwargs.rope_scaling={kwargs['rope_scaling']!r}; valid: "
+                     f"{', '.join(SCALINGS)}")
+  factor = kwargs['rope_factor']
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+    raise ValueError(f'attention_kwargs.rope_factor={factor!r}; must be a number >= 1 '
+                     '(the context extension s: new context / trained context)')
+  if kwargs['rope_scaling'] == 'yarn' and not kwargs['rope_original_max_len'] > 0:
+    raise ValueError(f"attention_kwargs.rope_original_max_len={kwargs['rope_original_max_len']!r}"
+                     '; rope_scaling=yarn needs the trained context length (> 0)')
+  fraction = kwargs['rotary_fraction']
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+    raise ValueError(f'attention_kwargs.rotary_fraction={fraction!r}; must be in (0, 1]')
+
+
 registry.register(registry.AttentionVariant(
     name='rotary',
     models=registry.TRANSFORMER_MODELS,
     fn=rotary_attention,
     chunked=rotary_chunked,
-    kwargs={'max_wavelength': 10000.0},
-    validate=registry.positive_number('max_wavelength'),
+    kwargs=OPTIONS,
+    validate=_validate,
     check_head_dim=_check_head_dim,
     uses_positions=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
-        'Su et al. 2021); head_dim must be even'))
+        'Su et al. 2021); head_dim must be even; rope_scaling linear (PI) | ntk | yarn '
+        'with rope_factor extends a trained context; rotary_fraction < 1: partial RoPE'))

@@ -47,8 +47,9 @@ FORMS = {
     't5_bias': [{'num_buckets': 8, 'bucket_max_distance': 4},
                 {'num_buckets': 8, 'bucket_max_distance': 6, 'bidirectional': False}],
     # deberta: offsets past 2 share clamped rows, so its row table stops at
-    # deberta.saturation (6) plus a block, and far blocks read its end rows.
-    'deberta': [{'position_buckets': 4, 'max_relative_positions': 4}],
+    # deberta.saturation (6) plus a block, and far blocks read its end rows; the
+# paper's p2c row here, the released one (the default) in test_chunked_models.
+    'deberta': [{'position_buckets': 4, 'max_relative_positions': 4, 'p2c_row': 'paper'}],
 }
 VARIANTS = [(name, extra) for name in registry.chunked_names()
             for extra in FORMS.get(name, [{}])]

@@ -40,8 +40,10 @@ def test_log_bucket_hand_computed():
   assert np.asarray(got).tolist() == [0, 3, -4, 6, -6, 7, 15]
 
 
-def _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top, softmax):
-  """Float64 outputs and weights of eq. 4 (softmax: the loop_softmax fixture)."""
+def _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top, softmax, p2c_row='released'):
+  """Float64 outputs and weights of eq. 4 (softmax: the loop_softmax fixture);
+  the position-to-content row of j - i as printed ('paper'), or of i - j as
+  the released code's `disentangled_att_bias` gathers it ('released')."""
   d = q.shape[-1]
   idx = lambda r: min(max(_bucket(r, s, top) + s, 0), 2 * s - 1)  # noqa: E731
 
@@ -49,13 +51,14 @@ def _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top, softmax):
     pi = q_offset + i
     return (q[bi, i, hi] @ k[bi, j, hi]
             + q[bi, i, hi] @ (p[idx(pi - j)] @ w_kr[:, hi, :])
-            + k[bi, j, hi] @ (p[idx(j - pi)] @ w_qr[:, hi, :])) / math.sqrt(3 * d)
+            + k[bi, j, hi] @ (p[idx(j - pi if p2c_row == 'paper' else pi - j)] @ w_qr[:, hi, :])
+            ) / math.sqrt(3 * d)
 
   return softmax(logit, v, mask)
 
 
-@pytest.mark.parametrize('q_offset', [0, 6])
-def test_output_and_weights_equal_the_paper_formula(q_offset, loop_softmax):
+@pytest.mark.parametrize('q_offset,p2c_row', [(0, 'released'), (6, 'released'), (6, 'paper')])
+def test_output_and_weights_equal_the_paper_formula(q_offset, p2c_row, loop_softmax):
   # s = 4, max 9: offsets past 2 are log-bucketed and past 8 clamped, all within 9 keys.
   b, n, m, h, d, s, top = 2, 5, 9, 2, 4, 4, 9
   rng = np.random.default_rng(1)
@@ -68,8 +71,10 @@ def test_output_and_weights_equal_the_paper_formula(q_offset, loop_softmax):
   f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
   got, weights = deberta_attention(
       f32(q), f32(k), f32(v), f32(p), f32(w_kr), f32(w_qr), mask=jnp.asarray(mask[:, None]),
-      q_offset=q_offset, position_buckets=s, max_relative_positions=top, return_weights=True)
-  want, want_weights = _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top, loop_softmax)
+      q_offset=q_offset, position_buckets=s, max_relative_positions=top, p2c_row=p2c_row,
+      return_weights=True)
+  want, want_weights = _loop(q, k, v, p, w_kr, w_qr, mask, q_offset, s, top, loop_softmax,
+                             p2c_row)
   np.testing.assert_allclose(np.asarray(weights), want_weights, atol=2e-5)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
 

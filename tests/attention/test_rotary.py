@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.attention import registry
-from flaxformer_lite.attention import rotary
+from flaxformer_lite.attention import masks, rotary
 from flaxformer_lite.layers import MultiHeadAttention
 
 
@@ -117,18 +117,22 @@ def test_registered_with_defaults():
   assert 'rotary' in registry.names()
   variant = registry.get('rotary')
   assert variant.fn is rotary.rotary_attention
-  assert dict(variant.kwargs) == {'max_wavelength': 10000.0}
+  defaults = {'max_wavelength': 10000.0, 'rope_scaling': 'none', 'rope_factor': 1.0,
+              'rope_original_max_len': 0, 'rotary_fraction': 1.0}
+  assert dict(variant.kwargs) == defaults
   assert variant.params is None
   assert variant.uses_positions
-  assert registry.resolve_kwargs('rotary', {'max_wavelength': None}) == {
-      'max_wavelength': 10000.0}
+  assert registry.resolve_kwargs('rotary', {'max_wavelength': None}) == defaults
   assert registry.resolve_kwargs('rotary', {'max_wavelength': 500.0}) == {
-      'max_wavelength': 500.0}
+      **defaults, 'max_wavelength': 500.0}
 
 
 @pytest.mark.parametrize('given,option', [
     ({'max_wavelength': 0.0}, 'max_wavelength'), ({'max_wavelength': -1.0}, 'max_wavelength'),
-    ({'max_wavelength': 'big'}, 'max_wavelength'), ({'num_buckets': 8}, 'num_buckets')])
+    ({'max_wavelength': 'big'}, 'max_wavelength'), ({'num_buckets': 8}, 'num_buckets'),
+    ({'rope_scaling': 'dynamic'}, 'rope_scaling'), ({'rope_factor': 0.5}, 'rope_factor'),
+    ({'rope_scaling': 'yarn', 'rope_factor': 4.0}, 'rope_original_max_len'),
+    ({'rotary_fraction': 0.0}, 'rotary_fraction'), ({'rotary_fraction': 1.5}, 'rotary_fraction')])
 def test_bad_kwargs_raise_naming_option(given, option):
   with pytest.raises(ValueError, match=option):
     registry.resolve_kwargs('rotary', given)
@@ -152,3 +156,74 @@ def test_layer_forward_and_cached_decode():
     got, mutated = step({'params': params, 'cache': mutated['cache']}, x[:, t:t + 1])
     np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want[:, t]), atol=1e-5,
                                err_msg=f'position {t}')
+
+
+# ---- context extension: each paper's formula ------------------------------------
+
+def _paper_frequencies(d, scaling, s, L, base=10000.0):
+  """theta_i pair by pair in python floats, as each paper writes it."""
+  out = []
+  for i in range(d // 2):
+    if scaling == 'ntk':  # bloc97: base b * s^(d / (d - 2))
+      out.append((base * s ** (d / (d - 2))) ** (-2 * i / d))
+      continue
+    theta = base ** (-2 * i / d)
+    if scaling == 'linear':  # Chen et al. 2023: positions m / s
+      theta /= s
+    elif scaling == 'yarn':  # Peng et al. 2023, eq. 17-18: r = L / lambda, alpha 1, beta 32
+      r = L / (2 * math.pi / theta)
+      gamma = 0.0 if r < 1 else 1.0 if r > 32 else (r - 1) / 31
+      theta = (1 - gamma) * theta / s + gamma * theta
+    out.append(theta)
+  return np.array(out)
+
+
+@pytest.mark.parametrize('scaling', ['none', 'linear', 'ntk', 'yarn'])
+def test_frequencies_follow_each_paper(scaling):
+  d, s, L = 64, 4.0, 4096
+  got = np.asarray(rotary.frequencies(d, scaling=scaling, factor=s, original_max_len=L))
+  np.testing.assert_allclose(got, _paper_frequencies(d, scaling, s, L), rtol=1e-6)
+  plain = _paper_frequencies(d, 'none', s, L)
+  if scaling == 'ntk':  # the fastest pair is kept, the slowest interpolated by exactly s
+    np.testing.assert_allclose([got[0], got[-1]], [1.0, plain[-1] / s], rtol=1e-6)
+  if scaling == 'yarn':  # all three regimes occur at d=64, L=4096
+    kept, squeezed = np.isclose(got, plain), np.isclose(got, plain / s)
+    assert kept.any() and squeezed.any() and (~kept & ~squeezed).any()
+
+
+def test_linear_scaling_is_position_interpolation():
+  """Position Interpolation: position s * p rotates as p did unscaled."""
+  x = jnp.asarray(_qkv(11, d=8)[0])
+  p = jnp.arange(4) * 3 + 1
+  got = rotary.apply_rotary(x, 2.5 * p, rope_scaling='linear', rope_factor=2.5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(rotary.apply_rotary(x, p)), atol=1e-5)
+
+
+def test_yarn_temperature_scales_the_logits_by_its_square():
+  """At equal positions the rotations cancel in q . k: only YaRN's sqrt(1/t) =
+  0.1 ln s + 1 on q and on k is left."""
+  q, k, _ = (jnp.asarray(x) for x in _qkv(12, d=8))
+  pos = jnp.full((4,), 1000)
+  rope = dict(rope_scaling='yarn', rope_factor=8.0, rope_original_max_len=512)
+  logits = jnp.einsum('bnhd,bnhd->bnh', rotary.apply_rotary(q, pos, **rope),
+                      rotary.apply_rotary(k, pos, **rope))
+  want = (0.1 * math.log(8.0) + 1) ** 2 * np.einsum('bnhd,bnhd->bnh', q, k)
+  np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_rotary_turns_the_first_features_only():
+  x = _qkv(13, d=10)[0]
+  got = np.asarray(rotary.apply_rotary(jnp.asarray(x), jnp.arange(4) + 7, rotary_fraction=0.5))
+  assert rotary.rotated_dims(10, 0.5) == 4  # an even count: 2 pairs of 10 features
+  np.testing.assert_allclose(got[..., :4], _loop_rotate(x[..., :4], list(range(7, 11))), atol=1e-5)
+  np.testing.assert_array_equal(got[..., 4:], x[..., 4:])
+
+
+def test_scaled_rope_on_the_chunked_kernel_equals_dense():
+  q, k, v = (jnp.asarray(x) for x in _qkv(14, n=9, m=9, d=8))
+  rope = dict(max_wavelength=100.0, rope_scaling='yarn', rope_factor=4.0,
+              rope_original_max_len=16, rotary_fraction=0.75)
+  causal = jnp.tril(jnp.ones((9, 9), bool))[None, None]
+  dense = rotary.rotary_attention(q, k, v, mask=causal, q_offset=0, **rope)
+  blocks = rotary.rotary_chunked(q, k, v, mask=masks.MaskSpec(causal=True), chunk_size=4, **rope)
+  np.testing.assert_allclose(np.asarray(blocks), np.asarray(dense), atol=1e-5)
