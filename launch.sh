@@ -144,10 +144,12 @@ fi
 
 if [ "${1:-}" = "test" ]; then
   shift
-  # One pytest-xdist worker per core, at most 4 (each holds a JAX process of a
-  # few GiB); FFL_TEST_WORKERS overrides, 0 runs in this process.
+  # pytest-xdist workers: one more than the cores, at most 4 (each holds a JAX
+  # process of a few GiB): about a fifth of the suite's time goes to waiting
+  # on subprocesses (runs, signals, several processes), which the extra
+  # worker fills. One core: in this process. FFL_TEST_WORKERS overrides.
   cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-  workers="${FFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+  workers="${FFL_TEST_WORKERS:-$(( cores < 2 ? 0 : cores < 4 ? cores + 1 : 4 ))}"
   [ "$workers" -ge 2 ] || workers=0
   exec "$PY" -m pytest -n "$workers" --durations=10 "$@"
 fi
