@@ -203,10 +203,21 @@ def distance_slice(rows, top, q_pos, k_pos):
 
 @dataclasses.dataclass(frozen=True)
 class BlockTerms:
-  """What a variant computes for one block (module docstring)."""
+  """What a variant computes for one block (module docstring). A `values`
+  other than dot_values adds to what a row's weights give, so it brings its
+  own `uniform` (what a row that sees no key gets): with mean_values such
+  rows would silently differ from the dense path's."""
   logits: Callable[..., Any] = dot_logits
   values: Callable[..., Any] = dot_values
-  uniform: Callable[..., Any] = mean_values
+  uniform: Callable[..., Any] | None = None  # None: mean_values, for dot_values only
+
+  def __post_init__(self):
+    if self.uniform is None:
+      if self.values is not dot_values:
+        raise TypeError(f'BlockTerms(values={self.values!r}) needs uniform=: the output of a '
+                        'query that sees no key under that values term (dot_values: '
+                        'mean_values)')
+      object.__setattr__(self, 'uniform', mean_values)
 
 
 def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,

@@ -313,7 +313,7 @@ def _poisoned_terms(structural):
   def values(p, v, params, q_pos, k_pos):
     poison = jnp.where(hidden(q_pos, k_pos), jnp.nan, 1.0)
     return chunked.dot_values(p, v, params, q_pos, k_pos) * poison
-  return chunked.BlockTerms(logits=logits, values=values)
+  return chunked.BlockTerms(logits=logits, values=values, uniform=chunked.mean_values)
 
 
 SKIP_MASKS = {
@@ -511,3 +511,30 @@ def test_by_offset_spreads_each_diagonal_over_its_block(bq, bk):
   for i in range(bq):
     for j in range(bk):
       np.testing.assert_array_equal(got[..., i, j], x[..., j - i + bq - 1])
+
+
+# ---- the BlockTerms contracts -------------------------------------------------------
+
+def test_a_values_term_needs_its_uniform():
+  with pytest.raises(TypeError, match='needs uniform='):
+    chunked.BlockTerms(values=lambda p, v, params, q_pos, k_pos: chunked.dot_values(
+        p, v, params, q_pos, k_pos))
+  assert chunked.BlockTerms().uniform is chunked.mean_values
+
+
+@pytest.mark.parametrize('lead', [-12, -3, 0, 3, 7, 8, 9, 20])
+def test_shaw_values_term_is_linear_in_the_weights(lead):
+  """The backward's D = dO . O needs values(p) linear in p: checked on random
+  weights at block positions that reach each of its parts (far left, corner,
+  band, far right) with k = 3 and blocks of 8."""
+  from flaxformer_lite.attention import relative
+  rng = np.random.default_rng(lead + 20)
+  p1, p2 = (jnp.asarray(rng.normal(size=(2, H, 8, 8)), jnp.float32) for _ in range(2))
+  v = jnp.asarray(rng.normal(size=(2, 8, H, D)), jnp.float32)
+  params = {'rel_value_table': jnp.asarray(rng.normal(size=(7, D)), jnp.float32)}
+  q_pos, k_pos = 100 + lead + jnp.arange(8), 100 + jnp.arange(8)
+  values = functools.partial(relative._block_values, 3)
+  mixed = values(2.0 * p1 - 0.5 * p2, v, params, q_pos, k_pos)
+  np.testing.assert_allclose(
+      np.asarray(mixed), np.asarray(2.0 * values(p1, v, params, q_pos, k_pos)
+                                    - 0.5 * values(p2, v, params, q_pos, k_pos)), atol=1e-4)
