@@ -39,7 +39,6 @@ import argparse
 import csv
 import dataclasses
 import json
-import math
 import os
 import runpy
 import shlex
@@ -337,15 +336,20 @@ def seconds_left(run: Run, walls: dict, rates: dict, from_scratch: bool = False)
   return None
 
 
+def _total(estimates: list[float | None], jobs: int) -> tuple[float | None, int]:
+  """(the known runs' seconds, `jobs` at once, or None if none is known; the
+  number of runs of unknown length)."""
+  known = [s for s in estimates if s is not None]
+  return (sum(known) / jobs if known else None), len(estimates) - len(known)
+
+
 def time_left(todo: list[Run], walls: dict, jobs: int, rates: dict | None = None) -> str:
   """'~1h05m left' for `todo`, `jobs` at once (seconds_left per run), with
   the runs of unknown length counted apart."""
-  each = [seconds_left(r, walls, rates or {}) for r in todo]
-  known = [s for s in each if s is not None]
-  unknown = len(each) - len(known)
-  if not known:
+  seconds, unknown = _total([seconds_left(r, walls, rates or {}) for r in todo], jobs)
+  if seconds is None:
     return 'time left unknown'
-  text = f'~{fmt_time(sum(known) / jobs)} left'
+  text = f'~{fmt_time(seconds)} left'
   return text + (f' (+{unknown} run{"s" * (unknown > 1)} of unknown length)' if unknown else '')
 
 
@@ -461,11 +465,11 @@ def dry_run_report(all_runs: list[Run], statuses: dict, walls: dict, rates: dict
     table.append([str(i), run.study, run.row, str(run.seed), state, steps, seconds])
   out = _aligned(['#', 'study', 'row', 'seed', 'status', 'steps left', 'time left'], table,
                  right={0, 3, 5, 6})
-  known = [s for s in left if s is not None]
-  total = f'~{fmt_time(sum(known) / jobs)}' if known else '?'
+  seconds, unknown = _total(left, jobs)
+  total = '?' if seconds is None else f'~{fmt_time(seconds)}'
   out += ['', f'time left: {total} at {jobs} at a time'
-          + (f', and {len(left) - len(known)} runs of unknown length' if len(known) < len(left)
-             else '') + '; per run, estimated from:']
+          + (f', and {unknown} runs of unknown length' if unknown else '')
+          + '; per run, estimated from:']
   out += [f'  {study}: {estimate_basis(study, walls, rates)}'
           for study in dict.fromkeys(r.study for r in all_runs)]
   out += ['status:'] + [f'  {k}: {v}' for k, v in STATUSES.items() if k in statuses.values()]
@@ -496,14 +500,6 @@ def read_results(path: str) -> list[dict]:
                  wall_seconds=float(line['wall_seconds'])) for line in csv.DictReader(f)]
 
 
-def summarise(values: list[float]) -> tuple[float, float, int]:
-  """(mean, sample standard deviation (n - 1; nan for one value), n)."""
-  n = len(values)
-  mean = sum(values) / n
-  std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
-  return mean, std, n
-
-
 def _by_row(lines, study, metric) -> dict:
   out = {}
   for line in lines:
@@ -530,7 +526,7 @@ def tables_markdown(grid: dict, lines: list[dict]) -> str:
         for metric in metrics:
           values = _by_row(lines, name, metric).get(row)
           if values:
-            mean, std, n = summarise(values)
+            mean, std, n = sweep_plots.summarise(values)
             cells.append(f'{fmt(mean)} ± {fmt(std, like=mean)} (n={n})' if n > 1
                          else f'{fmt(mean)} (n=1)')
           else:

@@ -41,11 +41,12 @@ def seeds_phrase(counts: list[int]) -> str:
   return f'{hi} seeds' if lo == hi else f'{lo}-{hi} seeds'
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-  """(mean, sample std; 0 for one value, which gets no error bar)."""
+def summarise(values: list[float]) -> tuple[float, float, int]:
+  """(mean, sample standard deviation (n - 1; nan for one value), n)."""
   n = len(values)
   mean = sum(values) / n
-  return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+  std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+  return mean, std, n
 
 
 def bar_figure(title: str, rows: list[str], panels: dict[str, dict[str, list[float]]]):
@@ -89,7 +90,8 @@ def _bars(ax, rows: list[str], values: dict[str, list[float]]):
     v = values.get(row)
     if not v:
       continue
-    mean, std = _mean_std(v)
+    mean, std, n = summarise(v)
+    std = std if n > 1 else 0.0  # one value: no error bar
     ax.barh(y, mean, color='C0', alpha=0.6, height=0.7)
     if len(v) > 1:
       ax.errorbar(mean, y, xerr=std, color='k', capsize=3, linewidth=1)

@@ -7,8 +7,8 @@ overrides win) and a workdir under tmp_path; everything else runs as it is.
 `./launch.sh test` is this suite. The error examples (the $-lines of the
 plain ``` block after "Bad values") must print the error shown under them.
 """
-import os
 import json
+import os
 import shlex
 import subprocess
 
@@ -32,7 +32,6 @@ TINY = {
         '--config.eval.contexts=(128,)', '--config.eval.batch_tokens=2048',
         '--config.eval.sample_prompt=32', '--config.eval.sample_len=8'],
 }
-TRAINS = ('EXPERIMENT', '--config.')  # a command that is not a subcommand trains
 
 
 def fenced(text: str, language: str) -> list[list[str]]:

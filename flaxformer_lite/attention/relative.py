@@ -148,10 +148,6 @@ def _block_indices(k, q_pos, k_pos):
 _FAR_LEFT, _BAND, _CORNER, _FAR_RIGHT = range(4)
 
 
-def _has_corner(k, bq, bk):
-  return 0 < k <= min(bq, bk)
-
-
 def _where(k, q_pos, k_pos):
   """Which part of the table a block meets (the constants above)."""
   bq, bk = q_pos.shape[0], k_pos.shape[0]
@@ -159,6 +155,19 @@ def _where(k, q_pos, k_pos):
   corner = lead >= bk - 1 if _has_corner(k, bq, bk) else False  # band: rows < k, keys >= bk - k
   return jnp.where(lead >= bk - 1 + k, _FAR_LEFT, jnp.where(
       lead <= -(bq - 1) - k, _FAR_RIGHT, jnp.where(corner, _CORNER, _BAND)))
+
+
+def _has_corner(k, bq, bk):
+  return 0 < k <= min(bq, bk)
+
+
+def _by_part(k, q_pos, k_pos, x, band, corner, far_right):
+  """x through the branch of the part the block meets (`_where`; far left:
+  x itself). lax.switch traces every branch, so where a block cannot have a
+  k x k corner (k = 0, or a block narrower than k) `band` stands in for it."""
+  if not _has_corner(k, q_pos.shape[0], k_pos.shape[0]):
+    corner = band
+  return jax.lax.switch(_where(k, q_pos, k_pos), [lambda x: x, band, corner, far_right], x)
 
 
 def _block_logits(k, q, key, params, q_pos, k_pos):
@@ -183,9 +192,7 @@ def _block_logits(k, q, key, params, q_pos, k_pos):
   def band(s):
     return s + bucket_spread(k, meet(q, rest), _block_indices(k, q_pos, k_pos), bk)
 
-  return jax.lax.switch(_where(k, q_pos, k_pos), [
-      lambda s: s, band, corner if _has_corner(k, q_pos.shape[0], bk) else band,
-      lambda s: s + meet(q, rest[-1:])], s)
+  return _by_part(k, q_pos, k_pos, s, band, corner, lambda s: s + meet(q, rest[-1:]))
 
 
 def _block_values(k, p, v, params, q_pos, k_pos):
@@ -206,9 +213,8 @@ def _block_values(k, p, v, params, q_pos, k_pos):
   def band(out):
     return out + bucket_sum(k, p, _block_indices(k, q_pos, k_pos)) @ rest
 
-  return jax.lax.switch(_where(k, q_pos, k_pos), [
-      lambda out: out, band, corner if _has_corner(k, q_pos.shape[0], bk) else band,
-      lambda out: out + jnp.sum(p, -1, keepdims=True) * rest[-1]], out)
+  return _by_part(k, q_pos, k_pos, out, band, corner,
+                  lambda out: out + jnp.sum(p, -1, keepdims=True) * rest[-1])
 
 
 def _uniform(k, value, params, q_pos, m):

@@ -205,12 +205,18 @@ class TinyShakespeare(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     yield 0, {'text': text}
 
 
+def is_prepared(builder) -> bool:
+  """builder.is_prepared() without its warning about a version folder that
+  TFDS itself has created but not yet filled."""
+  return (builder.data_path / 'dataset_info.json').exists()
+
+
 def prepare(builder, **kwargs):
   """builder.download_and_prepare(**kwargs), once, with TFDS's own output
   (progress bars, and banners such as "Downloading and preparing dataset
   Unknown size" for data generated here) replaced by one log line: the
   corpora here take seconds to prepare."""
-  if (builder.data_path / 'dataset_info.json').exists():  # is_prepared() warns on a new folder
+  if is_prepared(builder):
     return builder
   start = time.monotonic()
   tfds.display_progress_bar(False)
@@ -232,7 +238,7 @@ def _prepare(builder, manual_dir: str):
 def _check_source(builder, manual_dir: str) -> None:
   """Before anything is written to data_dir: the raw files are in manual_dir,
   or (none given) their host answers."""
-  if builder.is_prepared():
+  if is_prepared(builder):
     return
   if manual_dir:
     check_manual_dir(builder.name, manual_dir)
