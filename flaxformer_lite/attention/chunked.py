@@ -121,16 +121,25 @@ def _dot_values_bwd(res, d_out):
 dot_values_.defvjp(_dot_values_fwd, _dot_values_bwd)
 
 
+def _bf16_backward(x) -> bool:
+  """Whether the products' custom backward (dO, ds in the inputs' dtype)
+  differs from autodiff's: inputs under 32 bits. In float32 they are the
+  same, and plain autodiff also gives forward mode (jax.linearize, jvp),
+  which a custom_vjp refuses: the dense path from_terms.py derives runs the
+  same block terms and is linearised by tests and users."""
+  return jnp.dtype(x.dtype).itemsize < 4
+
+
 def dot_logits(q, k, params, q_pos, k_pos):
   """q . k (queries already scaled): -> float32 [b, h, bq, bk]."""
   del params, q_pos, k_pos
-  return dot_logits_(q, k)
+  return dot_logits_(q, k) if _bf16_backward(q) else dot_logits_.fun(q, k)
 
 
 def dot_values(p, v, params, q_pos, k_pos):
   """sum_j p_ij v_j: p [b, h, bq, bk] -> float32 [b, h, bq, dv]."""
   del params, q_pos, k_pos
-  return dot_values_(p, v)
+  return dot_values_(p, v) if _bf16_backward(v) else dot_values_.fun(p, v)
 
 
 def mean_values(value, params, q_pos, m):
@@ -176,6 +185,14 @@ def by_offset(x, bq: int, bk: int):
   x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 1)])  # [..., L + 1]
   tiled = jnp.broadcast_to(x[..., None, :], lead + (bq, length + 1)).reshape(lead + (-1,))
   return _read_skewed(tiled, bq, length)[..., :bk]
+
+
+def add_head_bias(s, bias):
+  """s [b, h, bq, bk] + bias [h, bq, bk] (a position bias shared by the
+  batch), the bias as b copies, not a broadcast: the transpose is then adds
+  of slices, not XLA:CPU's slow reduction over the leading axis
+  (t5_bias.broadcast_batch)."""
+  return s + jnp.concatenate([bias.astype(s.dtype)[None]] * s.shape[0], axis=0)
 
 
 def distance_range(n: int, m: int, q_offset, chunk_size):

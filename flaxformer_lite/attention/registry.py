@@ -71,9 +71,13 @@ class AttentionVariant:
     query heads h (query head i reads head i // (h / g)); without it the
     layer copies each key/value head to its group for `fn`. The chunked
     kernel always takes g heads.
+  terms: (num_heads, **kwargs) -> chunked.BlockTerms, the variant written
+    once (from_terms.py): `register` derives `fn` and `chunked` from it
+    where they are not given (a hand-written `fn` then is a faster or the
+    paper's reference form of the same math) and checks its contracts.
   """
   name: str
-  fn: Callable[..., Any]
+  fn: Callable[..., Any] | None = None
   kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   params: Callable[..., Mapping[str, Any]] | None = None
   models: tuple[str, ...] = ALL_MODELS
@@ -87,6 +91,7 @@ class AttentionVariant:
   dense_implementations: tuple[str, ...] = ()
   fused_fits: Callable[..., bool] | None = None
   grouped_kv: bool = False
+  terms: Callable[..., Any] | None = None
 
 
 _REGISTRY: dict[str, AttentionVariant] = {}
@@ -97,6 +102,7 @@ _REGISTRY: dict[str, AttentionVariant] = {}
 SHARED_OPTIONS: dict[str, str] = {
     'half_window': "Luong's D: query i sees the keys |j - p_i| <= D around its "
                    'window position p_i',
+    'max_wavelength': "RoPE's base b: feature pair i of d turns by b^(-2i/d) a position",
 }
 
 # Options of every variant, not of one: which kernel runs it. implementation:
@@ -155,8 +161,31 @@ def register(variant: AttentionVariant) -> AttentionVariant:
     raise ValueError(f'attention variant {variant.name!r} declares {clash}: those are the '
                      'kernel options every variant takes (KERNEL_OPTIONS)')
   _check_options(variant)
+  if variant.terms is not None:
+    variant = _with_terms(variant)
+  if variant.fn is None:
+    raise ValueError(f'attention variant {variant.name!r} needs fn= or terms=')
   _REGISTRY[variant.name] = variant
   return variant
+
+
+def _with_terms(variant: AttentionVariant) -> AttentionVariant:
+  """`variant` with the kernels its `terms` give where it names none, once
+  `terms` (default options, 2 heads of 4) passes from_terms.check_terms."""
+  # from_terms needs dot_product, which registers itself here: imported late.
+  from flaxformer_lite.attention import from_terms  # pylint: disable=import-outside-toplevel
+  kwargs = dict(variant.kwargs)
+  if variant.validate is not None:
+    variant.validate(kwargs)
+  specs = variant.params(2, 4, kwargs) if variant.params else {}
+  if set(specs) & set(kwargs):
+    raise ValueError(f'attention variant {variant.name!r}: parameters '
+                     f'{sorted(set(specs) & set(kwargs))} are named like its options')
+  from_terms.check_terms(variant.name, variant.terms(2, **kwargs),
+                         from_terms.random_params(specs), 2, 4)
+  fn, chunked = from_terms.variant_fns(variant.terms, variant.kwargs)
+  return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked,
+                             uses_positions=variant.uses_positions or variant.fn is None)
 
 
 def names() -> list[str]:

@@ -13,7 +13,9 @@ PACK_REFUSED = {
     'luong_local_p': 'its predicted position p_i = S sigmoid(.) spans the whole row '
                      '(S = the row length), not the example',
     'luong_local_m': 'its window centre p_i (the query index, clipped to the number of '
-                     'keys it sees) is a place in the row, not in the example'}
+                     'keys it sees) is a place in the row, not in the example',
+    'fire': "its normaliser psi(max(L, i)) reads the query's position i in the row, not in "
+            'the example (the kernels take positions as the row\'s offsets)'}
 
 # The data each model type trains on.
 OBJECTIVE_KIND = {name: t.data for name, t in MODEL_TYPES.items()}

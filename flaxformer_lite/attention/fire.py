@@ -1,0 +1,77 @@
+"""FIRE: functional interpolation for relative positions (Li et al. 2023, eq. 4-5).
+
+Each layer learns a small MLP f: R -> R^H and adds, for query i and key j,
+  b(i, j) = f(psi(i - j) / psi(max(L, i))),  psi(x) = log(c x + 1),
+to head h's logits, with c > 0 and the threshold L learned too. Dividing by
+psi(i) maps every distance into [0, 1] whatever the sequence length (the
+"progressive interpolation"); L keeps short contexts from being stretched.
+f has one hidden layer of `fire_width` ReLU units (the paper: 32).
+Initialisation: c = 1, L = `fire_threshold_init`; the MLP as a Dense layer's
+(lecun normal weights, zero biases). The distance is |i - j|, so that one
+bias serves bidirectional attention too (the paper's models are causal).
+
+Written once as block terms (from_terms.py). The MLP runs on every (i, j)
+pair of a block: [bq, bk, width], the block's only extra array.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import chunked, registry
+
+
+def fire_bias(params, q_pos, k_pos):
+  """params {fire_c [], fire_threshold [], fire_w1 [w], fire_b1 [w],
+  fire_w2 [w, h], fire_b2 [h]}, positions [bq], [bk] -> float32 [h, bq, bk]."""
+  p = {k: v.astype(jnp.float32) for k, v in params.items()}
+  c, threshold = jnp.abs(p['fire_c']), jnp.abs(p['fire_threshold'])
+  psi = lambda x: jnp.log1p(c * x)
+  i = q_pos.astype(jnp.float32)
+  distance = jnp.abs(i[:, None] - k_pos.astype(jnp.float32)[None, :])  # [bq, bk]
+  # psi(max(L, i)) >= psi(L) > 0 for L > 0; the floor guards L -> 0.
+  x = psi(distance) / jnp.maximum(psi(jnp.maximum(threshold, i)), 1e-6)[:, None]
+  hidden = jax.nn.relu(x[..., None] * p['fire_w1'] + p['fire_b1'])  # [bq, bk, w]
+  return jnp.einsum('qkw,wh->hqk', hidden, p['fire_w2']) + p['fire_b2'][:, None, None]
+
+
+def _logits(q, k, params, q_pos, k_pos):
+  return chunked.add_head_bias(chunked.dot_logits(q, k, params, q_pos, k_pos),
+                               fire_bias(params, q_pos, k_pos))
+
+
+def _terms(num_heads, *, fire_width, fire_threshold_init):
+  del num_heads, fire_width, fire_threshold_init  # carried by the parameters
+  return chunked.BlockTerms(logits=_logits)
+
+
+def _params(num_heads, head_dim, kwargs):
+  del head_dim
+  w, threshold = kwargs['fire_width'], float(kwargs['fire_threshold_init'])
+  init = jax.nn.initializers
+  return {'fire_c': ((), init.constant(1.0), ()),
+          'fire_threshold': ((), init.constant(threshold), ()),
+          'fire_w1': ((w,), init.normal(1.0), (None,)),  # lecun normal for one input
+          'fire_b1': ((w,), init.zeros, (None,)),
+          'fire_w2': ((w, num_heads), init.lecun_normal(), (None, 'heads')),
+          'fire_b2': ((num_heads,), init.zeros, ('heads',))}
+
+
+def _validate(kwargs):
+  width = kwargs['fire_width']
+  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+    raise ValueError(f'attention_kwargs.fire_width={width!r}; must be an int >= 1 '
+                     "(the MLP's hidden units)")
+  registry.positive_number('fire_threshold_init')(kwargs)
+
+
+registry.register(registry.AttentionVariant(
+    name='fire',
+    models=registry.TRANSFORMER_MODELS,
+    terms=_terms,
+    kwargs={'fire_width': 32, 'fire_threshold_init': 512.0},
+    params=_params,
+    validate=_validate,
+    doc='learned per-layer MLP of the log distance normalised by the log query position '
+        '(FIRE, Li et al. 2023): f(psi(|i-j|) / psi(max(L, i))), psi(x) = log(cx + 1), '
+        'c and L learned; use with positions=none'))

@@ -1,0 +1,116 @@
+"""A variant written once: its block terms (chunked.BlockTerms) give both kernels.
+
+A variant registered with `terms` (registry.AttentionVariant) is a function
+  terms(num_heads, **options) -> chunked.BlockTerms
+and nothing else: the dense path evaluates the same terms on the whole
+[n, m] as one block (`dense_attention`: queries at q_offset + 0..n-1, keys at
+0..m-1, the masked softmax and dropout of dot_product), the chunked path runs
+them block by block (chunked.attend). Decoding, packing and grouped-query
+attention come with the two kernels. A hand-written dense form (Shaw's
+reshape-and-matmul trick, the paper's reference) may still be registered as
+`fn`; the registry-wide tests hold it to the derived one.
+
+`check_terms` runs where a variant is registered: `values` must be linear in
+the weights (the chunked backward's delta_i = dO_i . O_i relies on it), and a
+`values` term brings its `uniform` (chunked.BlockTerms refuses it otherwise).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.attention import chunked
+from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_weights
+
+
+def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *, mask=None,
+                    bias=None, q_offset=0, dropout_rate=0.0, dropout_rng=None,
+                    deterministic=True, dtype=None, return_weights=False):
+  """`terms` on the whole [n, m] as one block: the reference for chunked.attend.
+
+  Args:
+    query: [b, n, h, d], query i at position q_offset + i; key [b, m, h, d],
+      value [b, m, h, dv], key j at position j.
+    terms, params: the variant's block terms and their arrays.
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    bias: broadcastable to [b, h, n, m]; added to the terms' logits.
+  Returns:
+    [b, n, h, dv] in `dtype` (default: query's dtype); with return_weights,
+    (that, weights [b, h, n, m]). A row that sees no key gets uniform weights
+    (dot_product's rule), so `terms.uniform` is what the chunked kernel must
+    match, not what this uses.
+  """
+  dtype = dtype or query.dtype
+  b, n, h, d = query.shape
+  scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
+  q_pos = q_offset + jnp.arange(n)
+  k_pos = jnp.arange(key.shape[1])
+  logits = terms.logits(scaled, key.astype(dtype), params, q_pos, k_pos)  # [b, h, n, m]
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                            deterministic=deterministic, dtype=jnp.float32)
+  out = terms.values(weights, value.astype(dtype), params, q_pos, k_pos)  # [b, h, n, dv]
+  out = out.transpose(0, 2, 1, 3).astype(dtype)
+  return (out, weights.astype(dtype)) if return_weights else out
+
+
+def variant_fns(make_terms: Callable[..., chunked.BlockTerms], option_names) -> tuple:
+  """(fn, chunked) for the registry from `make_terms(num_heads, **options)`.
+  Keyword arguments named in `option_names` are the variant's options, the
+  others (besides the kernels' own) its parameters."""
+  option_names = frozenset(option_names)
+
+  def split(query, rest):
+    options = {k: v for k, v in rest.items() if k in option_names}
+    params = {k: v for k, v in rest.items() if k not in option_names}
+    return make_terms(query.shape[2], **options), params
+
+  def fn(query, key, value, *, mask=None, bias=None, q_offset=0, dropout_rate=0.0,
+         dropout_rng=None, deterministic=True, dtype=None, return_weights=False, **rest):
+    terms, params = split(query, rest)
+    return dense_attention(query, key, value, terms, params, mask=mask, bias=bias,
+                           q_offset=q_offset, dropout_rate=dropout_rate,
+                           dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype,
+                           return_weights=return_weights)
+
+  def chunked_fn(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None,
+                 dropout_rate=0.0, dropout_rng=None, **rest):
+    terms, params = split(query, rest)
+    return dot_product_chunked(query, key, value, terms, params, mask=mask, q_offset=q_offset,
+                               chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
+                               dropout_rng=dropout_rng)
+
+  return fn, chunked_fn
+
+
+def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
+                num_heads: int, head_dim: int, seed: int = 0) -> None:
+  """Raises TypeError unless terms.values is linear in the weights:
+  values(a p1 + c p2) = a values(p1) + c values(p2) on random inputs (a
+  block of 3 queries at positions 5..7 against 4 keys at 0..3)."""
+  r = np.random.default_rng(seed)
+  p1, p2 = (jnp.asarray(r.uniform(size=(1, num_heads, 3, 4)), jnp.float32) for _ in range(2))
+  v = jnp.asarray(r.normal(size=(1, 4, num_heads, head_dim)), jnp.float32)
+  q_pos, k_pos = jnp.arange(5, 8), jnp.arange(4)
+  values = lambda p: np.asarray(terms.values(p, v, params, q_pos, k_pos), np.float64)
+  a, c = 0.7, -1.9
+  got, want = values(a * p1 + c * p2), a * values(p1) + c * values(p2)
+  scale = max(1.0, float(np.max(np.abs(want))))
+  if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
+    raise TypeError(
+        f'attention variant {name!r}: BlockTerms.values is not linear in the weights p '
+        f'(values(0.7 p1 - 1.9 p2) differs from 0.7 values(p1) - 1.9 values(p2) by up to '
+        f'{float(np.max(np.abs(got - want))):.3g}); the chunked backward needs '
+        'sum_j p_ij dvalues/dp_ij = dO . O, which holds only for a linear term')
+
+
+def random_params(specs: Mapping[str, Any], seed: int = 0) -> dict:
+  """{name: (shape, init, axes)} (AttentionVariant.params) -> arrays from
+  each initializer."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), max(1, len(specs)))
+  return {name: init(k, shape, jnp.float32)
+          for k, (name, (shape, init, _)) in zip(keys, sorted(specs.items()))}

@@ -1,0 +1,77 @@
+"""KERPLE: kernelized relative positional embedding (Chi et al. 2022, eq. 8-9).
+
+Each head adds a conditionally positive definite kernel of the distance
+|i - j| to its logits, with two learned positive numbers r1, r2 per head:
+  log:   -r1 * log(1 + r2 * |i - j|)
+  power: -r1 * |i - j| ** r2,  0 < r2 <= 2.
+As in the authors' code, r1 and r2 are clamped to at least 1e-2 (r2 of the
+power form to at most 2) and drawn uniform at initialisation (log: r1 in
+[0, 2), r2 in [0, 1); power: r1 in [0, 1), r2 in [0, 2)). The distance is
+|i - j| so that one bias serves bidirectional attention too (the paper's
+models are causal: there it is i - j).
+
+Written once as block terms (from_terms.py): the dense path, the chunked
+kernel and decoding come from `_logits`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import chunked, registry
+
+FORMS = ('log', 'power')
+EPS = 1e-2
+
+
+def kerple_bias(r1, r2, distance, form: str):
+  """r1, r2 [h], distance float [...] -> [h, ...]: the paper's kernel."""
+  r1 = jnp.maximum(r1.astype(jnp.float32), EPS).reshape((-1,) + (1,) * distance.ndim)
+  r2 = jnp.maximum(r2.astype(jnp.float32), EPS).reshape(r1.shape)
+  if form == 'log':
+    return -r1 * jnp.log1p(r2 * distance)
+  # |i - j| ** r2 as exp(r2 log |i - j|) where |i - j| >= 1: at 0 the power's
+  # gradient in r2 (0 ** r2 * log 0) would be NaN.
+  far = distance >= 1
+  power = jnp.where(far, jnp.exp(jnp.minimum(r2, 2.0) * jnp.log(jnp.where(far, distance, 1.0))),
+                    0.0)
+  return -r1 * power
+
+
+def _logits(form, q, k, params, q_pos, k_pos):
+  """q.k + the kernel of |i - j| for one block of queries and keys."""
+  distance = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)  # [bq, bk]
+  bias = kerple_bias(params['kerple_r1'], params['kerple_r2'], distance, form)  # [h, bq, bk]
+  return chunked.add_head_bias(chunked.dot_logits(q, k, params, q_pos, k_pos), bias)
+
+
+def _terms(num_heads, *, kerple_form):
+  del num_heads  # the parameters carry the heads
+  return chunked.BlockTerms(logits=functools.partial(_logits, kerple_form))
+
+
+def _params(num_heads, head_dim, kwargs):
+  del head_dim
+  r1_top, r2_top = (2.0, 1.0) if kwargs['kerple_form'] == 'log' else (1.0, 2.0)
+  uniform = jax.nn.initializers.uniform  # [0, scale)
+  return {'kerple_r1': ((num_heads,), uniform(r1_top), ('heads',)),
+          'kerple_r2': ((num_heads,), uniform(r2_top), ('heads',))}
+
+
+def _validate(kwargs):
+  if kwargs['kerple_form'] not in FORMS:
+    raise ValueError(f"attention_kwargs.kerple_form={kwargs['kerple_form']!r}; valid: "
+                     f"{', '.join(FORMS)}")
+
+
+registry.register(registry.AttentionVariant(
+    name='kerple',
+    models=registry.TRANSFORMER_MODELS,
+    terms=_terms,
+    kwargs={'kerple_form': 'log'},
+    params=_params,
+    validate=_validate,
+    doc='learned per-head kernel of |i - j| added to the logits (KERPLE, Chi et al. 2022): '
+        'kerple_form log: -r1 log(1 + r2 |i-j|) | power: -r1 |i-j|^r2; use with positions=none'))

@@ -1,0 +1,62 @@
+"""Sandwich (Chi et al. 2023, "Dissecting Transformer Length Extrapolation via
+the Lens of Receptive Field Analysis", section 5).
+
+The inner product of two sinusoidal position embeddings of d' features,
+  p_i . p_j = sum_{k=1..d'/2} cos((i - j) / 10000^(2k/d')),
+is a function of i - j that decays, roughly logarithmically, from d'/2 at
+distance 0. Sandwich adds it to the logits with no parameters, shifted to 0
+at distance 0 and compressed per head as ALiBi's slopes are: head h = 1..H
+adds (p_i . p_j - d'/2) / (8h / H). (A constant per row, such as the shift,
+does not change the softmax: NeMo's form, which sums k = 1..d'/2 - 1, gives
+the same weights.)
+
+Written once as block terms (from_terms.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.attention import chunked, registry
+
+
+def sandwich_bias(offset, num_heads: int, dim: int):
+  """offset float [L] (i - j) -> [h, L]: (p_i . p_j - d'/2) / (8h / H)."""
+  inv = 10000.0 ** (-2.0 * np.arange(1, dim // 2 + 1) / dim)  # [d'/2]
+  inner = jnp.sum(jnp.cos(offset[:, None] * inv[None, :].astype(np.float32)), -1)  # [L]
+  compress = 8.0 * np.arange(1, num_heads + 1, dtype=np.float32) / num_heads  # [h]
+  return (inner[None, :] - dim / 2) / compress[:, None]
+
+
+def _logits(dim, q, k, params, q_pos, k_pos):
+  """q.k + the Sandwich bias, looked up once per diagonal of the block."""
+  bq, bk = q_pos.shape[0], k_pos.shape[0]
+  # diagonal t = j - i + bq - 1 of the block has i - j = q_pos[0] - k_pos[0] + bq - 1 - t
+  offset = (q_pos[0] - k_pos[0] + bq - 1 - jnp.arange(bq + bk - 1)).astype(jnp.float32)
+  bias = chunked.by_offset(sandwich_bias(offset, q.shape[2], dim), bq, bk)  # [h, bq, bk]
+  return chunked.dot_logits(q, k, params, q_pos, k_pos) + bias[None]
+
+
+def _terms(num_heads, *, sandwich_dim):
+  del num_heads
+  return chunked.BlockTerms(logits=functools.partial(_logits, sandwich_dim))
+
+
+def _validate(kwargs):
+  dim = kwargs['sandwich_dim']
+  if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+    raise ValueError(f'attention_kwargs.sandwich_dim={dim!r}; must be an even int >= 2 '
+                     "(d', the sinusoidal embedding's features)")
+
+
+registry.register(registry.AttentionVariant(
+    name='sandwich',
+    models=registry.TRANSFORMER_MODELS,
+    terms=_terms,
+    kwargs={'sandwich_dim': 128},
+    validate=_validate,
+    doc="parameter-free bias: the inner product of sinusoidal embeddings of i and j "
+        "(sandwich_dim features), per-head compressed as ALiBi (Sandwich, Chi et al. 2023); "
+        'use with positions=none'))

@@ -1,0 +1,81 @@
+"""xPos: RoPE with an exponential decay (Sun et al. 2023, "A Length-Extrapolatable
+Transformer", eq. 11-12).
+
+Feature pair i of a head of d is rotated as in RoPE and, besides, queries
+are scaled by zeta_i^(n/gamma) and keys by zeta_i^(-m/gamma), so that pair
+i's share of q_n . k_m decays as zeta_i^((n - m)/gamma), with
+  zeta_i = (2i/d + a) / (1 + a),  a = 0.4,  gamma = `xpos_scale_base` (512),
+as in the authors' torchscale code. The decay is that of a causal model (the
+paper's): a key after its query (n < m) would be weighted up, so the variant
+serves decoder-only models.
+
+zeta^(n/gamma) alone under- or overflows at long range (zeta_0 = 0.29: at
+n = 64k, 0.29^128 = 1e-69). Within a block only the difference matters, so
+positions are measured from the block's first key: the keys' factors stay
+within zeta^(-bk/gamma), the queries' never exceed 1 where n >= m, and a
+far block's products shrink towards 0, their true value.
+
+Written once as block terms (from_terms.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention.rotary import apply_rotary
+
+DECAY_OFFSET = 0.4  # a in zeta_i above (torchscale's 0.4)
+
+
+def decay_base(d: int):
+  """zeta_i for the d/2 feature pairs -> float32 [d/2]."""
+  return ((np.arange(0, d, 2) / d + DECAY_OFFSET) / (1 + DECAY_OFFSET)).astype(np.float32)
+
+
+def _scaled(x, positions, sign, scale_base, max_wavelength):
+  """x [b, L, h, d] rotated by `positions` [L] and scaled pair by pair by
+  zeta_i^(sign * positions / gamma)."""
+  zeta = decay_base(x.shape[-1])  # [d/2]
+  power = sign * positions.astype(jnp.float32)[:, None] / scale_base * np.log(zeta)[None, :]
+  factor = jnp.repeat(jnp.exp(power), 2, axis=-1)[None, :, None, :]  # [1, L, 1, d]
+  rotated = apply_rotary(x, positions, max_wavelength=max_wavelength)
+  return (rotated.astype(jnp.float32) * factor).astype(x.dtype)
+
+
+def _logits(scale_base, max_wavelength, q, k, params, q_pos, k_pos):
+  """sum_i zeta_i^((n - m)/gamma) (rotated pair i of q_n . k_m), positions
+  measured from the block's first key (module docstring)."""
+  origin = k_pos[0]
+  q = _scaled(q, q_pos - origin, 1.0, scale_base, max_wavelength)
+  k = _scaled(k, k_pos - origin, -1.0, scale_base, max_wavelength)
+  return chunked.dot_logits(q, k, params, q_pos, k_pos)
+
+
+def _terms(num_heads, *, xpos_scale_base, max_wavelength):
+  del num_heads
+  return chunked.BlockTerms(
+      logits=functools.partial(_logits, float(xpos_scale_base), float(max_wavelength)))
+
+
+def _check_head_dim(head_dim):
+  if head_dim % 2:
+    raise ValueError(f'xpos rotates pairs of features: the head size {head_dim} must be even')
+
+
+def _validate(kwargs):
+  registry.positive_number('xpos_scale_base')(kwargs)
+  registry.positive_number('max_wavelength')(kwargs)
+
+
+registry.register(registry.AttentionVariant(
+    name='xpos',
+    models=('decoder_only',),
+    terms=_terms,
+    kwargs={'xpos_scale_base': 512.0, 'max_wavelength': 10000.0},
+    validate=_validate,
+    check_head_dim=_check_head_dim,
+    doc='RoPE times a per-pair decay zeta_i^((i-j)/xpos_scale_base) (xPos, Sun et al. 2023); '
+        'causal, so decoder-only models; use with positions=none'))
