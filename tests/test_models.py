@@ -142,18 +142,30 @@ def test_exercised_options_are_shorter_than_the_sequence():
 
 # ---- cached decoding == teacher-forced forward ---------------------------------
 
-# Each variant meets both model types: an encoder-decoder with sinusoidal
-# positions, and a decoder-only model with none (the variant's own position
-# logic alone: the most sensitive to a wrong q_offset). Learned positions and
-# post-LN have a cache of their own (AddPositions' index) that no variant
-# touches: dot_product alone runs them.
+# A decoder-only model with no positions (the variant's own position logic
+# alone: the most sensitive to a wrong q_offset), and an encoder-decoder with
+# sinusoidal positions. In the latter a position scheme's decoder
+# self-attention is the decoder-only model's and its cross-attention is
+# dot_product's (transformer._attention), so only the variants that also
+# cross-attend (and those without a decoder-only form) run it. Learned
+# positions and post-LN have a cache of their own (AddPositions' index) that
+# no variant touches: dot_product alone runs them.
 DECODE_SETTINGS = [('encoder_decoder', 'sinusoidal', True),
                    ('decoder_only', 'learned', False),
                    ('decoder_only', 'none', True)]
 
 
+def _cross_attends(setting, name):
+  """Whether `name` in an encoder-decoder of `setting` meets code that its
+  decoder-only case does not: its cross-attention, or no decoder-only case."""
+  variant = registry.get(name)
+  return (setting[0] != 'encoder_decoder' or not variant.uses_positions
+          or 'decoder_only' not in variant.models)
+
+
 def _decode_case(setting, name):
-  return setting != ('decoder_only', 'learned', False) or name == 'dot_product'
+  return ((setting != ('decoder_only', 'learned', False) or name == 'dot_product')
+          and _cross_attends(setting, name))
 
 
 # Chunks fed to the cached decoder: one token, a chunk of 5 (whose queries
@@ -206,11 +218,12 @@ def _perturb_decoder_positions(delta):
 
 
 # Both model types (the decoder-only stack, an encoder-decoder's decoder), with
-# positions and LN other than DECODE_SETTINGS' for the same model type.
+# positions and LN other than DECODE_SETTINGS' for the same model type; the
+# encoder-decoder for the variants it adds code to (_cross_attends).
 CAUSAL_SETTINGS = [('decoder_only', 'sinusoidal', False), ('encoder_decoder', 'none', False)]
 
 
-@_parametrize(CAUSAL_SETTINGS)
+@_parametrize(CAUSAL_SETTINGS, _cross_attends)
 def test_no_position_sees_the_future_gradient(model_type, positions, pre_ln, attention, options):
   """d logits[t] / d (embedded decoder input at s), along random directions:
   exactly zero for every s > t, non-zero at s = t."""
