@@ -86,8 +86,9 @@ def _zeros(shapes):
 # bucket_max_distance, luong's window -> half_window) keeps its value. On L = 12
 # tokens: windows of 2 (local's full pass takes the blocked form, its cached
 # steps the plain one); shaw clips distances at 2; t5 has 8 buckets, the last
-# from distance 5 on; deberta's offsets past 2 share log buckets, past 5 one row.
-_WINDOW, _SHAW_CLIP, _T5_BUCKETS, _T5_RANGE = 2, 2, 8, 5
+# from distance 5 on; deberta's offsets past 2 share log buckets, past 5 one row;
+# cope's contextual positions are clipped at 3.
+_WINDOW, _SHAW_CLIP, _T5_BUCKETS, _T5_RANGE, _COPE_POSITIONS = 2, 2, 8, 5, 4
 _DEBERTA = {'position_buckets': 4, 'max_relative_positions': 6}
 # Options that pick a code path or a convention, each run.
 FORMS = {'local': ({'causal': False}, {'causal': True}),
@@ -101,7 +102,7 @@ def exercised_options(name, extra=None) -> tuple:
   t5 = 'num_buckets' in defaults
   picks = {'window': _WINDOW, 'half_window': _WINDOW, 'num_buckets': _T5_BUCKETS,
            'max_distance': _T5_RANGE if t5 else _SHAW_CLIP, 'bucket_max_distance': _T5_RANGE,
-           **_DEBERTA}
+           'cope_positions_max': _COPE_POSITIONS, **_DEBERTA}
   options = {k: v for k, v in picks.items() if k in defaults}
   unpicked = [k for k in defaults if k not in options
               and any(w in k for w in ('window', 'distance', 'bucket', 'position'))]

@@ -140,3 +140,34 @@ def test_readme_error_examples_print_what_they_show(env):
     assert done.returncode == 2, command
     errors = [line for line in done.stderr.splitlines() if line.startswith('error:')]
     assert errors and errors[0].startswith(shown.split('...')[0].rstrip()), (command, errors)
+
+
+def test_readme_variant_example_registers_and_equals_its_formula():
+  """The ```python block that registers a variant, run as written: the
+  variant it adds runs on the derived dense path and the chunked kernel, each
+  equal to softmax(q.k / sqrt(d) - softplus(s_h) |i - j|) v in float64."""
+  import jax.numpy as jnp
+  import numpy as np
+  from flaxformer_lite.attention import masks, registry
+  block, = [b for b in fenced(open(README).read(), 'python') if 'registry.register' in '\n'.join(b)]
+  exec('\n'.join(block), {})  # pylint: disable=exec-used
+  try:
+    variant = registry.get('learned_alibi')
+    r = np.random.default_rng(0)
+    b, n, h, d = 2, 7, 3, 4
+    q, k, v = (r.normal(size=(b, n, h, d)).astype(np.float32) for _ in range(3))
+    slopes = r.normal(size=(h,)).astype(np.float32)
+    i = np.arange(n)
+    s = (np.einsum('bnhd,bmhd->bhnm', q, k) / np.sqrt(d)
+         - np.log1p(np.exp(slopes))[:, None, None] * np.abs(i[:, None] - i[None, :]))
+    s = np.where(i[None, None, :, None] >= i[None, None, None, :], s, -np.inf)  # causal
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum('bhnm,bmhd->bnhd', w / w.sum(-1, keepdims=True), v)
+    dense = variant.fn(q, k, v, mask=jnp.asarray(np.tril(np.ones((n, n), bool))),
+                       my_slopes=slopes)
+    chunked = variant.chunked(q, k, v, mask=masks.MaskSpec(causal=True), chunk_size=3,
+                              my_slopes=slopes)
+    for what, x in (('dense', dense), ('chunked', chunked)):
+      np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-5, err_msg=what)
+  finally:
+    registry._REGISTRY.pop('learned_alibi', None)  # pylint: disable=protected-access

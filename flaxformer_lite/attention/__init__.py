@@ -4,6 +4,7 @@ Importing this package registers every variant (see registry.py).
 """
 from flaxformer_lite.attention import additive
 from flaxformer_lite.attention import alibi
+from flaxformer_lite.attention import cope
 from flaxformer_lite.attention import deberta
 from flaxformer_lite.attention import dot_product
 from flaxformer_lite.attention import fire

@@ -205,3 +205,47 @@ def test_a_parameter_named_like_an_option_is_refused():
         kwargs={'clash_width_test': 2},
         params=lambda h, d, kw: {'clash_width_test': ((h,), jax.nn.initializers.zeros,
                                                       ('heads',))}))
+
+
+def _cope_loop(q, k, v, embedding, visible):
+  """Golovneva et al. 2024 eq. 3-5 position by position in float64: gates
+  sigma(q.k / sqrt(d)) over visible keys, p_ij the sum of gates from j to
+  the last visible key, e[p] interpolated between floor and ceil, clipped
+  at P - 1."""
+  q, k, v, e = (np.asarray(x, np.float64) for x in (q, k, v, embedding))
+  b_, n, h_, d = q.shape
+  m, num_positions = k.shape[1], e.shape[1]
+  out = np.zeros((b_, n, h_, d))
+  for b in range(b_):
+    for h in range(h_):
+      for i in range(n):
+        qi = q[b, i, h] / math.sqrt(d)
+        gates = [1 / (1 + math.exp(-qi @ k[b, j, h])) if visible[b, i, j] else 0.0
+                 for j in range(m)]
+        logits = np.full(m, -np.inf)
+        for j in range(m):
+          if not visible[b, i, j]:
+            continue
+          p = min(sum(gates[j:]), num_positions - 1)
+          lo, hi = math.floor(p), math.ceil(p)
+          e_p = e[:, lo] * (1 - (p - lo)) + e[:, hi] * (p - lo)
+          logits[j] = qi @ k[b, j, h] + qi @ e_p
+        w = np.exp(logits - logits.max())
+        out[b, i, h] = (w / w.sum()) @ v[b, :, h]
+  return out
+
+
+@pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
+def test_cope_equals_a_float64_loop_of_the_paper(causal):
+  r = np.random.default_rng(0)
+  n, num_positions = 9, 4  # positions past P - 1 = 3 are clipped
+  q, k, v = (r.normal(size=(B, n, H, D)).astype(np.float32) for _ in range(3))
+  embedding = r.normal(size=(D, num_positions)).astype(np.float32)
+  visible = np.ones((B, n, n), bool)
+  if causal:
+    visible &= np.tril(np.ones((n, n), bool))[None]
+  visible[1, :, 7:] = False  # key padding in example 1
+  got = registry.get('cope').fn(q, k, v, embedding, mask=jnp.asarray(visible[:, None]),
+                                cope_positions_max=num_positions)
+  np.testing.assert_allclose(np.asarray(got, np.float64),
+                             _cope_loop(q, k, v, embedding, visible), rtol=2e-5, atol=2e-5)
