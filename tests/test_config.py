@@ -111,9 +111,9 @@ def test_differences_ignore_resumable_keys():
     (['--config.model.d_modl=3'], "Did you mean 'model.d_model'"),
     (['--config.model.d_model=abc'], 'd_model=abc'),
     (['--config.model.attention=nope'],
-     'valid: alibi, bahdanau, deberta, dot_product, hard, local, location_sensitive, '
-     'luong_concat, luong_dot, luong_general, luong_local_m, luong_local_p, rotary, shaw, '
-     't5_bias, transformer_xl\n'),
+     'valid: alibi, bahdanau, cope, deberta, dot_product, fire, hard, kerple, local, '
+     'location_sensitive, luong_concat, luong_dot, luong_general, luong_local_m, '
+     'luong_local_p, rotary, sandwich, shaw, t5_bias, transformer_xl, xpos\n'),
     (['--config.model.attention=location_sensitive'],
      "cannot be used in model.type='encoder_decoder'; it works in: rnn_seq2seq"),
     (['--config.model.type=rnn_seq2seq', '--config.model.attention=shaw'],
