@@ -62,6 +62,11 @@ def base_config() -> ml_collections.ConfigDict:
   m.attention_kwargs = attention_kwargs_placeholders()
   m.positions = 'sinusoidal'  # sinusoidal | learned | none
   m.max_len = 256  # longest sequence (learned positions, decoding)
+  # Randomized positions (Ruoss et al. 2023): > 0 = L; in training each batch's
+  # positions are a sorted random draw of n from 0..L-1 (shared by its rows),
+  # in evaluation and decoding 0..n-1. Absolute positions and every variant of
+  # registry.position_array_names() read them. 0: off.
+  m.randomized_positions = 0
   m.pre_ln = True  # False: post-LN as in the 2017 paper
   m.activation = 'relu'  # relu | gelu
   m.dtype = 'float32'  # float32 | bfloat16 (compute; params stay float32)

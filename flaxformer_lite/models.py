@@ -186,7 +186,8 @@ def transformer_config(model_config: Mapping[str, Any], *, decode=False,
   return TransformerConfig(
       **_layer_config_fields(c, decode), mlp_dim=c['mlp_dim'], positions=c['positions'],
       max_len=c['max_len'], pre_ln=c['pre_ln'], activation=c['activation'],
-      sow_weights=sow_weights, init=c.get('init', 'default'), remat=c.get('remat', 'none'))
+      sow_weights=sow_weights, init=c.get('init', 'default'), remat=c.get('remat', 'none'),
+      randomized_positions=c.get('randomized_positions', 0))
 
 
 def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
@@ -250,6 +251,20 @@ def validate(model_config) -> None:
       raise ConfigError(f'model.attention={m.attention!r}: {e} (the head size is '
                         f'model.d_model/model.num_heads)') from None
   check_choice('model.positions', m.positions, POSITIONS)
+  randomized = m.get('randomized_positions', 0)
+  check(isinstance(randomized, int) and randomized >= 0,
+        f'model.randomized_positions={randomized!r} must be an int >= 0 (0: off; L > 0: '
+        'positions drawn from 0..L-1 in training)')
+  if randomized:
+    check(m.type != 'rnn_seq2seq', 'model.randomized_positions is for Transformer models; '
+          'model.type=rnn_seq2seq has no positions')
+    check(m.positions != 'learned' or randomized <= m.max_len,
+          f'model.randomized_positions={randomized} > model.max_len={m.max_len}: learned '
+          'positions have a row for 0..max_len-1 only; raise model.max_len or lower L')
+    check(not variant.uses_positions or variant.position_arrays,
+          f'model.randomized_positions with model.attention={m.attention!r}: it reads '
+          f'positions as a range only; valid: {", ".join(registry.position_array_names())} '
+          'or a variant that reads no positions')
   check(m.positions != 'sinusoidal' or m.d_model % 2 == 0,
         f'sinusoidal positions need an even model.d_model, got {m.d_model}')
   check_choice('model.activation', m.activation, tuple(ACTIVATIONS))

@@ -38,32 +38,35 @@ def _slopes(num_heads):
   return np.concatenate([base, extra]).astype(np.float32)
 
 
-def alibi_bias(num_heads, q_len, k_len, *, q_offset=0):
+def alibi_bias(num_heads, q_len, k_len, *, q_offset=0, positions=None):
   """-slope_h * |j - (q_offset + i)| -> [1, h, q_len, k_len] float32.
 
   Query i sits at absolute position q_offset + i (q_offset may be traced),
-  key j at position j.
+  key j at position j; or both at positions[i], positions[j] (int [n], n = m).
   """
-  q_pos = q_offset + jnp.arange(q_len)  # [n]
-  k_pos = jnp.arange(k_len)  # [m]
+  if positions is None:
+    q_pos, k_pos = q_offset + jnp.arange(q_len), jnp.arange(k_len)  # [n], [m]
+  else:
+    q_pos = k_pos = jnp.asarray(positions)
   distance = jnp.abs(k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)  # [n, m]
   slopes = alibi_slopes(num_heads)  # [h]
   return -slopes[None, :, None, None] * distance[None, None]  # [1, h, n, m]
 
 
-def alibi_attention(query, key, value, *, bias=None, q_offset=0, **common):
+def alibi_attention(query, key, value, *, bias=None, q_offset=0, positions=None, **common):
   """Dot-product attention with the ALiBi bias added to the scaled logits.
 
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
+    positions: None, or int [n] (n = m): query and key i at positions[i].
     bias: broadcastable to [b, h, n, m]; added to the ALiBi bias.
     common: dot_product_attention's mask, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
   position_bias = alibi_bias(query.shape[2], query.shape[1], key.shape[1],
-                             q_offset=q_offset)  # [1, h, n, m]
+                             q_offset=q_offset, positions=positions)  # [1, h, n, m]
   if bias is not None:
     position_bias = position_bias + bias
   return dot_product_attention(query, key, value, bias=position_bias, **common)
@@ -93,5 +96,6 @@ registry.register(registry.AttentionVariant(
     fn=alibi_attention,
     chunked=alibi_chunked,
     uses_positions=True,
+    position_arrays=True,
     doc='fixed per-head linear distance penalty -slope*|j-i| (ALiBi, Press et al. '
         '2022); use with positions=none'))

@@ -27,7 +27,7 @@ from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_w
 
 
 def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *, mask=None,
-                    bias=None, q_offset=0, dropout_rate=0.0, dropout_rng=None,
+                    bias=None, q_offset=0, positions=None, dropout_rate=0.0, dropout_rng=None,
                     deterministic=True, dtype=None, return_weights=False):
   """`terms` on the whole [n, m] as one block: the reference for chunked.attend.
 
@@ -35,6 +35,8 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
     query: [b, n, h, d], query i at position q_offset + i; key [b, m, h, d],
       value [b, m, h, dv], key j at position j.
     terms, params: the variant's block terms and their arrays.
+    positions: None, or int [n] (n = m, self-attention): the positions of
+      the queries and of the keys, in place of q_offset + i and j.
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the terms' logits.
   Returns:
@@ -46,8 +48,10 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   dtype = dtype or query.dtype
   b, n, h, d = query.shape
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
-  q_pos = q_offset + jnp.arange(n)
-  k_pos = jnp.arange(key.shape[1])
+  if positions is None:
+    q_pos, k_pos = q_offset + jnp.arange(n), jnp.arange(key.shape[1])
+  else:
+    q_pos = k_pos = jnp.asarray(positions)
   logits = terms.logits(scaled, key.astype(dtype), params, q_pos, k_pos)  # [b, h, n, m]
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
@@ -69,11 +73,12 @@ def variant_fns(make_terms: Callable[..., chunked.BlockTerms], option_names) -> 
     params = {k: v for k, v in rest.items() if k not in option_names}
     return make_terms(query.shape[2], **options), params
 
-  def fn(query, key, value, *, mask=None, bias=None, q_offset=0, dropout_rate=0.0,
-         dropout_rng=None, deterministic=True, dtype=None, return_weights=False, **rest):
+  def fn(query, key, value, *, mask=None, bias=None, q_offset=0, positions=None,
+         dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
+         return_weights=False, **rest):
     terms, params = split(query, rest)
     return dense_attention(query, key, value, terms, params, mask=mask, bias=bias,
-                           q_offset=q_offset, dropout_rate=dropout_rate,
+                           q_offset=q_offset, positions=positions, dropout_rate=dropout_rate,
                            dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype,
                            return_weights=return_weights)
 

@@ -71,6 +71,11 @@ class AttentionVariant:
     query heads h (query head i reads head i // (h / g)); without it the
     layer copies each key/value head to its group for `fn`. The chunked
     kernel always takes g heads.
+  position_arrays: a uses_positions `fn` also takes `positions` int [n],
+    the positions of the queries and of the keys of self-attention (sorted,
+    any integers: randomized positions, Ruoss et al. 2023), in place of
+    q_offset + 0..n-1; None with `terms`: True (the terms read positions as
+    arrays), else False.
   terms: (num_heads, **kwargs) -> chunked.BlockTerms, the variant written
     once (from_terms.py): `register` derives `fn` and `chunked` from it
     where they are not given (a hand-written `fn` then is a faster or the
@@ -92,6 +97,7 @@ class AttentionVariant:
   fused_fits: Callable[..., bool] | None = None
   grouped_kv: bool = False
   terms: Callable[..., Any] | None = None
+  position_arrays: bool | None = None
 
 
 _REGISTRY: dict[str, AttentionVariant] = {}
@@ -184,8 +190,10 @@ def _with_terms(variant: AttentionVariant) -> AttentionVariant:
   from_terms.check_terms(variant.name, variant.terms(2, **kwargs),
                          from_terms.random_params(specs), 2, 4)
   fn, chunked = from_terms.variant_fns(variant.terms, variant.kwargs)
+  arrays = variant.position_arrays
   return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked,
-                             uses_positions=variant.uses_positions or variant.fn is None)
+                             uses_positions=variant.uses_positions or variant.fn is None,
+                             position_arrays=variant.fn is None if arrays is None else arrays)
 
 
 def names() -> list[str]:
@@ -234,6 +242,13 @@ def resolve_kernel(name: str, given: Mapping[str, Any] | None) -> Kernel:
   kernel = Kernel(**{k: given.get(k, default) for k, default in KERNEL_OPTIONS.items()})
   _validate_kernel(variant, kernel)
   return kernel
+
+
+def position_array_names() -> list[str]:
+  """The variants that read positions and take them as arrays
+  (randomized positions)."""
+  return [name for name in names()
+          if _REGISTRY[name].uses_positions and _REGISTRY[name].position_arrays]
 
 
 def chunked_names() -> list[str]:

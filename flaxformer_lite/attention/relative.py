@@ -73,7 +73,7 @@ def choose_form(form: str, n: int, m: int, d: int) -> str:
 
 
 def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, *,
-                   mask=None, bias=None, q_offset=0, form='auto',
+                   mask=None, bias=None, q_offset=0, positions=None, form='auto',
                    dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
                    return_weights=False):
   """Self-attention with relative position representations (eq. 3-5).
@@ -84,6 +84,9 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
     rel_key_table, rel_value_table: [2k+1, d] or None (the paper's keys-only
       or values-only ablations).
     mask: boolean, broadcastable to [b, h, n, m]; bias: added to the scaled logits.
+    positions: None, or int [n] (n = m): query and key i at positions[i];
+      the banded form reads positions as ranges, so 'banded' and 'auto'
+      take the matmul form then.
     form: 'auto' | 'naive' | 'matmul' | 'banded' (module docstring).
   Returns:
     [b, n, h, d]; with return_weights, (that, weights [b, h, n, m]).
@@ -95,6 +98,8 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
   tables = [t for t in (rel_key_table, rel_value_table) if t is not None]
   k = (tables[0].shape[0] - 1) // 2 if tables else 0
   form = choose_form(form, n, m, d)
+  if positions is not None and form == 'banded':
+    form = 'matmul'
   # (q.k + q.a) / sqrt(d) with the scale applied once to q ([b, n, h, d], not [b, h, n, m]).
   scaled = query / jnp.sqrt(d).astype(dtype)
   if form == 'banded' and tables:
@@ -104,7 +109,11 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
         deterministic=deterministic, dtype=dtype)
     return (out, weights) if return_weights else out
 
-  idx = relative_positions(n, m, k, q_offset)  # [n, m]
+  if positions is None:
+    idx = relative_positions(n, m, k, q_offset)  # [n, m]
+  else:
+    p = jnp.asarray(positions, jnp.int32)
+    idx = jnp.clip(p[None, :] - p[:, None], -k, k) + k
   logits = jnp.einsum('bnhd,bmhd->bhnm', scaled, key, preferred_element_type=jnp.float32)
   if rel_key_table is not None:
     table = rel_key_table.astype(dtype)
@@ -292,5 +301,6 @@ registry.register(registry.AttentionVariant(
     params=_shaw_params,
     validate=_validate_shaw,
     uses_positions=True,
+    position_arrays=True,
     doc='Shaw et al. 2018 relative positions (tables [2k+1, d] for keys and values); '
         "form: naive | matmul (the paper's trick) | banded (no [n, m, d] table)"))

@@ -99,7 +99,7 @@ OPTIONS = {'max_wavelength': 10000.0, 'rope_scaling': 'none', 'rope_factor': 1.0
            'rope_original_max_len': 0, 'rotary_fraction': 1.0}
 
 
-def rotary_attention(query, key, value, *, q_offset=0, max_wavelength=10000.0,
+def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavelength=10000.0,
                      rope_scaling='none', rope_factor=1.0, rope_original_max_len=0,
                      rotary_fraction=1.0, **common):
   """Dot-product attention over rotated queries and keys; values unrotated.
@@ -107,6 +107,7 @@ def rotary_attention(query, key, value, *, q_offset=0, max_wavelength=10000.0,
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
+    positions: None, or int [n] (n = m): query and key i at positions[i].
     max_wavelength .. rotary_fraction: apply_rotary's (module docstring).
     common: dot_product_attention's mask, bias, dropout, dtype and return_weights.
   Returns:
@@ -114,8 +115,12 @@ def rotary_attention(query, key, value, *, q_offset=0, max_wavelength=10000.0,
   """
   rope = dict(max_wavelength=max_wavelength, rope_scaling=rope_scaling, rope_factor=rope_factor,
               rope_original_max_len=rope_original_max_len, rotary_fraction=rotary_fraction)
-  query = apply_rotary(query, q_offset + jnp.arange(query.shape[1]), **rope)
-  key = apply_rotary(key, jnp.arange(key.shape[1]), **rope)
+  if positions is None:
+    q_pos, k_pos = q_offset + jnp.arange(query.shape[1]), jnp.arange(key.shape[1])
+  else:
+    q_pos = k_pos = positions
+  query = apply_rotary(query, q_pos, **rope)
+  key = apply_rotary(key, k_pos, **rope)
   return dot_product_attention(query, key, value, **common)
 
 
@@ -169,6 +174,7 @@ registry.register(registry.AttentionVariant(
     validate=_validate,
     check_head_dim=_check_head_dim,
     uses_positions=True,
+    position_arrays=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
         'Su et al. 2021); head_dim must be even; rope_scaling linear (PI) | ntk | yarn '
         'with rope_factor extends a trained context; rotary_fraction < 1: partial RoPE'))

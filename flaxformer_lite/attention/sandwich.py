@@ -57,6 +57,7 @@ registry.register(registry.AttentionVariant(
     terms=_terms,
     kwargs={'sandwich_dim': 128},
     validate=_validate,
+    position_arrays=False,  # _logits reads a block's positions as ranges (by_offset)
     doc="parameter-free bias: the inner product of sinusoidal embeddings of i and j "
         "(sandwich_dim features), per-head compressed as ALiBi (Sandwich, Chi et al. 2023); "
         'use with positions=none'))

@@ -55,20 +55,22 @@ def t5_relative_position_bucket(relative_position, *, bidirectional=True,
   return ret + jnp.where(is_small, n, val_if_large)
 
 
-def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, bidirectional=True,
+def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, positions=None, bidirectional=True,
             num_buckets=32, max_distance=128):
   """The bias of every head for every (query, key) pair.
 
   Query i sits at absolute position q_offset + i (q_offset may be traced),
-  key j at position j.
+  key j at position j; or both at positions[i], positions[j] (int [n], n = m).
 
   Args:
     rel_embedding: [num_buckets, h], one learned scalar per bucket and head.
   Returns:
     [1, h, q_len, k_len] in rel_embedding's dtype.
   """
-  q_pos = q_offset + jnp.arange(q_len)  # [n]
-  k_pos = jnp.arange(k_len)  # [m]
+  if positions is None:
+    q_pos, k_pos = q_offset + jnp.arange(q_len), jnp.arange(k_len)  # [n], [m]
+  else:
+    q_pos = k_pos = jnp.asarray(positions)
   buckets = t5_relative_position_bucket(
       k_pos[None, :] - q_pos[:, None], bidirectional=bidirectional,
       num_buckets=num_buckets, max_distance=max_distance)  # [n, m]
@@ -88,7 +90,8 @@ def broadcast_batch(x, batch: int):
 
 
 def t5_bias_attention(query, key, value, rel_embedding, *, bias=None, q_offset=0,
-                      bidirectional=True, num_buckets=32, bucket_max_distance=128, **common):
+                      positions=None, bidirectional=True, num_buckets=32,
+                      bucket_max_distance=128, **common):
   """Dot-product attention with the T5 relative position bias added.
 
   logits = q.k / sqrt(d) + t5_bias + bias. T5 itself drops the 1/sqrt(d)
@@ -99,6 +102,7 @@ def t5_bias_attention(query, key, value, rel_embedding, *, bias=None, q_offset=0
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
     rel_embedding: [num_buckets, h].
+    positions: None, or int [n] (n = m): query and key i at positions[i].
     bucket_max_distance: `t5_relative_position_bucket`'s max_distance.
     bias: broadcastable to [b, h, n, m]; added to the T5 bias.
     common: dot_product_attention's mask, dropout, dtype and return_weights.
@@ -107,7 +111,8 @@ def t5_bias_attention(query, key, value, rel_embedding, *, bias=None, q_offset=0
   """
   position_bias = t5_bias(
       rel_embedding.astype(jnp.float32), query.shape[1], key.shape[1],
-      q_offset=q_offset, bidirectional=bidirectional, num_buckets=num_buckets,
+      q_offset=q_offset, positions=positions, bidirectional=bidirectional,
+      num_buckets=num_buckets,
       max_distance=bucket_max_distance)  # [1, h, n, m]
   if query.shape[0] > 1:
     position_bias = broadcast_batch(position_bias, query.shape[0])  # [b, h, n, m]
@@ -192,5 +197,6 @@ registry.register(registry.AttentionVariant(
                           nn.initializers.normal(0.02), ('relative', 'heads'))},
     validate=_validate,
     uses_positions=True,
+    position_arrays=True,
     doc='learned per-head bias of bucketed key-query offset (T5, Raffel et al. '
         '2020); bidirectional=False for causal-only models'))

@@ -44,8 +44,8 @@ def projected_positions(position_kernel, distances):
 
 
 def transformer_xl_attention(query, key, value, position_kernel, content_bias, position_bias,
-                             *, mask=None, bias=None, q_offset=0, dropout_rate=0.0,
-                             dropout_rng=None, deterministic=True, dtype=None,
+                             *, mask=None, bias=None, q_offset=0, positions=None,
+                             dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
                              return_weights=False):
   """Transformer-XL relative attention (module docstring).
 
@@ -53,6 +53,8 @@ def transformer_xl_attention(query, key, value, position_kernel, content_bias, p
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
     position_kernel: W_R [h*d, h, d]; content_bias u, position_bias v: [h, d].
+    positions: None, or int [n] (n = m): query and key i at positions[i]; the
+      position term then takes W_R R_t for each pair ([n, m, h, d]).
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
   Returns:
@@ -61,12 +63,18 @@ def transformer_xl_attention(query, key, value, position_kernel, content_bias, p
   n, d = query.shape[1], query.shape[-1]
   m = key.shape[1]
   cdt = dtype or query.dtype
-  # Column c: key-minus-query offset c - (n - 1), distance p_i - j = q_offset + n - 1 - c.
-  r = projected_positions(position_kernel, q_offset + n - 1 - jnp.arange(n + m - 1))
   qv = (query + position_bias.astype(query.dtype)).astype(cdt) / jnp.sqrt(d).astype(cdt)
-  position = jnp.einsum('bnhd,lhd->bhnl', qv, r.astype(cdt),
-                        preferred_element_type=jnp.float32)  # [b, h, n, n + m - 1]
-  position = chunked.rel_shift(position)  # [b, h, n, m]
+  if positions is None:
+    # Column c: key-minus-query offset c - (n - 1), distance p_i - j = q_offset + n - 1 - c.
+    r = projected_positions(position_kernel, q_offset + n - 1 - jnp.arange(n + m - 1))
+    position = jnp.einsum('bnhd,lhd->bhnl', qv, r.astype(cdt),
+                          preferred_element_type=jnp.float32)  # [b, h, n, n + m - 1]
+    position = chunked.rel_shift(position)  # [b, h, n, m]
+  else:
+    p = jnp.asarray(positions)
+    r = projected_positions(position_kernel, (p[:, None] - p[None, :]).reshape(-1))
+    position = jnp.einsum('bnhd,nmhd->bhnm', qv, r.reshape(n, m, *r.shape[1:]).astype(cdt),
+                          preferred_element_type=jnp.float32)
   if bias is not None:
     position = position + bias.astype(jnp.float32)
   return dot_product_attention(
@@ -120,5 +128,6 @@ registry.register(registry.AttentionVariant(
     chunked=transformer_xl_chunked,
     params=_params,
     uses_positions=True,
+    position_arrays=True,
     doc='(q+u).k + (q+v).W_R R_{i-j}: sinusoidal relative distances projected per '
         'head, global content and position biases (Transformer-XL, Dai et al. 2019)'))

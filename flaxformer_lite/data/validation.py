@@ -53,6 +53,9 @@ def validate(config) -> None:
     check(m.attention not in PACK_REFUSED,
           f'data.pack=True with model.attention={m.attention!r}: ' + PACK_REFUSED.get(
               m.attention, '') + '; valid: every other variant')
+    check(not m.get('randomized_positions', 0),
+          'data.pack=True with model.randomized_positions: a packed row gives each example '
+          'its own positions from 0; use one or the other')
   kind = task_kind(d)
   objective = OBJECTIVE_KIND[m.type]
   check(kind is None or kind == objective,

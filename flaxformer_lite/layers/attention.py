@@ -75,7 +75,7 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q, inputs_kv=None, *, mask=None, bias=None,
                deterministic=True, prev_alignment=None, q_offset=None,
-               return_weights=False):
+               positions=None, return_weights=False):
     features = inputs_q.shape[-1]
     qkv_features = self.qkv_features or features
     if qkv_features % self.num_heads:
@@ -114,6 +114,9 @@ class MultiHeadAttention(nn.Module):
       key, value, mask, q_offset = self._update_cache(key, value, mask)
     elif q_offset is None:
       q_offset = 0
+    if positions is not None and (self.decode or inputs_kv is not inputs_q):
+      raise ValueError('positions= is for self-attention without the cache (randomized '
+                       'positions in training)')
 
     variant = registry.get(self.attention)
     kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
@@ -128,6 +131,14 @@ class MultiHeadAttention(nn.Module):
     kernel = registry.choose_kernel(variant, kernel_options, query, key,
                                     return_weights=want_weights, dtype=self.dtype,
                                     decoding=self.decode)
+    if positions is not None and variant.uses_positions:
+      if not variant.position_arrays:
+        raise ValueError(f'attention={self.attention!r} reads positions as q_offset + 0..n-1 '
+                         'only; randomized positions need one of '
+                         f'{registry.position_array_names()}')
+      # Positions that are not 0..n-1 run on the dense kernel: the chunked
+      # kernel's block terms may read a block's positions as a range.
+      kernel = 'dense'
     if kernel == 'chunked':
       if bias is not None:
         raise ValueError('the chunked attention kernel takes no explicit bias; use '
@@ -145,6 +156,8 @@ class MultiHeadAttention(nn.Module):
     mask = masks.as_dense(mask, query.shape[1], key.shape[1], q_offset)
     if variant.uses_positions:
       kwargs['q_offset'] = q_offset
+      if positions is not None:
+        kwargs['positions'] = positions
     if variant.dense_implementations:
       kwargs['implementation'] = kernel_options.implementation
     if variant.stochastic:

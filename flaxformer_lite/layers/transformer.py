@@ -35,6 +35,8 @@ class TransformerConfig(LayerConfig):
   # no embedding scale (GPT-2 / nanoGPT).
   init: str = 'default'
   remat: str = 'none'  # REMAT: what a training block keeps for its backward pass
+  # L > 0: training positions are a sorted draw from 0..L-1 (random_positions)
+  randomized_positions: int = 0
 
 
 INITS = ('default', 'gpt2')
@@ -127,15 +129,31 @@ def _mlp(cfg: TransformerConfig, num_layers: int):
                   **kernel_inits(cfg, num_layers))
 
 
+def random_positions(module: nn.Module, cfg: TransformerConfig, length: int,
+                     deterministic: bool):
+  """Randomized positions (Ruoss et al. 2023): in training with
+  cfg.randomized_positions = L > 0, a sorted draw of `length` distinct
+  positions from 0..L-1, one per batch (from the 'dropout' stream); else
+  None (0..n-1)."""
+  if not cfg.randomized_positions or deterministic or cfg.decode:
+    return None
+  if length > cfg.randomized_positions:
+    raise ValueError(f'a sequence of {length} tokens does not fit in randomized positions '
+                     f'0..{cfg.randomized_positions - 1} (model.randomized_positions); '
+                     f'set it to at least {length}')
+  key = module.make_rng('dropout')
+  return jnp.sort(jax.random.choice(key, cfg.randomized_positions, (length,), replace=False))
+
+
 class EncoderLayer(nn.Module):
   cfg: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, mask=None, deterministic=True):
+  def __call__(self, x, mask=None, deterministic=True, positions=None):
     cfg = self.cfg
     attn = _attention(cfg, 'self_attention', cfg.num_encoder_layers)
     x = _Residual(cfg, name='attention_block')(
-        x, lambda y: attn(y, mask=mask, deterministic=deterministic),
+        x, lambda y: attn(y, mask=mask, deterministic=deterministic, positions=positions),
         deterministic=deterministic)
     mlp = _mlp(cfg, cfg.num_encoder_layers)
     return _Residual(cfg, name='mlp_block')(
@@ -151,12 +169,13 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, encoded=None, self_mask=None, cross_mask=None,
-               deterministic=True):
+               deterministic=True, positions=None):
     cfg = self.cfg
     layers = cfg.num_decoder_layers
     self_attn = _attention(cfg, 'self_attention', layers, decode=cfg.decode)
     x = _Residual(cfg, name='self_attention_block')(
-        x, lambda y: self_attn(y, mask=self_mask, deterministic=deterministic),
+        x, lambda y: self_attn(y, mask=self_mask, deterministic=deterministic,
+                               positions=positions),
         deterministic=deterministic)
     if encoded is not None:
       cross_attn = _attention(cfg, 'cross_attention', layers, cross=True)
@@ -184,10 +203,12 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, ids, *, mask, positions=None, deterministic=True):
     cfg = self.cfg
-    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions', positions=positions)
+    drawn = random_positions(self, cfg, ids.shape[1], deterministic)
+    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
+                      positions=positions if drawn is None else drawn)
     layer = _remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
-      x = layer(cfg, name=f'layer_{i}')(x, mask, deterministic)
+      x = layer(cfg, name=f'layer_{i}')(x, mask, deterministic, drawn)
     return nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x) if cfg.pre_ln else x
 
 
@@ -201,11 +222,13 @@ class Decoder(nn.Module):
   def __call__(self, ids, encoded=None, *, self_mask, cross_mask=None, positions=None,
                deterministic=True):
     cfg = self.cfg
+    drawn = random_positions(self, cfg, ids.shape[1], deterministic)
     x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
-                      decode=cfg.decode, positions=positions)
+                      decode=cfg.decode, positions=positions if drawn is None else drawn)
     layer = _remat(DecoderLayer, cfg, deterministic_argnum=5)
     for i in range(self.num_layers):
-      x = layer(cfg, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, deterministic)
+      x = layer(cfg, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, deterministic,
+                                        drawn)
     if cfg.pre_ln:
       x = nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x)
     # The paper multiplies the embedding by sqrt(d) on the way in; tied logits
