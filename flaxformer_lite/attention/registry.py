@@ -176,8 +176,8 @@ def register(variant: AttentionVariant) -> AttentionVariant:
 
 
 def _with_terms(variant: AttentionVariant) -> AttentionVariant:
-  """`variant` with the kernels its `terms` give where it names none, once
-  `terms` (default options, 2 heads of 4) passes from_terms.check_terms."""
+  """`variant` with the kernels its `terms` give where it names none; its
+  values term is checked at its first `get` (_check_terms)."""
   # from_terms needs dot_product, which registers itself here: imported late.
   from flaxformer_lite.attention import from_terms  # pylint: disable=import-outside-toplevel
   kwargs = dict(variant.kwargs)
@@ -187,8 +187,7 @@ def _with_terms(variant: AttentionVariant) -> AttentionVariant:
   if set(specs) & set(kwargs):
     raise ValueError(f'attention variant {variant.name!r}: parameters '
                      f'{sorted(set(specs) & set(kwargs))} are named like its options')
-  from_terms.check_terms(variant.name, variant.terms(2, **kwargs),
-                         from_terms.random_params(specs), 2, 4)
+  _UNCHECKED.add(variant.name)
   fn, chunked = from_terms.variant_fns(variant.terms, variant.kwargs)
   arrays = variant.position_arrays
   return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked,
@@ -203,7 +202,31 @@ def names() -> list[str]:
 def get(name: str) -> AttentionVariant:
   if name not in _REGISTRY:
     raise ValueError(f'unknown attention variant {name!r}; valid: {", ".join(names())}')
+  if name in _UNCHECKED:
+    _check_terms(_REGISTRY[name])
   return _REGISTRY[name]
+
+
+# Variants given as block terms whose values term is still to be checked for
+# linearity. The check runs JAX on small arrays, so not at import (a process of
+# a multi-host run must call jax.distributed.initialize before any JAX
+# computation): at the variant's first lookup, before anything is built.
+_UNCHECKED: set[str] = set()
+
+
+def _check_terms(variant: AttentionVariant) -> None:
+  """from_terms.check_terms on `variant`'s terms (default options, 2 heads
+  of 4); a variant that fails leaves the registry."""
+  from flaxformer_lite.attention import from_terms  # pylint: disable=import-outside-toplevel
+  _UNCHECKED.discard(variant.name)
+  kwargs = dict(variant.kwargs)
+  specs = variant.params(2, 4, kwargs) if variant.params else {}
+  try:
+    from_terms.check_terms(variant.name, variant.terms(2, **kwargs),
+                           from_terms.random_params(specs), 2, 4)
+  except TypeError:
+    del _REGISTRY[variant.name]
+    raise
 
 
 def all_kwargs() -> dict[str, Any]:

@@ -149,16 +149,29 @@ def test_xpos_at_a_16k_position_is_finite_and_equals_the_loop():
                                err_msg=what)
 
 
-def test_a_values_term_that_is_not_linear_in_the_weights_is_refused_at_registration():
+def test_a_values_term_that_is_not_linear_in_the_weights_is_refused_at_its_first_lookup():
   def squared(p, v, params, q_pos, k_pos):
     return chunked.dot_values(p * p, v, params, q_pos, k_pos)
 
   def terms(num_heads):
     return chunked.BlockTerms(values=squared, uniform=chunked.mean_values)
 
+  registry.register(registry.AttentionVariant(name='squared_weights_test', terms=terms))
   with pytest.raises(TypeError, match='not linear in the weights'):
-    registry.register(registry.AttentionVariant(name='squared_weights_test', terms=terms))
+    registry.get('squared_weights_test')
   assert 'squared_weights_test' not in registry.names()
+
+
+def test_importing_the_registry_runs_no_jax_computation():
+  """A multi-host process must initialise jax.distributed before any JAX
+  computation, and it imports the registry first."""
+  import subprocess
+  import sys
+  code = ('import jax, flaxformer_lite.attention, flaxformer_lite.main\n'
+          'from jax._src import xla_bridge\n'
+          'assert not xla_bridge.backends_are_initialized(), "a backend was initialised"')
+  subprocess.run([sys.executable, '-c', code], check=True, env={**__import__('os').environ,
+                                                               'JAX_PLATFORMS': 'cpu'})
 
 
 def test_a_linear_values_term_registers_and_runs_on_both_kernels():
