@@ -216,45 +216,18 @@ def test_auto_form_switches_by_size():
     relative.choose_form('fast', 1, 1, 1)
 
 
-@pytest.mark.parametrize('form', FORMS)
-def test_cached_layer_equals_full_causal_pass(form):
-  kwargs = {'max_distance': 2, 'form': form}
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 7, 8)).astype(np.float32))
-  full = MultiHeadAttention(num_heads=2, attention='shaw', attention_kwargs=kwargs)
-  params = nn.unbox(full.init(jax.random.key(0), x))['params']
-  want = full.apply({'params': params}, x, mask=jnp.tril(jnp.ones((7, 7), bool))[None, None])
-  step = MultiHeadAttention(num_heads=2, attention='shaw', attention_kwargs=kwargs, decode=True)
-  cache = step.init(jax.random.key(0), x)['cache']
-  outs = []
-  for lo, hi in ((0, 3), (3, 4), (4, 5), (5, 7)):  # a prefill, then steps and a chunk
-    y, variables = step.apply({'params': params, 'cache': cache}, x[:, lo:hi], mutable=['cache'])
-    cache = variables['cache']
-    outs.append(y)
-  np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(want), atol=1e-5)
-
-
-def test_model_cached_decoding_equals_forward_with_shaw():
+def test_the_decoder_has_shaw_tables_in_self_attention_not_cross_attention():
+  # Cached decoding against the full pass, every form: tests/test_models.py.
   cfg = dict(type='encoder_decoder', vocab_size=11, d_model=16, num_heads=2,
-             num_encoder_layers=1, num_decoder_layers=2, mlp_dim=32, dropout_rate=0.0,
+             num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32, dropout_rate=0.0,
              attention_dropout_rate=0.0, attention='shaw',
              attention_kwargs={'max_distance': 3, 'form': 'banded'}, positions='none',
              max_len=16, pre_ln=True, activation='relu', dtype='float32')
-  model, decode_model = models.build(cfg), models.build(cfg, decode=True)
-  inputs = jnp.array([[4, 5, 6, 7, 2], [8, 2, 0, 0, 0]])
-  targets = jnp.array([[1, 6, 5, 4, 9, 3], [1, 8, 3, 3, 2, 5]])
-  params = nn.unbox(model.init(jax.random.key(0), inputs, targets))['params']
+  inputs, targets = jnp.ones((1, 5), jnp.int32), jnp.ones((1, 6), jnp.int32)
+  params = jax.eval_shape(models.build(cfg).init, jax.random.key(0), inputs, targets)['params']
+  assert 'rel_key_table' in params['encoder']['layer_0']['self_attention']
   assert 'rel_key_table' in params['decoder']['layer_0']['self_attention']
   assert 'rel_key_table' not in params['decoder']['layer_0']['cross_attention']
-  want = model.apply({'params': params}, inputs, targets)
-  encoded = model.apply({'params': params}, inputs, method='encode')
-  cache = decode_model.init(jax.random.key(0), inputs, targets)['cache']
-  got = []
-  for t in range(targets.shape[1]):
-    logits, variables = decode_model.apply({'params': params, 'cache': cache}, encoded, inputs,
-                                           targets[:, t:t + 1], method='decode', mutable=['cache'])
-    cache = variables['cache']
-    got.append(logits)
-  np.testing.assert_allclose(np.asarray(jnp.concatenate(got, 1)), np.asarray(want), atol=1e-4)
 
 
 def test_registry_entry_and_config_validation():
