@@ -11,7 +11,7 @@ Initialisation: c = 1, L = `fire_threshold_init`; the MLP as a Dense layer's
 bias serves bidirectional attention too (the paper's models are causal).
 
 Written once as block terms (from_terms.py). The MLP runs on every (i, j)
-pair of a block: [bq, bk, width], the block's only extra array.
+pair of a block, TILE_ROWS rows at a time.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, registry
+
+TILE_ROWS = 128  # the MLP's rows at a time in a block of more (fire_bias)
 
 
 def fire_bias(params, q_pos, k_pos):
@@ -31,8 +33,21 @@ def fire_bias(params, q_pos, k_pos):
   distance = jnp.abs(i[:, None] - k_pos.astype(jnp.float32)[None, :])  # [bq, bk]
   # psi(max(L, i)) >= psi(L) > 0 for L > 0; the floor guards L -> 0.
   x = psi(distance) / jnp.maximum(psi(jnp.maximum(threshold, i)), 1e-6)[:, None]
-  hidden = jax.nn.relu(x[..., None] * p['fire_w1'] + p['fire_b1'])  # [bq, bk, w]
-  return jnp.einsum('qkw,wh->hqk', hidden, p['fire_w2']) + p['fire_b2'][:, None, None]
+
+  def mlp(x):  # [r, bk] -> [h, r, bk]
+    hidden = jax.nn.relu(x[..., None] * p['fire_w1'] + p['fire_b1'])  # [r, bk, w]
+    return jnp.einsum('qkw,wh->hqk', hidden, p['fire_w2'])
+
+  bq = x.shape[0]
+  if bq % TILE_ROWS or bq == TILE_ROWS:
+    out = mlp(x)
+  else:
+    # Row tiles, each recomputed in the backward pass: the hidden units of a
+    # whole block ([bq, bk, w] and their gradient) would double a chunked
+    # call's temp memory (benchmarks/chunked_attention.py).
+    tiles = jax.lax.map(jax.checkpoint(mlp), x.reshape(bq // TILE_ROWS, TILE_ROWS, -1))
+    out = jnp.moveaxis(tiles, 0, 1).reshape(tiles.shape[1], bq, -1)  # [h, bq, bk]
+  return out + p['fire_b2'][:, None, None]
 
 
 def _logits(q, k, params, q_pos, k_pos):

@@ -262,3 +262,25 @@ def test_cope_equals_a_float64_loop_of_the_paper(causal):
                                 cope_positions_max=num_positions)
   np.testing.assert_allclose(np.asarray(got, np.float64),
                              _cope_loop(q, k, v, embedding, visible), rtol=2e-5, atol=2e-5)
+
+
+def test_fire_bias_in_row_tiles_equals_the_formula_and_the_untiled_gradient(monkeypatch):
+  """A block of more than TILE_ROWS rows runs the MLP a tile at a time
+  (recomputed in the backward): the same bias as the float64 formula and
+  the same parameter gradients as one pass over the block."""
+  from flaxformer_lite.attention import fire
+  _, _, _, params, _ = _inputs('fire', {'fire_threshold_init': 100.0})
+  bq, bk = 2 * fire.TILE_ROWS, 37
+  q_pos, k_pos = jnp.arange(bq) + 60, jnp.arange(bk) * 5
+  got = np.asarray(fire.fire_bias(params, q_pos, k_pos), np.float64)
+  for i, j in [(0, 0), (5, 36), (bq - 1, 3), (fire.TILE_ROWS, 20), (bq - 1, bk - 1)]:
+    np.testing.assert_allclose(got[:, i, j], _fire_loop(params, 60 + i, 5 * j), rtol=1e-5,
+                               atol=1e-5)
+  weights = np.random.default_rng(1).normal(size=got.shape).astype(np.float32)
+  loss = lambda p: jnp.sum(fire.fire_bias(p, q_pos, k_pos) * weights)
+  tiled = jax.grad(loss)(params)
+  monkeypatch.setattr(fire, 'TILE_ROWS', 7)  # 256 rows do not divide: one pass
+  whole = jax.grad(loss)(params)
+  for name in params:
+    np.testing.assert_allclose(np.asarray(tiled[name]), np.asarray(whole[name]), rtol=1e-4,
+                               atol=1e-4, err_msg=name)
