@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
+from flaxformer_lite.attention.dot_product import dot_product_attention
 
 
 def alibi_slopes(num_heads):
@@ -79,22 +79,17 @@ def _block_logits(slopes, q, k, params, q_pos, k_pos):
           - slopes[None, :, None, None] * distance[None, None])
 
 
-def alibi_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None,
-                  **dropout):
-  """alibi_attention block by block (chunked.attend): the bias of each block
-  from its positions, never an [n, m] array."""
-  alibi_slopes(query.shape[2])  # checks num_heads
-  slopes = _slopes(query.shape[2])  # a constant: closed over
-  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, slopes))
-  return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype, **dropout)
+def _terms(num_heads):
+  """The block terms (from_terms.py): the chunked kernel's, and the
+  reference for alibi_attention, the same bias through dot_product_attention."""
+  return chunked.BlockTerms(logits=functools.partial(_block_logits, _slopes(num_heads)))
 
 
 registry.register(registry.AttentionVariant(
     name='alibi',
     models=registry.TRANSFORMER_MODELS,
     fn=alibi_attention,
-    chunked=alibi_chunked,
+    terms=_terms,
     uses_positions=True,
     position_arrays=True,
     doc='fixed per-head linear distance penalty -slope*|j-i| (ALiBi, Press et al. '

@@ -253,9 +253,8 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
   tables = {name: t for name, t in (('rel_key_table', rel_key_table),
                                     ('rel_value_table', rel_value_table)) if t is not None}
   k = (next(iter(tables.values())).shape[0] - 1) // 2
-  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, k),
-                             values=functools.partial(_block_values, k),
-                             uniform=functools.partial(_uniform, k))
+  terms = _shaw_terms(query.shape[2], max_distance=k, relative_keys=True,
+                      relative_values=True, form='banded')
   return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
                              chunk_size=chunk_size, dtype=dtype, **dropout)
 
@@ -285,17 +284,21 @@ def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **
   return shaw_attention(query, key, value, **rest)
 
 
-def _shaw_chunked(query, key, value, *, max_distance, relative_keys, relative_values, form,
-                  **rest):
-  del max_distance, relative_keys, relative_values, form  # form: the dense path's choice
-  return shaw_chunked(query, key, value, **rest)
+def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values, form):
+  """The block terms (from_terms.py): the chunked kernel's, and the
+  reference for shaw_attention's forms."""
+  del num_heads, relative_keys, relative_values, form  # the tables present; the dense forms
+  k = max_distance
+  return chunked.BlockTerms(logits=functools.partial(_block_logits, k),
+                            values=functools.partial(_block_values, k),
+                            uniform=functools.partial(_uniform, k))
 
 
 registry.register(registry.AttentionVariant(
     name='shaw',
     models=registry.TRANSFORMER_MODELS,
     fn=_shaw,
-    chunked=_shaw_chunked,
+    terms=_shaw_terms,
     kwargs={'max_distance': 16, 'relative_keys': True, 'relative_values': True,
             'form': 'auto'},
     params=_shaw_params,

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
+from flaxformer_lite.attention.dot_product import dot_product_attention
 
 
 SCALINGS = ('none', 'linear', 'ntk', 'yarn')
@@ -131,16 +131,14 @@ def _block_logits(rope, q, k, params, q_pos, k_pos):
   return chunked.dot_logits(q, k, params, q_pos, k_pos)
 
 
-def rotary_chunked(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None,
-                   dropout_rate=0.0, dropout_rng=None, **rope):
-  """rotary_attention block by block. The rotation is applied to each block
-  as it is read (O(block * d) beside the block's O(block^2 * d) dot): rotated
-  copies of q and k would be two more [b, n, h, d] arrays in the forward
-  pass and two more, their gradients, in the backward."""
-  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, rope))
-  return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
-                             dropout_rng=dropout_rng)
+def _terms(num_heads, **rope):
+  """The block terms (from_terms.py), the reference for rotary_attention.
+  On the chunked kernel the rotation is applied to each block as it is read
+  (O(block * d) beside the block's O(block^2 * d) dot): rotated copies of q
+  and k would be two more [b, n, h, d] arrays in the forward pass and two
+  more, their gradients, in the backward."""
+  del num_heads
+  return chunked.BlockTerms(logits=functools.partial(_block_logits, rope))
 
 
 def _check_head_dim(head_dim):
@@ -169,7 +167,7 @@ registry.register(registry.AttentionVariant(
     name='rotary',
     models=registry.TRANSFORMER_MODELS,
     fn=rotary_attention,
-    chunked=rotary_chunked,
+    terms=_terms,
     kwargs=OPTIONS,
     validate=_validate,
     check_head_dim=_check_head_dim,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
+from flaxformer_lite.attention.dot_product import dot_product_attention
 
 
 def t5_relative_position_bucket(relative_position, *, bidirectional=True,
@@ -148,17 +148,14 @@ def _block_logits(bucket_kw, q, k, params, q_pos, k_pos):
   return jax.lax.cond(jnp.all(buckets == buckets[0]), one_bucket, per_diagonal, s, table)
 
 
-def t5_bias_chunked(query, key, value, rel_embedding, *, mask=None, q_offset=0,
-                    bidirectional=True, num_buckets=32, bucket_max_distance=128,
-                    chunk_size=None, dtype=None, **dropout):
-  """t5_bias_attention block by block (chunked.attend); the table's
-  gradient is summed over the blocks."""
-  bucket_kw = dict(bidirectional=bidirectional, num_buckets=num_buckets,
-                   max_distance=bucket_max_distance)
-  terms = chunked.BlockTerms(logits=functools.partial(_block_logits, bucket_kw))
-  return dot_product_chunked(query, key, value, terms, {'rel_embedding': rel_embedding},
-                             mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype,
-                             **dropout)
+def _terms(num_heads, *, bidirectional, num_buckets, bucket_max_distance):
+  """The block terms (from_terms.py): the chunked kernel's (the table's
+  gradient summed over the blocks), and the reference for t5_bias_attention,
+  the [n, m] bias of mesh-tensorflow's form."""
+  del num_heads  # the table carries the heads
+  return chunked.BlockTerms(logits=functools.partial(
+      _block_logits, dict(bidirectional=bidirectional, num_buckets=num_buckets,
+                          max_distance=bucket_max_distance)))
 
 
 def _validate(kwargs):
@@ -190,7 +187,7 @@ registry.register(registry.AttentionVariant(
     name='t5_bias',
     models=registry.TRANSFORMER_MODELS,
     fn=t5_bias_attention,
-    chunked=t5_bias_chunked,
+    terms=_terms,
     kwargs={'num_buckets': 32, 'bucket_max_distance': 128, 'bidirectional': True},
     params=lambda num_heads, head_dim, kwargs: {
         'rel_embedding': ((kwargs['num_buckets'], num_heads),

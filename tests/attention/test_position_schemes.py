@@ -284,3 +284,30 @@ def test_fire_bias_in_row_tiles_equals_the_formula_and_the_untiled_gradient(monk
   for name in params:
     np.testing.assert_allclose(np.asarray(tiled[name]), np.asarray(whole[name]), rtol=1e-4,
                                atol=1e-4, err_msg=name)
+
+
+HAND_WRITTEN = [n for n in registry.names() if registry.get(n).terms is not None
+                and 'variant_fns' not in registry.get(n).fn.__qualname__]
+
+
+def test_the_hand_written_dense_forms_are_those_of_alibi_rotary_shaw_t5():
+  assert {'alibi', 'rotary', 'shaw', 't5_bias'} <= set(HAND_WRITTEN)
+
+
+@pytest.mark.parametrize('name', HAND_WRITTEN)
+def test_a_hand_written_dense_form_equals_the_one_its_block_terms_give(name):
+  """A variant registered with terms= and its own fn (faster, or the paper's
+  reference form): both dense paths, outputs and weights, with a causal and
+  padding mask and queries at an offset."""
+  q, k, v, params, kwargs = _inputs(name, None, seed=2)
+  variant = registry.get(name)
+  mask = np.arange(M)[None, :] <= Q_OFFSET + np.arange(N)[:, None]
+  mask = np.broadcast_to(mask, (B, 1, N, M)).copy()
+  mask[1, :, :, 12:] = False  # key padding in example 1
+  common = dict(mask=jnp.asarray(mask), bias=None, q_offset=Q_OFFSET, dropout_rate=0.0,
+                dropout_rng=None, deterministic=True, dtype=jnp.float32, return_weights=True)
+  got, got_w = variant.fn(q, k, v, **common, **params, **kwargs)
+  want, want_w = from_terms.dense_attention(q, k, v, variant.terms(H, **kwargs), params,
+                                            **common)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-5, atol=1e-6)
