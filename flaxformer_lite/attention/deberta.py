@@ -97,7 +97,8 @@ def _position_logits(q, k, k_rows, q_rows):
 
 def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
                       position_query_kernel, *, mask=None, bias=None, q_offset=0,
-                      position_buckets=256, max_relative_positions=512, p2c_row='released',
+                      positions=None, position_buckets=256, max_relative_positions=512,
+                      p2c_row='released',
                       dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
                       return_weights=False):
   """DeBERTa disentangled attention (module docstring).
@@ -105,6 +106,8 @@ def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
+    positions: None, or int [n] (n = m): query and key i at positions[i];
+      the rows are then gathered per pair ([n, m, h, d], for training lengths).
     rel_embeddings: P [2 * position_buckets, h*d];
     p2c_row: 'released' | 'paper' (module docstring);
     position_key_kernel, position_query_kernel: W_k,r, W_q,r [h*d, h, d].
@@ -117,10 +120,21 @@ def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
   m = key.shape[1]
   cdt = dtype or query.dtype
   kr, qr = position_projections(rel_embeddings, position_key_kernel, position_query_kernel)
-  distances = q_offset + n - 1 - jnp.arange(n + m - 1)
-  k_rows, q_rows = _distance_rows(kr, qr, distances, (position_buckets, max_relative_positions),
-                                  one_hot=False, p2c_row=p2c_row)
-  position = _position_logits(query.astype(cdt), key.astype(cdt), k_rows, q_rows) / np.sqrt(3 * d)
+  buckets = (position_buckets, max_relative_positions)
+  if positions is None:
+    distances = q_offset + n - 1 - jnp.arange(n + m - 1)
+    k_rows, q_rows = _distance_rows(kr, qr, distances, buckets, one_hot=False, p2c_row=p2c_row)
+    position = _position_logits(query.astype(cdt), key.astype(cdt), k_rows, q_rows)
+  else:
+    p = jnp.asarray(positions)
+    pairs = _distance_rows(kr, qr, (p[:, None] - p[None, :]).reshape(-1), buckets,
+                           one_hot=False, p2c_row=p2c_row)
+    k_rows, q_rows = (r.reshape(n, m, *r.shape[1:]).astype(cdt) for r in pairs)
+    position = (jnp.einsum('bnhd,nmhd->bhnm', query.astype(cdt), k_rows,
+                           preferred_element_type=jnp.float32)
+                + jnp.einsum('bmhd,nmhd->bhnm', key.astype(cdt), q_rows,
+                             preferred_element_type=jnp.float32))
+  position = position / np.sqrt(3 * d)
   if bias is not None:
     position = position + bias.astype(jnp.float32)
   # dot_product_attention divides q.k by sqrt(d); the extra 1/sqrt(3) makes it sqrt(3d).
@@ -218,6 +232,7 @@ registry.register(registry.AttentionVariant(
     params=_params,
     validate=_validate,
     uses_positions=True,
+    position_arrays=True,
     doc='disentangled content-to-content, content-to-position and position-to-content '
         'terms over log-bucketed offsets, scale 1/sqrt(3d) (DeBERTa, He et al. 2021); '
         "p2c_row: 'released' (the released code's row of i - j) or 'paper' (eq. 4's j - i)"))

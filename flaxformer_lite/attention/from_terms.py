@@ -98,12 +98,16 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
   values(a p1 + c p2) = a values(p1) + c values(p2) on random inputs (a
   block of 3 queries at positions 5..7 against 4 keys at 0..3)."""
   r = np.random.default_rng(seed)
-  p1, p2 = (jnp.asarray(r.uniform(size=(1, num_heads, 3, 4)), jnp.float32) for _ in range(2))
-  v = jnp.asarray(r.normal(size=(1, 4, num_heads, head_dim)), jnp.float32)
-  q_pos, k_pos = jnp.arange(5, 8), jnp.arange(4)
-  values = lambda p: np.asarray(terms.values(p, v, params, q_pos, k_pos), np.float64)
+  p1, p2 = (np.float32(r.uniform(size=(1, num_heads, 3, 4))) for _ in range(2))
+  v = np.float32(r.normal(size=(1, 4, num_heads, head_dim)))
+  q_pos, k_pos = np.arange(5, 8), np.arange(4)
   a, c = 0.7, -1.9
-  got, want = values(a * p1 + c * p2), a * values(p1) + c * values(p2)
+  # Eagerly even when the first lookup happens while a model is traced.
+  with jax.ensure_compile_time_eval():
+    values = lambda p: np.asarray(terms.values(jnp.asarray(p), jnp.asarray(v), params,
+                                               jnp.asarray(q_pos), jnp.asarray(k_pos)),
+                                  np.float64)
+    got, want = values(a * p1 + c * p2), a * values(p1) + c * values(p2)
   scale = max(1.0, float(np.max(np.abs(want))))
   if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
     raise TypeError(
@@ -116,6 +120,7 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
 def random_params(specs: Mapping[str, Any], seed: int = 0) -> dict:
   """{name: (shape, init, axes)} (AttentionVariant.params) -> arrays from
   each initializer."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), max(1, len(specs)))
-  return {name: init(k, shape, jnp.float32)
-          for k, (name, (shape, init, _)) in zip(keys, sorted(specs.items()))}
+  with jax.ensure_compile_time_eval():
+    keys = jax.random.split(jax.random.PRNGKey(seed), max(1, len(specs)))
+    return {name: init(k, shape, jnp.float32)
+            for k, (name, (shape, init, _)) in zip(keys, sorted(specs.items()))}

@@ -311,3 +311,13 @@ def test_a_hand_written_dense_form_equals_the_one_its_block_terms_give(name):
                                             **common)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_first_lookup_inside_a_traced_function_checks_the_terms_eagerly():
+  """A model traced under jit may be the first to look a variant up."""
+  registry.register(registry.AttentionVariant(
+      name='traced_lookup_test', terms=lambda num_heads: chunked.BlockTerms()))
+  try:
+    assert jax.jit(lambda x: x + len(registry.get('traced_lookup_test').name))(1) == 19
+  finally:
+    registry._REGISTRY.pop('traced_lookup_test')  # pylint: disable=protected-access

@@ -72,7 +72,7 @@ def test_training_draws_positions_and_evaluation_reads_zero_to_n():
 
 
 @pytest.mark.parametrize('model,message', [
-    ({'attention': 'sandwich'}, 'reads positions as a range only'),
+    ({'attention': 'local'}, 'reads positions as a range only'),
     ({'positions': 'learned', 'max_len': 16}, 'learned positions have a row'),
     ({'randomized_positions': -1}, 'must be an int >= 0'),
 ])
