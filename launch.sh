@@ -148,15 +148,10 @@ if [ "${1:-}" = "test" ]; then
   # process of a few GiB): about a fifth of the suite's time goes to waiting
   # on subprocesses (runs, signals, several processes), which the extra
   # worker fills. One core: in this process. FFL_TEST_WORKERS overrides.
-  # loadgroup: a module marked xdist_group runs on one worker, so that its
-  # module-scoped fixture (one large compilation) is built once, not once per
-  # worker; tests/conftest.py hands out the slowest modules first.
   cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-  workers="${FFL_TEST_WORKERS:-$(( cores < 2 ? 0 : cores < 4 ? cores + 1 : 4 ))}"
+  workers="${FFL_TEST_WORKERS:-$(( cores < 2 ? 0 : cores < 4 ? cores + 2 : 4 ))}"
   [ "$workers" -ge 2 ] || workers=0
-  dist=()
-  [ "$workers" -ge 2 ] && dist=(--dist loadgroup)
-  exec "$PY" -m pytest -n "$workers" "${dist[@]}" --durations=10 "$@"
+  exec "$PY" -m pytest -n "$workers" --durations=10 "$@"
 fi
 if [ "${1:-}" = "run" ]; then
   shift

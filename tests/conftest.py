@@ -21,21 +21,6 @@ from flaxformer_lite.data import shared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The modules whose tests take the longest (a large compilation in a
-# module-scoped fixture, end-to-end runs in subprocesses), handed out first:
-# pytest-xdist distributes tests in collection order, and these, collected
-# last, left the other workers idle at the end of the suite.
-SLOW_FIRST = ('tests/test_chunked_models.py', 'tests/attention/test_chunked.py',
-              'tests/test_readme.py', 'tests/test_real_data.py', 'tests/train/test_parallel.py',
-              'tests/train/test_faults.py', 'tests/train/test_multihost.py',
-              'tests/test_sweep.py', 'tests/layers/test_rnn.py', 'tests/test_models.py')
-
-
-def pytest_collection_modifyitems(config, items):
-  del config
-  rank = {path: i for i, path in enumerate(SLOW_FIRST)}
-  items.sort(key=lambda item: rank.get(os.path.relpath(str(item.fspath), REPO), len(rank)))
-
 
 @pytest.fixture(scope='session', autouse=True)
 def compilation_cache(tmp_path_factory):

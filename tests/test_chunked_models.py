@@ -32,9 +32,6 @@ from flaxformer_lite import decoding, models
 from flaxformer_lite.attention import registry
 from flaxformer_lite.train import losses, steps
 
-# One worker builds this module's shared fixture once (launch.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group('chunked_models')
-
 V = 13
 TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only')
 # Small options so that far blocks occur at these lengths (shaw: beyond the

@@ -33,9 +33,6 @@ from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention
 from flaxformer_lite.attention.masks import MaskSpec
 
-# One worker builds this module's shared fixture once (launch.sh: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group('chunked_cases')
-
 B, H, D, CHUNK = 3, 2, 4, 8
 CONFIGS = {
     'causal': dict(n=19, m=27, q_offset=3, causal=True, dense=False),

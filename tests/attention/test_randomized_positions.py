@@ -24,12 +24,11 @@ def _call(name, q, k, v, params, kwargs, mask, **where):
                                return_weights=False, **params, **kwargs, **where))
 
 
-@pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
 @pytest.mark.parametrize('name', registry.position_array_names())
-def test_positions_equal_the_tokens_placed_at_them_in_a_longer_sequence(name, causal):
+def test_positions_equal_the_tokens_placed_at_them_in_a_longer_sequence(name):
+  # Causal: the same code as bidirectional attention, the mask being data.
+  causal = True
   variant = registry.get(name)
-  if causal is False and 'encoder_only' not in variant.models:
-    pytest.skip(f'{name} is causal')
   r = np.random.default_rng(0)
   kwargs = registry.resolve_kwargs(name, None)
   specs = variant.params(H, D, kwargs) if variant.params else {}
