@@ -149,7 +149,7 @@ if [ "${1:-}" = "test" ]; then
   # on subprocesses (runs, signals, several processes), which the extra
   # worker fills. One core: in this process. FFL_TEST_WORKERS overrides.
   cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-  workers="${FFL_TEST_WORKERS:-$(( cores < 2 ? 0 : cores < 4 ? cores + 2 : 4 ))}"
+  workers="${FFL_TEST_WORKERS:-$(( cores < 2 ? 0 : cores < 4 ? cores + 1 : 4 ))}"
   [ "$workers" -ge 2 ] || workers=0
   exec "$PY" -m pytest -n "$workers" --durations=10 "$@"
 fi

@@ -113,11 +113,26 @@ def run_main():
 # workers (launch.sh test runs pytest-xdist), the short ones then fill the
 # gaps instead of one worker finishing a long test alone at the end.
 SLOW_FIRST = ('tests/train/', 'tests/test_real_data.py', 'tests/test_readme.py',
-              'tests/test_chunked_models.py', 'tests/test_sweep.py', 'tests/test_main.py')
+              'tests/test_sweep.py', 'tests/test_main.py')
+# Before those, the tests that share one large module-scoped compilation
+# (these fixtures), together: pytest-xdist hands each worker a first batch of
+# consecutive tests (a twelfth of the suite each, with 3 workers), so they all
+# reach the first worker and each fixture is built once, not once per worker
+# that gets one of its tests.
+SHARED_COMPILATIONS = ('trained', 'cases')
+SHARED_FIRST = ('tests/test_chunked_models.py', 'tests/attention/test_chunked.py')
+
+
+def _order(item):
+  path = item.nodeid.split('::')[0]
+  if path in SHARED_FIRST:
+    shares = any(f in item.fixturenames for f in SHARED_COMPILATIONS)
+    return (0, SHARED_FIRST.index(path), not shares)
+  return (1 if item.nodeid.startswith(SLOW_FIRST) else 2,)
 
 
 def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))
+  items.sort(key=_order)
 
 
 @pytest.fixture(scope='session')

@@ -1,7 +1,6 @@
 """plot_attention: PNGs from a trained workdir, the weights it plots, exit 2."""
 import functools
 import os
-import shutil
 import subprocess
 import sys
 
@@ -149,7 +148,7 @@ def test_rnn_decoder_weights_are_found_by_walking_the_intermediates(tfds_dir, tm
     assert f.read(8) == PNG_MAGIC
 
 
-def test_a_workdir_without_a_run_exits_2(tmp_path, workdir):
+def test_a_workdir_without_a_run_exits_2(tmp_path, tfds_dir):
   empty = tmp_path / 'empty'
   empty.mkdir()
   proc = _plot_cli(f'--workdir={empty}')
@@ -160,7 +159,7 @@ def test_a_workdir_without_a_run_exits_2(tmp_path, workdir):
 
   config_only = tmp_path / 'config_only'
   config_only.mkdir()
-  shutil.copy(os.path.join(workdir, 'config.json'), config_only)
+  (config_only / 'config.json').write_text(config_lib.to_json(_tiny(tfds_dir)))
   with pytest.raises(plot_attention.UsageError, match='no checkpoints'):
     plot_attention.load_run(str(config_only))
   assert os.listdir(config_only) == ['config.json']
