@@ -10,9 +10,10 @@ attention come with the two kernels. A hand-written dense form (Shaw's
 reshape-and-matmul trick, the paper's reference) may still be registered as
 `fn`; the registry-wide tests hold it to the derived one.
 
-`check_terms` runs where a variant is registered: `values` must be linear in
-the weights (the chunked backward's delta_i = dO_i . O_i relies on it), and a
-`values` term brings its `uniform` (chunked.BlockTerms refuses it otherwise).
+`check_terms` runs at a variant's first lookup (registry.get; not at import,
+which must run no JAX computation): `values` must be linear in the weights
+(the chunked backward's delta_i = dO_i . O_i relies on it). A `values` term
+also brings its `uniform` (chunked.BlockTerms refuses it otherwise).
 """
 from __future__ import annotations
 
