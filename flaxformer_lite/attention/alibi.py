@@ -44,10 +44,7 @@ def alibi_bias(num_heads, q_len, k_len, *, q_offset=0, positions=None):
   Query i sits at absolute position q_offset + i (q_offset may be traced),
   key j at position j; or both at positions[i], positions[j] (int [n], n = m).
   """
-  if positions is None:
-    q_pos, k_pos = q_offset + jnp.arange(q_len), jnp.arange(k_len)  # [n], [m]
-  else:
-    q_pos = k_pos = jnp.asarray(positions)
+  q_pos, k_pos = chunked.query_key_positions(q_len, k_len, q_offset, positions)  # [n], [m]
   distance = jnp.abs(k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)  # [n, m]
   slopes = alibi_slopes(num_heads)  # [h]
   return -slopes[None, :, None, None] * distance[None, None]  # [1, h, n, m]

@@ -187,6 +187,16 @@ def by_offset(x, bq: int, bk: int):
   return _read_skewed(tiled, bq, length)[..., :bk]
 
 
+def query_key_positions(n: int, m: int, q_offset=0, positions=None):
+  """(q_pos [n], k_pos [m]): queries at q_offset + 0..n-1 and keys at 0..m-1,
+  or both at `positions` (int [n], n = m: self-attention with positions as
+  data, such as randomized positions)."""
+  if positions is None:
+    return q_offset + jnp.arange(n), jnp.arange(m)
+  positions = jnp.asarray(positions)
+  return positions, positions
+
+
 def add_head_bias(s, bias):
   """s [b, h, bq, bk] + bias [h, bq, bk] (a position bias shared by the
   batch), the bias as b copies, not a broadcast: the transpose is then adds

@@ -77,10 +77,8 @@ def _params(num_heads, head_dim, kwargs):
 
 
 def _validate(kwargs):
-  p = kwargs['cope_positions_max']
-  if isinstance(p, bool) or not isinstance(p, int) or p < 2:
-    raise ValueError(f'attention_kwargs.cope_positions_max={p!r}; must be an int >= 2 (P, '
-                     'the integer positions with an embedding)')
+  registry.check_int(kwargs, 'cope_positions_max', 2,
+                     'P, the integer positions with an embedding')
 
 
 registry.register(registry.AttentionVariant(

@@ -214,10 +214,8 @@ def _validate(kwargs):
       raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int')
   if s < 2:
     raise ValueError(f'attention_kwargs.position_buckets={s}; must be >= 2')
-  if kwargs['p2c_row'] not in P2C_ROWS:
-    raise ValueError(f"attention_kwargs.p2c_row={kwargs['p2c_row']!r}; valid: "
-                     f"{', '.join(P2C_ROWS)} (the released code's row of i - j, or eq. 4's "
-                     'j - i)')
+  registry.check_choice(kwargs, 'p2c_row', P2C_ROWS,
+                        "the released code's row of i - j, or eq. 4's j - i")
   if top <= s // 2 + 1:
     raise ValueError(f'attention_kwargs.max_relative_positions={top}; must be > '
                      f'{s // 2 + 1} (position_buckets / 2 + 1 for position_buckets={s})')

@@ -73,10 +73,7 @@ def _params(num_heads, head_dim, kwargs):
 
 
 def _validate(kwargs):
-  width = kwargs['fire_width']
-  if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-    raise ValueError(f'attention_kwargs.fire_width={width!r}; must be an int >= 1 '
-                     "(the MLP's hidden units)")
+  registry.check_int(kwargs, 'fire_width', 1, "the MLP's hidden units")
   registry.positive_number('fire_threshold_init')(kwargs)
 
 

@@ -49,10 +49,7 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   dtype = dtype or query.dtype
   b, n, h, d = query.shape
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
-  if positions is None:
-    q_pos, k_pos = q_offset + jnp.arange(n), jnp.arange(key.shape[1])
-  else:
-    q_pos = k_pos = jnp.asarray(positions)
+  q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
   logits = terms.logits(scaled, key.astype(dtype), params, q_pos, k_pos)  # [b, h, n, m]
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)

@@ -61,9 +61,7 @@ def _params(num_heads, head_dim, kwargs):
 
 
 def _validate(kwargs):
-  if kwargs['kerple_form'] not in FORMS:
-    raise ValueError(f"attention_kwargs.kerple_form={kwargs['kerple_form']!r}; valid: "
-                     f"{', '.join(FORMS)}")
+  registry.check_choice(kwargs, 'kerple_form', FORMS)
 
 
 registry.register(registry.AttentionVariant(

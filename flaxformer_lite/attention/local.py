@@ -188,9 +188,7 @@ def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask
 
 
 def validate_window(kwargs):
-  w = kwargs['window']
-  if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-    raise ValueError(f'attention_kwargs.window={w!r}; must be an int >= 1')
+  registry.check_int(kwargs, 'window', 1)
 
 
 def _validate(kwargs):

@@ -96,15 +96,11 @@ def _params(num_heads, head_dim, kwargs):
 
 def _validate(kwargs):
   for name in ('location_channels', 'location_kernel'):
-    v = kwargs[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-      raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int >= 1')
+    registry.check_int(kwargs, name, 1)
   if kwargs['location_kernel'] % 2 == 0:
     raise ValueError(f"attention_kwargs.location_kernel={kwargs['location_kernel']}; must be "
                      "odd (a 'same' convolution centred on each key)")
-  if kwargs['location_mode'] not in MODES:
-    raise ValueError(f"attention_kwargs.location_mode={kwargs['location_mode']!r}; "
-                     f"valid: {', '.join(map(repr, MODES))}")
+  registry.check_choice(kwargs, 'location_mode', MODES)
 
 
 registry.register(registry.AttentionVariant(

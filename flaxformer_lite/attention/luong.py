@@ -208,10 +208,7 @@ def _local_p_params(num_heads, head_dim, kwargs):
 
 
 def _validate(kwargs):
-  d = kwargs['half_window']
-  if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-    raise ValueError(f'attention_kwargs.half_window={d!r}; must be an int >= 1 '
-                     '(D: query i sees the keys |j - p_i| <= D)')
+  registry.check_int(kwargs, 'half_window', 1, 'D: query i sees the keys |j - p_i| <= D')
 
 
 registry.register(registry.AttentionVariant(

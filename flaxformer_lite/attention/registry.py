@@ -150,6 +150,22 @@ def _check_options(variant: AttentionVariant) -> None:
             'shared option has one default: use the same one, or a name of its own')
 
 
+def check_int(kwargs: Mapping[str, Any], option: str, low: int, why: str = '') -> None:
+  """Raises ValueError unless kwargs[option] is an int (not a bool) >= low;
+  `why` (what the option is) ends the message."""
+  v = kwargs[option]
+  if isinstance(v, bool) or not isinstance(v, int) or v < low:
+    raise ValueError(f'attention_kwargs.{option}={v!r}; must be an int >= {low}'
+                     + (f' ({why})' if why else ''))
+
+
+def check_choice(kwargs: Mapping[str, Any], option: str, choices, why: str = '') -> None:
+  """Raises ValueError unless kwargs[option] is one of `choices`, naming them."""
+  if kwargs[option] not in choices:
+    raise ValueError(f'attention_kwargs.{option}={kwargs[option]!r}; valid: '
+                     f'{", ".join(choices)}' + (f' ({why})' if why else ''))
+
+
 def positive_number(option: str) -> Callable[[Mapping[str, Any]], None]:
   """A `validate` for a variant whose option `option` must be a number > 0."""
   def validate(kwargs):
@@ -279,7 +295,7 @@ def chunked_names() -> list[str]:
 
 
 def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
-  impl, size, mib = kernel
+  impl = kernel.implementation
   valid = KERNELS + variant.dense_implementations
   if impl not in valid:
     raise ValueError(f'attention_kwargs.implementation={impl!r}; valid for attention='
@@ -293,14 +309,13 @@ def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
         "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
         f"JAX backend is {jax.default_backend()!r}; use 'auto' (picks cuDNN where it can "
         "run) or 'dense'/'xla'/'chunked'")
-  if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-    raise ValueError(f'attention_kwargs.chunk_size={size!r}; must be an int >= 1')
-  if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
-    raise ValueError(f'attention_kwargs.dense_max_mib={mib!r}; must be an int >= 0')
+  check_int(kernel._asdict(), 'chunk_size', 1)
+  check_int(kernel._asdict(), 'dense_max_mib', 0)
 
 
 def choose_kernel(variant: AttentionVariant, kernel: Kernel, query, key, *,
-                  return_weights: bool, dtype=None, decoding: bool = False) -> str:
+                  return_weights: bool, dtype=None, decoding: bool = False,
+                  positions: bool = False) -> str:
   """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, g, d].
 
   'auto' takes the chunked form where the variant has one and the call's
@@ -311,8 +326,12 @@ def choose_kernel(variant: AttentionVariant, kernel: Kernel, query, key, *,
   where the dense kernel reads all of it. It keeps the dense path where the
   weights are asked for (only it has them) or cuDNN's fused kernel fits
   (dot_product on a GPU). An explicit 'chunked' with return_weights (plots)
-  runs the dense path too.
+  runs the dense path too, and so does any call whose variant is given
+  `positions` as data (randomized positions): a chunked form's block terms
+  may read a block's positions as a range.
   """
+  if positions:
+    return 'dense'
   if kernel.implementation == 'chunked':
     return 'dense' if return_weights else 'chunked'
   if kernel.implementation != 'auto' or variant.chunked is None or return_weights:

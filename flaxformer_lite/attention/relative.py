@@ -275,8 +275,7 @@ def _validate_shaw(kwargs):
   if not (kwargs['relative_keys'] or kwargs['relative_values']):
     raise ValueError('attention_kwargs.relative_keys and relative_values are both False; '
                      'use attention=dot_product for no relative positions')
-  if kwargs['form'] not in FORMS:
-    raise ValueError(f"attention_kwargs.form={kwargs['form']!r}; valid: {', '.join(FORMS)}")
+  registry.check_choice(kwargs, 'form', FORMS)
 
 
 def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **rest):

@@ -115,10 +115,7 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
   """
   rope = dict(max_wavelength=max_wavelength, rope_scaling=rope_scaling, rope_factor=rope_factor,
               rope_original_max_len=rope_original_max_len, rotary_fraction=rotary_fraction)
-  if positions is None:
-    q_pos, k_pos = q_offset + jnp.arange(query.shape[1]), jnp.arange(key.shape[1])
-  else:
-    q_pos = k_pos = positions
+  q_pos, k_pos = chunked.query_key_positions(query.shape[1], key.shape[1], q_offset, positions)
   query = apply_rotary(query, q_pos, **rope)
   key = apply_rotary(key, k_pos, **rope)
   return dot_product_attention(query, key, value, **common)
@@ -148,9 +145,7 @@ def _check_head_dim(head_dim):
 
 def _validate(kwargs):
   registry.positive_number('max_wavelength')(kwargs)
-  if kwargs['rope_scaling'] not in SCALINGS:
-    raise ValueError(f"attention_kwargs.rope_scaling={kwargs['rope_scaling']!r}; valid: "
-                     f"{', '.join(SCALINGS)}")
+  registry.check_choice(kwargs, 'rope_scaling', SCALINGS)
   factor = kwargs['rope_factor']
   if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
     raise ValueError(f'attention_kwargs.rope_factor={factor!r}; must be a number >= 1 '

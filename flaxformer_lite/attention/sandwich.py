@@ -64,10 +64,10 @@ def _terms(num_heads, *, sandwich_dim):
 
 
 def _validate(kwargs):
-  dim = kwargs['sandwich_dim']
-  if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
-    raise ValueError(f'attention_kwargs.sandwich_dim={dim!r}; must be an even int >= 2 '
-                     "(d', the sinusoidal embedding's features)")
+  registry.check_int(kwargs, 'sandwich_dim', 2, "d', the sinusoidal embedding's features")
+  if kwargs['sandwich_dim'] % 2:
+    raise ValueError(f"attention_kwargs.sandwich_dim={kwargs['sandwich_dim']}; must be even "
+                     '(sine and cosine pairs)')
 
 
 registry.register(registry.AttentionVariant(

@@ -67,10 +67,7 @@ def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, positions=None, bidirect
   Returns:
     [1, h, q_len, k_len] in rel_embedding's dtype.
   """
-  if positions is None:
-    q_pos, k_pos = q_offset + jnp.arange(q_len), jnp.arange(k_len)  # [n], [m]
-  else:
-    q_pos = k_pos = jnp.asarray(positions)
+  q_pos, k_pos = chunked.query_key_positions(q_len, k_len, q_offset, positions)  # [n], [m]
   buckets = t5_relative_position_bucket(
       k_pos[None, :] - q_pos[:, None], bidirectional=bidirectional,
       num_buckets=num_buckets, max_distance=max_distance)  # [n, m]

@@ -128,17 +128,14 @@ class MultiHeadAttention(nn.Module):
     dropout_active = not deterministic and self.dropout_rate > 0.0
     dropout_rng = self.make_rng('dropout') if dropout_active else None
     want_weights = self.sow_weights or return_weights
+    reads_positions = positions is not None and variant.uses_positions
+    if reads_positions and not variant.position_arrays:
+      raise ValueError(f'attention={self.attention!r} reads positions as q_offset + 0..n-1 '
+                       'only; randomized positions need one of '
+                       f'{registry.position_array_names()}')
     kernel = registry.choose_kernel(variant, kernel_options, query, key,
                                     return_weights=want_weights, dtype=self.dtype,
-                                    decoding=self.decode)
-    if positions is not None and variant.uses_positions:
-      if not variant.position_arrays:
-        raise ValueError(f'attention={self.attention!r} reads positions as q_offset + 0..n-1 '
-                         'only; randomized positions need one of '
-                         f'{registry.position_array_names()}')
-      # Positions that are not 0..n-1 run on the dense kernel: the chunked
-      # kernel's block terms may read a block's positions as a range.
-      kernel = 'dense'
+                                    decoding=self.decode, positions=reads_positions)
     if kernel == 'chunked':
       if bias is not None:
         raise ValueError('the chunked attention kernel takes no explicit bias; use '

@@ -131,12 +131,13 @@ def test_every_learned_table_declares_how_a_model_axis_shards_it(name):
 # ---- the kernel 'auto' picks ----------------------------------------------------
 
 def _pick(name, b, n, m, h=8, g=None, dtype='float32', decoding=False, return_weights=False,
-          **options):
+          positions=False, **options):
   query = jax.ShapeDtypeStruct((b, n, h, 64), dtype)
   key = jax.ShapeDtypeStruct((b, m, g or h, 64), dtype)
   kernel = registry.resolve_kernel(name, options)
   return registry.choose_kernel(registry.get(name), kernel, query, key, dtype=dtype,
-                                decoding=decoding, return_weights=return_weights)
+                                decoding=decoding, return_weights=return_weights,
+                                positions=positions)
 
 
 @pytest.mark.parametrize('name', registry.chunked_names())
@@ -166,6 +167,16 @@ def test_auto_decodes_a_cache_longer_than_two_blocks_on_the_chunked_kernel(name)
   assert _pick(name, 4, 1, 1024, decoding=True) == 'dense'
   assert _pick(name, 4, 1, 1024, decoding=True, chunk_size=256) == 'chunked'
   assert _pick(name, 4, 1, 2048, decoding=False) == 'dense'
+
+
+@pytest.mark.parametrize('name', sorted(set(registry.chunked_names())
+                                         & set(registry.position_array_names())))
+def test_positions_given_as_data_run_on_the_dense_kernel(name):
+  """Randomized positions: the chunked forms' block terms may read a block's
+  positions as a range, so such a call is dense whatever its size or option."""
+  assert _pick(name, 64, 512, 512, h=16) == 'chunked'
+  assert _pick(name, 64, 512, 512, h=16, positions=True) == 'dense'
+  assert _pick(name, 1, 16, 16, implementation='chunked', positions=True) == 'dense'
 
 
 def test_auto_keeps_variants_without_a_chunked_form_dense():
