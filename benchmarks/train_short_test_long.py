@@ -137,8 +137,6 @@ def _summary(records, schemes, contexts):
 
 
 # Each scheme its own marker and dash: curves that share a color or cross stay apart.
-MARKERS = 'osD^vP*Xh<'
-DASHES = ('-', '--', '-.', ':')
 ZOOM = 0.1  # the right panel: losses within 10% of the lowest
 
 
@@ -170,8 +168,7 @@ def _plot(records, schemes, contexts):
   with plt.rc_context(sweep_plots.READABLE):
     fig, (full, zoom) = plt.subplots(1, 2, figsize=(11, 5.2), layout='constrained')
     for i, (scheme, (xs, ys, lo, hi, na)) in enumerate(curves.items()):
-      style = dict(color=f'C{i % 10}', marker=MARKERS[i % len(MARKERS)],
-                   linestyle=DASHES[i % len(DASHES)], markersize=5)
+      style = sweep_plots.curve_style(i)
       label = scheme + (f' (n/a from {na})' if na else '')
       for ax in (full, zoom):
         ax.plot(xs, ys, label=label if ax is full else None, **style)

@@ -23,7 +23,7 @@ from flaxformer_lite.attention import registry
 RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',
                      'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite',
-                     'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
+                     'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha', 'eval.sequence_accuracy',
                      'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir',
                      'train.profile_steps', 'model.remat', 'eval.batch_tokens',
                      'eval.contexts', 'eval.sample_prompt', 'eval.sample_len',
@@ -116,7 +116,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.profile_steps = ''
 
   c.data = d = ml_collections.ConfigDict()
-  d.task = 'reverse'  # data.TASKS: synthetic (reverse, copy, sort), multi30k, tiny_shakespeare, tfds
+  # data.TASKS: generated (reverse, copy, sort; the algorithmic tasks of data/algorithmic.py:
+  # parity_check, reverse_string, mqar, ...), multi30k, tiny_shakespeare, tfds
+  d.task = 'reverse'
   d.tfds_name = ''  # task=tfds: a TFDS catalog name, e.g. wmt14_translate/de-en, lm1b
   d.manual_dir = ''  # raw files of a real corpus; '': the shared corpora (data/shared.py), else downloaded
   d.data_dir = ''  # TFDS data dir; '' = $TFDS_DATA_DIR or ~/tensorflow_datasets
@@ -137,6 +139,10 @@ def base_config() -> ml_collections.ConfigDict:
   d.mlm_rate = 0.15  # model.type=encoder_only: fraction of tokens masked (BERT)
   d.num_symbols = 16  # synthetic tasks ...
   d.min_len = 1
+  # Generated tasks: the lengths of split test_long, num_eval examples spread
+  # evenly over them, its exact-match accuracy also reported per length
+  # (long_sequence_accuracy_len<L>); () = uniform in max_len+1..2*max_len.
+  d.test_lengths = ()
   d.num_train = 50_000
   d.num_eval = 1_000
   d.seed = 0
@@ -163,6 +169,10 @@ def base_config() -> ml_collections.ConfigDict:
   e.beam_size = 1  # the final test's decoding: 1 = greedy (periodic evals are greedy)
   e.beam_alpha = 0.6  # GNMT length penalty
   e.max_decode_len = 0  # 0: target width (token tasks), 1.5 x source + 10 (text)
+  # Token tasks' sequence_accuracy: 'decoded' (greedy or beam, then compared)
+  # | 'teacher_forced' (every target token the argmax given the true prefix:
+  # greedy decoding's exact match, in one parallel pass instead of one step a token).
+  e.sequence_accuracy = 'decoded'
   return c
 
 

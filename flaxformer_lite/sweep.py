@@ -16,7 +16,11 @@ A grid file holds values only; its get_sweep() returns
        'rows': {ROW: {'model.attention': 'shaw'}},     # what differs between rows
        'metrics': {'test.bleu': 'test BLEU'},          # SPLIT.KEY of metrics.jsonl -> label
        'tables': {TABLE: [ROW, ...]},                  # default: one table of every row
-   }}}
+   }},
+   # optional, across studies of the same rows:
+   'summaries': {NAME: {'metric': 'test.accuracy', 'label': 'accuracy'}},
+   'curves': {NAME: {'metric': 'test.accuracy_len', 'label': 'accuracy',
+                     'xlabel': 'length', 'panels': {PANEL: [STUDY, ...]}}}}
 
 Each run is `./launch.sh EXPERIMENT --workdir=OUT/STUDY/ROW/seed_S
 --config.seed=S --config.KEY=VALUE ...` (run as `python -m
@@ -31,7 +35,11 @@ and the row runs from scratch. Runs go `--jobs` at a time, each pinned to its
 own share of the cores (Linux). results.csv has one line per (study, row,
 seed, metric) of the grid's rows with the run's wall time; tables.md gives
 mean ± sample std over seeds per table; each table's figure is a bar per row
-(mean from 0, error bar std, a dot per seed) per metric.
+(mean from 0, error bar std, a dot per seed) per metric. A summary is a
+table of one metric with a line per study and a column per row: mean ±
+std over seeds with the best seed's value, and the mean over studies. A
+curves entry is the figure NAME.png: the metrics SPLIT.PREFIX<number>
+against the number, a panel per PANEL averaging its studies, a curve per row.
 """
 from __future__ import annotations
 
@@ -152,9 +160,21 @@ def load_grid(path: str, check_configs: bool = True) -> dict:
   if grid is None:
     raise SweepError(f'grid file {path!r} defines no get_sweep()')
   grid = grid()
-  _keys(grid, {'seeds', 'out', 'results', 'studies'}, 'the grid', required={'seeds', 'studies'})
+  _keys(grid, {'seeds', 'out', 'results', 'studies', 'summaries', 'curves'}, 'the grid',
+        required={'seeds', 'studies'})
   if not grid['studies']:
     raise SweepError(f'{path}: studies is empty')
+  for name, summary in grid.get('summaries', {}).items():
+    _keys(summary, {'metric', 'label'}, f'summaries.{name}', required={'metric', 'label'})
+  for name, curves in grid.get('curves', {}).items():
+    where = f'curves.{name}'
+    _keys(curves, {'metric', 'label', 'xlabel', 'panels'}, where,
+          required={'metric', 'label', 'panels'})
+    for panel, studies in curves['panels'].items():
+      missing = [s for s in studies if s not in grid['studies']]
+      if missing:
+        raise SweepError(f'{where}.panels.{panel} names studies {missing} that the grid lacks; '
+                         f'studies: {", ".join(grid["studies"])}')
   for name, study in grid['studies'].items():
     where = f'studies.{name}'
     _keys(study, {'experiment', 'overrides', 'rows', 'metrics', 'tables'}, where,
@@ -538,14 +558,84 @@ def tables_markdown(grid: dict, lines: list[dict]) -> str:
   return '\n'.join(out)
 
 
+def _grid_rows(grid: dict) -> list[str]:
+  """Every row name of the grid, in the order the studies first give them."""
+  return list(dict.fromkeys(r for study in grid['studies'].values() for r in study['rows']))
+
+
+def summaries_markdown(grid: dict, lines: list[dict]) -> str:
+  """A table per summary: a line per study, a column per row; each cell the
+  mean ± std over seeds and [the best seed's value]; a last line of the
+  means over the studies (of the means, and of the best seeds)."""
+  fmt = sweep_plots.fmt_value
+  rows, out = _grid_rows(grid), []
+  for name, summary in grid.get('summaries', {}).items():
+    out.append(f'### {name}: {summary["label"]} ({summary["metric"]})\n')
+    out.append('mean ± sample std over seeds [best seed]; the last line averages the lines '
+               'above it (a row missing a study is left out).\n')
+    out.append('| study | ' + ' | '.join(rows) + ' |')
+    out.append('|---' * (len(rows) + 1) + '|')
+    means = {r: [] for r in rows}
+    bests = {r: [] for r in rows}
+    for study in grid['studies']:
+      values = _by_row(lines, study, summary['metric'])
+      cells = []
+      for row in rows:
+        v = values.get(row)
+        if not v:
+          cells.append('–')
+          continue
+        mean, std, n = sweep_plots.summarise(v)
+        means[row].append(mean), bests[row].append(max(v))
+        cells.append((f'{fmt(mean)} ± {fmt(std, like=mean)}' if n > 1 else fmt(mean))
+                     + f' [{fmt(max(v))}]')
+      if any(c != '–' for c in cells):
+        out.append(f'| {study} | ' + ' | '.join(cells) + ' |')
+    complete = len(grid['studies'])
+    out.append('| **mean** | ' + ' | '.join(
+        f'**{fmt(sum(means[r]) / len(means[r]))}** [{fmt(sum(bests[r]) / len(bests[r]))}]'
+        if len(means[r]) == complete else '–' for r in rows) + ' |')
+    out.append('')
+  return '\n'.join(out)
+
+
+def curve_points(grid: dict, lines: list[dict], prefix: str, studies: list[str]) -> dict:
+  """{row: (xs, ys)}: for each number x of a metric PREFIX<x>, the mean over
+  `studies` of the mean over seeds; only x that every study of the row has."""
+  by = {}
+  for line in lines:
+    if line['study'] in studies and line['metric'].startswith(prefix):
+      x = line['metric'][len(prefix):]
+      if x.isdigit():
+        by.setdefault(line['row'], {}).setdefault(int(x), {}).setdefault(
+            line['study'], []).append(line['value'])
+  out = {}
+  for row in _grid_rows(grid):
+    points = sorted((x, sum(sum(v) / len(v) for v in per.values()) / len(per))
+                    for x, per in by.get(row, {}).items() if len(per) == len(studies))
+    if points:
+      out[row] = ([x for x, _ in points], [y for _, y in points])
+  return out
+
+
 def plot(grid: dict, lines: list[dict], results: str) -> list[str]:
-  """A figure per (study, table), STUDY_TABLE.png in `results`; returns the paths written."""
+  """A figure per (study, table), STUDY_TABLE.png in `results`, and one per
+  curves entry, NAME.png; returns the paths written."""
   paths = []
   for name, study in grid['studies'].items():
     for table, rows in study['tables'].items():
       panels = {label: _by_row(lines, name, metric) for metric, label in study['metrics'].items()}
       fig = sweep_plots.bar_figure(f'{name}: {table}', rows, panels)
       paths.append(sweep_plots.save(fig, os.path.join(results, f'{name}_{table}.png')))
+  for name, curves in grid.get('curves', {}).items():
+    panels = {f'{panel} ({len(studies)} studies)' if len(studies) > 1 else panel:
+              curve_points(grid, lines, curves['metric'], studies)
+              for panel, studies in curves['panels'].items()}
+    seeds = sorted({l['seed'] for l in lines})
+    fig = sweep_plots.curve_figure(
+        f'{name}: {curves["label"]}, mean over seeds ({len(seeds)}) and over each '
+        'panel\'s studies', curves.get('xlabel', 'x'), curves['label'], panels)
+    paths.append(sweep_plots.save(fig, os.path.join(results, f'{name}.png')))
   return paths
 
 
@@ -557,7 +647,8 @@ def write_results(grid: dict, all_runs: list[Run], results: str, *, figures=True
     writer.writeheader()
     writer.writerows(lines)
   with open(os.path.join(results, 'tables.md'), 'w') as f:
-    f.write(tables_markdown(grid, lines))
+    f.write('\n'.join(t for t in (summaries_markdown(grid, lines), tables_markdown(grid, lines))
+                      if t))
   if figures and lines:
     plot(grid, lines, results)
   return lines

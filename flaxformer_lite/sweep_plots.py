@@ -1,7 +1,8 @@
 """Figures that read at 100%: bars per row from zero, curves told apart, legends off the data.
 
-bar_figure draws a sweep table (flaxformer_lite/sweep.py); READABLE and save
-are shared with the benchmarks' figures (benchmarks/train_short_test_long.py).
+bar_figure draws a sweep table and curve_figure a sweep's curves
+(flaxformer_lite/sweep.py); READABLE, curve_style and save are shared with the
+benchmarks' figures (benchmarks/train_short_test_long.py).
 matplotlib is imported on first use: the sweep imports this module at start.
 """
 from __future__ import annotations
@@ -14,6 +15,9 @@ READABLE = {'font.size': 10, 'axes.titlesize': 10, 'axes.labelsize': 10,
             'xtick.labelsize': 9, 'ytick.labelsize': 9, 'legend.fontsize': 9,
             'figure.titlesize': 11, 'savefig.dpi': DPI}
 
+
+MARKERS = 'osD^vP*Xh<>p'
+DASHES = ('-', '--', '-.', ':')
 
 # Hollow: a seed on the error bar's line stays visible.
 SEED_DOT = dict(marker='o', markersize=4, color='k', markerfacecolor='white', zorder=3)
@@ -107,6 +111,41 @@ def _bars(ax, rows: list[str], values: dict[str, list[float]]):
   ax.set_xlim(lo - (0.25 * span if lo < 0 else 0), hi + (0.25 * span if hi > 0 else 0))
   ax.axvline(0, color='k', linewidth=0.8)
   ax.grid(axis='x', alpha=0.3)
+
+
+def curve_style(i: int) -> dict:
+  """The i-th curve's colour, marker and dash: any two of 40 curves differ in
+  at least one, so overlapping curves stay told apart."""
+  return dict(color=f'C{i % 10}', marker=MARKERS[i % len(MARKERS)],
+              linestyle=DASHES[i % len(DASHES)], markersize=5)
+
+
+def curve_figure(title: str, xlabel: str, ylabel: str,
+                 panels: dict[str, dict[str, tuple[list[float], list[float]]]]):
+  """A panel per entry of `panels` (panel title -> {curve: (xs, ys)}), the
+  y axis from 0 to 1 (accuracies), one legend below. A curve keeps its style
+  in every panel. Returns the matplotlib Figure."""
+  plt = pyplot()
+  names = list(dict.fromkeys(c for curves in panels.values() for c in curves))
+  with plt.rc_context(READABLE):
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 0.6, 4.6),
+                             sharey=True, squeeze=False, layout='constrained')
+    for ax, (panel, curves) in zip(axes[0], panels.items()):
+      for name, (xs, ys) in curves.items():
+        ax.plot(xs, ys, label=name, **curve_style(names.index(name)))
+      ax.set_title(panel)
+      ax.set_xlabel(xlabel)
+      ax.set_ylim(0, 1.02)
+      ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:  # every curve once, whichever panel has it
+      for h, l in zip(*ax.get_legend_handles_labels()):
+        if l not in labels:
+          handles.append(h), labels.append(l)
+    fig.suptitle(title)
+    fig.legend(handles, labels, loc='outside lower center', ncol=min(6, len(labels)))
+  return fig
 
 
 def save(fig, path: str) -> str:

@@ -27,8 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from flaxformer_lite.data.synthetic import FIRST_SYMBOL
-
+FIRST_SYMBOL = 3  # ids 0, 1, 2 are PAD, BOS, EOS (tokens.py)
 GROUPS = ('regular', 'context_free', 'context_sensitive', 'retrieval')
 MODULUS = 5            # modular arithmetic, cycle length (the paper's 5)
 BUCKET_SYMBOLS = 5     # bucket_sort's alphabet (the paper's 5)
@@ -41,12 +40,16 @@ FLIP_FLOP_P = (0.1, 0.1, 0.8)  # p(w), p(r), p(i): FFL(0.8)
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One task: `generate(rng, length)` -> (inputs [n] int32, targets [m] int32)
-  tokens in [FIRST_SYMBOL, FIRST_SYMBOL + vocab); `doc` one line, citing."""
+  tokens in [FIRST_SYMBOL, FIRST_SYMBOL + vocab); `doc` one line, citing;
+  `longest(length)` bounds max(n, m); `max_length` the longest valid length
+  (None: any)."""
   name: str
   group: str
   vocab: int
   generate: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]
   doc: str
+  longest: Callable[[int], int] = lambda length: length
+  max_length: int | None = None
 
 
 def _bits(rng, n):
@@ -298,7 +301,7 @@ TASKS: dict[str, Task] = {t.name: t for t in [
          f'stack bottom-to-top then POP/PUSH 0/PUSH 1 -> final stack top first, '
          f'no termination symbol (the caller\'s EOS ends it) ({_DCH}).'),
     Task('duplicate_string', 'context_sensitive', 2, _tokens(duplicate_string),
-         f'w -> ww ({_DCH}).'),
+         f'w -> ww ({_DCH}).', longest=lambda n: 2 * n),
     Task('missing_duplicate', 'context_sensitive', 4, _tokens(missing_duplicate),
          f'ww with one MASK (EMPTY pad at odd length) -> the masked bit ({_DCH}).'),
     Task('binary_addition', 'context_sensitive', 3, _tokens(binary_addition),
@@ -312,15 +315,15 @@ TASKS: dict[str, Task] = {t.name: t for t in [
     Task('mqar', 'retrieval', MQAR_KEYS + MQAR_VALUES, _tokens(mqar),
          'key-value pairs then every key once, contiguous, no noise tokens -> '
          'their values (Arora et al. 2023, Zoology, multi-query associative '
-         'recall).'),
+         'recall).', longest=lambda n: 3 * n, max_length=MQAR_KEYS),
     Task('passkey', 'retrieval', 15, _tokens(passkey),
          'filler with MARKER + 5 digits at a random place, then QUERY -> the '
          'digits, token-level and stated once (Mohtashami & Jaggi 2023, '
-         'Landmark Attention).'),
+         'Landmark Attention).', longest=lambda n: n + 7),
     Task('flip_flop', 'retrieval', 6, _tokens(flip_flop),
          "w/r/i + bit instructions, FFL(0.8), read bits hidden -> the bits "
          "each read must copy (Liu et al. 2023, Exposing Attention Glitches "
-         "with Flip-Flop Language Modeling)."),
+         "with Flip-Flop Language Modeling).", longest=lambda n: 2 * n),
 ]}
 
 

@@ -23,7 +23,7 @@ from flaxformer_lite.tokens import EOS_ID
 
 REAL_TASKS = ('multi30k', 'tiny_shakespeare', 'tfds')
 BUILDER_NAMES = {'multi30k': 'multi30k', 'tiny_shakespeare': 'tiny_shakespeare_char'}
-TASKS = tuple(synthetic.TASKS) + REAL_TASKS
+TASKS = synthetic.TASK_NAMES + REAL_TASKS
 KINDS = ('seq2seq', 'lm')
 OVERLONG = ('drop', 'truncate')
 log = logging.getLogger('flaxformer_lite')
@@ -38,6 +38,8 @@ class Dataset:
   length, by split. bad_lines: lines the builder skipped ({split: {reason:
   count}}). tokenizer: encode/decode text (None for synthetic tasks).
   references: split -> the raw target texts, row for row (text seq2seq).
+  length_groups: split -> each row's task length [N], for a split whose
+  metrics are also reported per length (test_long of data.test_lengths).
   """
   vocab_size: int
   splits: dict
@@ -46,6 +48,7 @@ class Dataset:
   tokenizer: Any = None
   references: dict = dataclasses.field(default_factory=dict)
   bad_lines: dict = dataclasses.field(default_factory=dict)
+  length_groups: dict = dataclasses.field(default_factory=dict)
 
 
 def default_data_dir() -> str:
@@ -94,7 +97,7 @@ def _load(data_config) -> Dataset:
   if task not in TASKS:
     raise DataError(f'data.task={task!r} is not a known task; valid: {", ".join(TASKS)}')
   data_dir = data_config['data_dir'] or default_data_dir()
-  if task in synthetic.TASKS:
+  if task in synthetic.TASK_NAMES:
     return _load_synthetic(data_config, data_dir)
   d = data_config
   manual_dir = os.path.abspath(os.path.expanduser(d['manual_dir'])) if d['manual_dir'] else ''
@@ -124,19 +127,36 @@ def _load(data_config) -> Dataset:
 
 
 def _load_synthetic(d, data_dir) -> Dataset:
+  """The generated splits padded to fixed widths: train, validation and test
+  to one width (data.max_len + EOS for reverse/copy/sort, else the longest
+  of the three), test_long to its own longest."""
   builder = synthetic.builder(d, data_dir)
   corpora.prepare(builder)
-  max_len = d['max_len'] + 1  # + EOS
-  splits, dropped = {}, {}
-  for split, length in (('train', max_len), ('validation', max_len),
-                        ('test', max_len), ('test_long', 2 * max_len)):
+  examples = {}
+  for split in ('train', 'validation', 'test', 'test_long'):
     source = builder.as_data_source(split=split)
-    examples = source.__getitems__(list(range(len(source))))
-    splits[split], dropped[split] = pipeline.pad_examples(
-        examples, {'inputs': length, 'targets': length})
+    examples[split] = source.__getitems__(list(range(len(source))))
+
+  def longest(splits, feature):
+    return max(len(ex[feature]) for s in splits for ex in examples[s])
+
+  widths = {}
+  for group in (('train', 'validation', 'test'), ('test_long',)):
+    for split in group:
+      if d['task'] in synthetic.TASKS and not d.get('test_lengths'):
+        width = (2 if split == 'test_long' else 1) * d['max_len'] + 1
+        widths[split] = {'inputs': width, 'targets': width}
+      else:
+        widths[split] = {k: longest(group, k) for k in ('inputs', 'targets')}
+  splits, dropped = {}, {}
+  for split, exs in examples.items():
+    splits[split], dropped[split] = pipeline.pad_examples(exs, widths[split])
     if dropped[split]:
       log.warning('%s: dropped %d over-long examples', split, dropped[split])
-  return Dataset(synthetic.vocab_size(d), splits, dropped)
+  groups = {}
+  if d.get('test_lengths'):
+    groups['test_long'] = np.array([ex['length'] for ex in examples['test_long']], np.int32)
+  return Dataset(synthetic.vocab_size(d), splits, dropped, length_groups=groups)
 
 
 def _tokenizer(d, builder, texts_fn):

@@ -1,9 +1,15 @@
-"""Synthetic sequence tasks as a TFDS builder: reverse, copy, sort.
+"""Generated sequence tasks as a TFDS builder: reverse, copy, sort, and the
+length-generalisation tasks of data/algorithmic.py.
 
-Sequences of symbols 3..3+num_symbols-1 (0 = PAD, 1 = BOS, 2 = EOS), lengths
-uniform in [min_len, max_len]; `test_long` has lengths in
-[max_len + 1, 2 * max_len] to measure length generalisation. Every input
-and target ends with EOS. Generated from a seed: nothing is downloaded.
+reverse, copy, sort: sequences of symbols 3..3+num_symbols-1 (0 = PAD, 1 =
+BOS, 2 = EOS). The algorithmic tasks (parity_check, ..., mqar, passkey,
+flip_flop) draw inputs and targets from their own generators and alphabets.
+Lengths (the task's length: algorithmic.py) are uniform in [min_len,
+max_len] for train, validation and test; `test_long` holds lengths never
+trained on: num_eval examples spread evenly over `test_lengths`, or (none
+given) uniform in [max_len + 1, 2 * max_len]. Every input and target ends
+with EOS, and every example records its length (`length`), by which
+evaluation groups test_long. Generated from a seed: nothing is downloaded.
 Written as array_record and read through `tfds.data_source` (no TensorFlow).
 """
 from __future__ import annotations
@@ -13,14 +19,16 @@ import dataclasses
 import numpy as np
 import tensorflow_datasets as tfds
 
+from flaxformer_lite.data import algorithmic
 from flaxformer_lite.tokens import EOS_ID
 
+FIRST_SYMBOL = algorithmic.FIRST_SYMBOL
 TASKS = {
     'reverse': lambda x: x[::-1],
     'copy': lambda x: x,
     'sort': np.sort,
 }
-FIRST_SYMBOL = 3
+TASK_NAMES = (*TASKS, *algorithmic.TASKS)
 
 
 @dataclasses.dataclass
@@ -32,11 +40,13 @@ class SyntheticConfig(tfds.core.BuilderConfig):
   num_train: int = 50_000
   num_eval: int = 1_000
   seed: int = 0
+  test_lengths: tuple = ()
 
 
 class SyntheticTasks(tfds.core.GeneratorBasedBuilder):
-  """Reverse / copy / sort of random symbol sequences."""
-  VERSION = tfds.core.Version('1.0.0')
+  """Reverse / copy / sort of random symbol sequences, and the algorithmic tasks."""
+  VERSION = tfds.core.Version('1.1.0')
+  RELEASE_NOTES = {'1.1.0': 'the algorithmic tasks; each example records its length'}
   BUILDER_CONFIGS = []
 
   def _info(self):
@@ -46,41 +56,70 @@ class SyntheticTasks(tfds.core.GeneratorBasedBuilder):
         features=tfds.features.FeaturesDict({
             'inputs': tfds.features.Tensor(shape=(None,), dtype=np.int32),
             'targets': tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            'length': tfds.features.Tensor(shape=(), dtype=np.int32),
         }),
         supervised_keys=('inputs', 'targets'))
 
   def _split_generators(self, dl_manager):
     c = self.builder_config
+    trained = (c.min_len, c.max_len)
     return {
-        'train': self._generate_examples(c.num_train, c.min_len, c.max_len, 0),
-        'validation': self._generate_examples(c.num_eval, c.min_len, c.max_len, 1),
-        'test': self._generate_examples(c.num_eval, c.min_len, c.max_len, 2),
-        'test_long': self._generate_examples(c.num_eval, c.max_len + 1, 2 * c.max_len, 3),
+        'train': self._generate_examples(c.num_train, trained, 0),
+        'validation': self._generate_examples(c.num_eval, trained, 1),
+        'test': self._generate_examples(c.num_eval, trained, 2),
+        'test_long': self._generate_examples(
+            c.num_eval, tuple(c.test_lengths) or (c.max_len + 1, 2 * c.max_len), 3,
+            spread=bool(c.test_lengths)),
     }
 
-  def _generate_examples(self, num, min_len, max_len, split_seed):
+  def _generate_examples(self, num, lengths, split_seed, spread=False):
+    """num examples; lengths uniform in the range (lo, hi), or with spread
+    the lengths listed, in turn."""
     c = self.builder_config
     rng = np.random.default_rng([c.seed, split_seed])
-    fn = TASKS[c.task]
     eos = np.array([EOS_ID], np.int32)
     for i in range(num):
-      length = rng.integers(min_len, max_len + 1)
-      x = rng.integers(FIRST_SYMBOL, FIRST_SYMBOL + c.num_symbols, size=length).astype(np.int32)
-      yield i, {'inputs': np.concatenate([x, eos]),
-                'targets': np.concatenate([fn(x).astype(np.int32), eos])}
+      length = lengths[i % len(lengths)] if spread else rng.integers(lengths[0], lengths[1] + 1)
+      x, y = _example(c, rng, int(length))
+      yield i, {'inputs': np.concatenate([x, eos]), 'targets': np.concatenate([y, eos]),
+                'length': np.int32(length)}
+
+
+def _example(c: SyntheticConfig, rng, length: int):
+  """(inputs, targets) int32 symbols of one example of c.task, no EOS."""
+  if c.task in algorithmic.TASKS:
+    return algorithmic.TASKS[c.task].generate(rng, length)
+  x = rng.integers(FIRST_SYMBOL, FIRST_SYMBOL + c.num_symbols, size=length).astype(np.int32)
+  return x, TASKS[c.task](x).astype(np.int32)
 
 
 def builder(data_config, data_dir: str | None) -> SyntheticTasks:
-  """The builder for config.data (task, num_symbols, min_len, max_len, ...)."""
+  """The builder for config.data (task, num_symbols, min_len, max_len,
+  test_lengths, ...)."""
   d = data_config
-  name = (f"{d['task']}_s{d['num_symbols']}_len{d['min_len']}-{d['max_len']}"
-          f"_n{d['num_train']}-{d['num_eval']}_seed{d['seed']}")
+  test_lengths = tuple(int(n) for n in d.get('test_lengths', ()))
+  tested = f"_test{'-'.join(map(str, test_lengths))}" if test_lengths else ''
+  name = (f"{d['task']}_s{vocab_size(d) - FIRST_SYMBOL}_len{d['min_len']}-{d['max_len']}"
+          f"{tested}_n{d['num_train']}-{d['num_eval']}_seed{d['seed']}")
   config = SyntheticConfig(
       name=name, task=d['task'], num_symbols=d['num_symbols'], min_len=d['min_len'],
       max_len=d['max_len'], num_train=d['num_train'], num_eval=d['num_eval'],
-      seed=d['seed'])
+      seed=d['seed'], test_lengths=test_lengths)
   return SyntheticTasks(config=config, data_dir=data_dir, file_format='array_record')
 
 
 def vocab_size(data_config) -> int:
+  task = data_config['task']
+  if task in algorithmic.TASKS:
+    return FIRST_SYMBOL + algorithmic.TASKS[task].vocab
   return FIRST_SYMBOL + data_config['num_symbols']
+
+
+def longest(data_config) -> int:
+  """The longest input or target of any split, EOS included (a bound)."""
+  d = data_config
+  test_lengths = tuple(d.get('test_lengths', ()))
+  length = max(d['max_len'], *test_lengths) if test_lengths else 2 * d['max_len']
+  if d['task'] in algorithmic.TASKS:
+    return algorithmic.TASKS[d['task']].longest(length) + 1
+  return length + 1

@@ -3,7 +3,7 @@ positions' reach, packing), checked before anything is loaded or built."""
 from __future__ import annotations
 
 from flaxformer_lite.config import ConfigError, check, check_choice
-from flaxformer_lite.data import corpora, tokenizers
+from flaxformer_lite.data import algorithmic, corpora, synthetic, tokenizers
 from flaxformer_lite.data.corpora import DataError
 from flaxformer_lite.data.loading import BUILDER_NAMES, OVERLONG, REAL_TASKS, TASKS
 from flaxformer_lite.model_types import MODEL_TYPES
@@ -81,13 +81,23 @@ def validate(config) -> None:
   if kind == 'lm':
     check(m.positions != 'learned' or m.max_len >= d.max_len,
           f'model.max_len={m.max_len} is shorter than the context data.max_len={d.max_len}')
-  if d.task in TASKS and d.task not in REAL_TASKS:  # synthetic
+  if d.task in TASKS and d.task not in REAL_TASKS:  # generated
     check(1 <= d.min_len <= d.max_len,
           f'data.min_len={d.min_len} and data.max_len={d.max_len} need 1 <= min_len <= max_len')
     check(d.num_symbols >= 1, f'data.num_symbols={d.num_symbols} must be >= 1')
     check(d.num_train >= t.batch_size,
           f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
-    longest = 2 * d.max_len + 1  # the test_long split, EOS included
+    test_lengths = tuple(d.get('test_lengths', ()))
+    check(all(isinstance(n, int) and n >= 1 for n in test_lengths),
+          f'data.test_lengths={test_lengths} must be lengths >= 1, e.g. (50, 100, 200)')
+    check(d.num_eval >= len(test_lengths),
+          f'data.num_eval={d.num_eval} is fewer than one example per data.test_lengths '
+          f'({len(test_lengths)} lengths)')
+    reach = algorithmic.TASKS[d.task].max_length if d.task in algorithmic.TASKS else None
+    check(reach is None or max((d.max_len, *test_lengths)) <= reach,
+          f'data.task={d.task!r} has lengths up to {reach}; data.max_len={d.max_len} and '
+          f'data.test_lengths={test_lengths} go beyond')
+    longest = synthetic.longest(d)
     check(m.positions != 'learned' or m.max_len >= longest,
-          f'model.max_len={m.max_len} is shorter than the longest sequence ({longest}, '
-          f'data.max_len={d.max_len} doubled for test_long, + EOS); set model.max_len >= {longest}')
+          f'model.max_len={m.max_len} is shorter than the longest sequence ({longest} tokens '
+          f'of data.task={d.task!r}, split test_long, + EOS); set model.max_len >= {longest}')

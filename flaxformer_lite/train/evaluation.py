@@ -50,10 +50,14 @@ class Evaluator:
     self.config, self.dataset, self.sample_path = config, dataset, sample_path
     self.place_batch = place_batch or (lambda batch: batch)  # Partitioner.place_eval_batch
     self.objective = steps.OBJECTIVES[config.model.type]
+    # Token tasks scored by teacher forcing: the metrics step gives each row's score too.
+    self.row_scores = (self.objective == 'seq2seq' and dataset.tokenizer is None and
+                       config.eval.sequence_accuracy == 'teacher_forced')
     self.metrics_step = jax.jit(functools.partial(
         steps.eval_step, apply_fn=model.apply, label_smoothing=config.train.label_smoothing,
         objective=self.objective, mlm_rate=config.data.mlm_rate,
-        vocab_size=config.model.vocab_size, data_vocab_size=dataset.vocab_size))
+        vocab_size=config.model.vocab_size, data_vocab_size=dataset.vocab_size,
+        row_scores=self.row_scores))
     self.model, self.decode_model = model, None
     if self.objective != 'mlm':
       self.decode_model = models.build(config.model, decode=True)
@@ -158,31 +162,73 @@ class Evaluator:
     return out
 
   def _sums(self, params, split, context=None, each_batch=None):
-    """The metric sums over the split's batches; each_batch(i, batch), when
-    given, is called with every placed batch."""
+    """The metric sums over the split's batches; each_batch(i, batch, rows),
+    when given, is called with every placed batch (rows: its row scores, or
+    None; steps.eval_step)."""
     step, sums = self.compiled_step(params, split, context), None
     eval_rng = jax.random.key(self.config.seed + 1)
     for i, batch in enumerate(self._batches(split, context)):
       batch = self.place_batch(batch)
-      s = step(params, batch, jax.random.fold_in(eval_rng, i))
+      s, rows = step(params, batch, jax.random.fold_in(eval_rng, i)), None
+      if self.row_scores:
+        s, rows = s
       sums = s if sums is None else metrics_lib.add_sums(sums, s)
       if each_batch:
-        each_batch(i, batch)
+        each_batch(i, batch, rows)
     return sums
 
   def _translation(self, params, split, beam_size, log_examples) -> dict:
-    """Teacher-forced metrics, then the decoded split scored against its targets."""
+    """Teacher-forced metrics, then the decoded split scored against its
+    targets; with eval.sequence_accuracy='teacher_forced' (token tasks) the
+    exact match of greedy decoding from one teacher-forced pass instead."""
     arrays = self.arrays(split)
-    decoder = self._decoder(self.decode_len(arrays), beam_size)
     size, _ = self.batch_rows(arrays)
+    if self.row_scores:
+      scores = []
+
+      def score(i, batch, rows):
+        real = self._real(arrays, i)
+        scores.append(np.stack([np.asarray(partitioning.to_host(r), np.int64)[:real]
+                                for r in rows], axis=1))
+
+      out = metrics_lib.summarise(self._sums(params, split, each_batch=score))
+      right, answer, exact = np.concatenate(scores).T
+      # An empty answer (the target is EOS alone) scores as its exact match.
+      accuracy = np.where(answer > 0, right / np.maximum(answer, 1), exact)
+      out.update(self._sequence_accuracy(split, exact.astype(bool), accuracy))
+      return out
+    decoder = self._decoder(self.decode_len(arrays), beam_size)
     predicted = []
 
-    def decode(i, batch):
-      real = min(size, len(arrays['inputs']) - i * size)
-      predicted.append(partitioning.to_host(decoder(params, batch['inputs']))[:real])
+    def decode(i, batch, rows):
+      predicted.append(partitioning.to_host(decoder(params, batch['inputs']))[
+          :self._real(arrays, i)])
 
     out = metrics_lib.summarise(self._sums(params, split, each_batch=decode))
     out.update(self._score(split, arrays, np.concatenate(predicted), log_examples))
+    return out
+
+  def _real(self, arrays, i) -> int:
+    """The examples of batch i that are the split's (not padding rows)."""
+    size, _ = self.batch_rows(arrays)
+    return min(size, len(arrays['inputs']) - i * size)
+
+  def _sequence_accuracy(self, split, same, row_accuracy=None) -> dict:
+    """sequence_accuracy from each example's exact match `same` [N] bool; for
+    a split of several test lengths also per length, as the papers tabulate:
+    sequence_accuracy_len<L>, and with `row_accuracy` [N] (each example's
+    fraction of right answer tokens, EOS not counted) accuracy_len<L> and their mean over the
+    lengths, mean_length_accuracy."""
+    out = {'sequence_accuracy': float(np.mean(same))}
+    if split in self.dataset.length_groups:
+      lengths = self.dataset.length_groups[split][:len(same)]
+      for n in np.unique(lengths):
+        out[f'sequence_accuracy_len{n}'] = float(np.mean(same[lengths == n]))
+        if row_accuracy is not None:
+          out[f'accuracy_len{n}'] = float(np.mean(row_accuracy[lengths == n]))
+      if row_accuracy is not None:  # Deletang et al.'s score: lengths weigh the same
+        out['mean_length_accuracy'] = float(np.mean(
+            [out[f'accuracy_len{n}'] for n in np.unique(lengths)]))
     return out
 
   def _score(self, split, arrays, predicted, log_examples) -> dict:
@@ -195,7 +241,7 @@ class Evaluator:
       for i in range(log_examples):
         log.info('  input %s\n  target %s\n  decoded %s', _tokens(arrays['inputs'][i]),
                  _tokens(targets[i]), _tokens(predicted[i]))
-      return {'sequence_accuracy': float(np.mean(same))}
+      return self._sequence_accuracy(split, same)
     hypotheses = [tokenizer.decode(row) for row in predicted]
     references = self.dataset.references[split][:num]
     for i in range(log_examples):

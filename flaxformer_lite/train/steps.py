@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flaxformer_lite import decoding
 from flaxformer_lite.data import masking
 from flaxformer_lite.model_types import MODEL_TYPES
-from flaxformer_lite.tokens import PAD_ID, shift_right
+from flaxformer_lite.tokens import EOS_ID, PAD_ID, shift_right
 from flaxformer_lite.train import losses
 
 OBJECTIVES = {name: t.objective for name, t in MODEL_TYPES.items()}
@@ -117,13 +117,29 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
 
 def eval_step(params, batch, rng=None, *, apply_fn, label_smoothing: float,
               objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
-              data_vocab_size: int = 0):
+              data_vocab_size: int = 0, row_scores: bool = False):
   """Teacher-forced metric sums on one batch (PAD rows weigh nothing).
-  rng: the mlm masks (fixed per batch, so every eval scores the same masks)."""
+  rng: the mlm masks (fixed per batch, so every eval scores the same masks).
+
+  row_scores: also, per row, (answer tokens whose argmax is right [b],
+  answer tokens [b], every target token right [b] bool), the answer being
+  the target without its EOS. A row with every token right is greedy
+  decoding's exact match, for a target that is one fixed sequence: if each
+  argmax given the true prefix is the true token, greedy decoding follows
+  the true prefix throughout, and conversely; one parallel pass instead of
+  a decode step per token.
+  """
   logits, targets, weights = forward(apply_fn, params, batch, objective=objective,
                                      rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size,
                                      data_vocab_size=data_vocab_size)
-  return losses.token_metrics(logits, targets, weights, label_smoothing)
+  sums = losses.token_metrics(logits, targets, weights, label_smoothing)
+  if not row_scores:
+    return sums
+  scored = weights > 0
+  right = jnp.argmax(logits, axis=-1) == targets
+  answer = scored & (targets != EOS_ID)
+  return sums, ((right & answer).sum(axis=1), answer.sum(axis=1),
+                jnp.all(right | ~scored, axis=1))
 
 
 def decode_step(params, inputs, *, model, decode_model, max_len: int, beam_size: int = 1,

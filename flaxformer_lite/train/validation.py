@@ -50,6 +50,10 @@ def validate(config) -> None:
   check(e.max_examples >= 0, f'eval.max_examples={e.max_examples} must be >= 0 (0 = all)')
   check(e.beam_size >= 1, f'eval.beam_size={e.beam_size} must be >= 1 (1 = greedy)')
   check(e.max_decode_len >= 0, f'eval.max_decode_len={e.max_decode_len} must be >= 0')
+  check_choice('eval.sequence_accuracy', e.sequence_accuracy, ('decoded', 'teacher_forced'))
+  check(e.sequence_accuracy == 'decoded' or e.beam_size == 1,
+        f"eval.sequence_accuracy='teacher_forced' is greedy decoding's exact match; "
+        f"eval.beam_size={e.beam_size} needs eval.sequence_accuracy='decoded'")
   _validate_lm_eval(config)
 
 

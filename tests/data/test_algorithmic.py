@@ -5,7 +5,7 @@ import pytest
 
 from flaxformer_lite.data import algorithmic
 from flaxformer_lite.data.algorithmic import GROUPS, TASKS, examples
-from flaxformer_lite.data.synthetic import FIRST_SYMBOL
+from flaxformer_lite.data.algorithmic import FIRST_SYMBOL
 
 LENGTHS = (1, 2, 3, 4, 5, 8, 13)  # 8 examples each: 56 per task
 
@@ -196,6 +196,7 @@ def test_targets_match_the_reference_and_lengths(task):
         assert len(targets) == target_length(length)
       x = _decode(inputs)
       assert _decode(targets) == reference(x), (task, x)
+      assert max(len(inputs), len(targets)) <= TASKS[task].longest(length)
 
 
 @pytest.mark.parametrize('task', sorted(TASKS))
@@ -223,6 +224,14 @@ def test_covers_the_length_range(task):
   seen = {len(inputs) for inputs, _ in examples(task, (2, 9), 200, seed=0)}
   assert seen == {input_length(n) for n in range(2, 10)}
   assert {len(inputs) for inputs, _ in examples(task, 6, 10, seed=0)} == {input_length(6)}
+
+
+def test_max_length_is_enforced():
+  for name, task in TASKS.items():
+    if task.max_length is not None:
+      examples(name, task.max_length, 1, seed=0)
+      with pytest.raises(ValueError, match=str(task.max_length)):
+        examples(name, task.max_length + 1, 1, seed=0)
 
 
 def test_registry():
