@@ -633,8 +633,8 @@ def plot(grid: dict, lines: list[dict], results: str) -> list[str]:
               for panel, studies in curves['panels'].items()}
     seeds = sorted({l['seed'] for l in lines})
     fig = sweep_plots.curve_figure(
-        f'{name}: {curves["label"]}, mean over seeds ({len(seeds)}) and over each '
-        'panel\'s studies', curves.get('xlabel', 'x'), curves['label'], panels)
+        f'{name}: {curves["label"]}, the mean over {sweep_plots.seeds_phrase([len(seeds)])} '
+        "and each panel's studies", curves.get('xlabel', 'x'), curves['label'], panels)
     paths.append(sweep_plots.save(fig, os.path.join(results, f'{name}.png')))
   return paths
 

@@ -108,7 +108,9 @@ def _bars(ax, rows: list[str], values: dict[str, list[float]]):
   lo, hi = min(ends), max(ends)
   span = (hi - lo) or 1.0
   # Room for the value labels: about 8 characters of 9 pt in a 3.2 inch panel.
-  ax.set_xlim(lo - (0.25 * span if lo < 0 else 0), hi + (0.25 * span if hi > 0 else 0))
+  # (Every value 0, as a task no row learns: still an axis from 0.)
+  ax.set_xlim(lo - (0.25 * span if lo < 0 else 0),
+              hi + (0.25 * span if hi > 0 or lo == hi else 0))
   ax.axvline(0, color='k', linewidth=0.8)
   ax.grid(axis='x', alpha=0.3)
 

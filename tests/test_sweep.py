@@ -370,6 +370,10 @@ def test_a_bar_figure_starts_at_0_says_one_seed_and_reads_at_100_percent():
   legend, = three.legends
   assert _on_the_data(three, legend) == [] and not _small_text(three)
 
+  zeros = sweep_plots.bar_figure('s: t', ['a'], {'acc': {'a': [0.0, 0.0]}})
+  lo, hi = zeros.axes[0].get_xlim()
+  assert lo == 0 < hi  # an axis, not a singular one
+
 
 def _write_csv(path, values: dict):
   """results.csv from {(row, seed, metric): value}."""
@@ -417,3 +421,68 @@ def test_the_train_short_test_long_figure_tells_its_curves_apart_off_the_data():
   assert 'learned (n/a from 512)' in [t.get_text() for t in legend.get_texts()]
   assert _on_the_data(fig, legend) == [] and not _small_text(fig)
   assert 'mean of 2 seeds' in fig.get_suptitle()
+
+
+def _two_study_grid():
+  study = {'experiment': REVERSE, 'rows': {'a': {}, 'b': {}}, 'metrics': {'test.acc': 'acc'},
+           'tables': {'t': ['a', 'b']}}
+  return {'seeds': [0, 1], 'studies': {'x': study, 'y': dict(study)},
+          'summaries': {'acc': {'metric': 'test.acc', 'label': 'accuracy'}},
+          'curves': {'by_len': {'metric': 'test.acc_len', 'label': 'accuracy',
+                                'xlabel': 'length', 'panels': {'both': ['x', 'y'],
+                                                               'x alone': ['x']}}}}
+
+
+def _lines(values: dict) -> list[dict]:
+  return [dict(study=s, row=r, seed=seed, metric=m, value=v, wall_seconds=1.0)
+          for (s, r, seed, m), v in values.items()]
+
+
+def test_a_summary_has_a_line_per_study_a_column_per_row_and_the_best_seed():
+  lines = _lines({('x', 'a', 0, 'test.acc'): 0.4, ('x', 'a', 1, 'test.acc'): 0.6,
+                  ('x', 'b', 0, 'test.acc'): 0.9, ('x', 'b', 1, 'test.acc'): 0.7,
+                  ('y', 'a', 0, 'test.acc'): 0.2, ('y', 'a', 1, 'test.acc'): 0.2,
+                  ('y', 'b', 0, 'test.acc'): 1.0})
+  text = sweep.summaries_markdown(_two_study_grid(), lines)
+  table = [line for line in text.splitlines() if line.startswith('| ')]
+  assert table[0] == '| study | a | b |'
+  # a on x: mean 0.5, sample std sqrt(0.02) = 0.141, best 0.6
+  assert table[1] == '| x | 0.500 ± 0.141 [0.600] | 0.800 ± 0.141 [0.900] |'
+  assert table[2] == '| y | 0.200 ± 0.000 [0.200] | 1.000 [1.000] |'
+  assert table[3] == '| **mean** | **0.350** [0.400] | **0.900** [0.950] |'
+  del lines[-1]  # b has no y: no mean over the studies for it
+  assert sweep.summaries_markdown(_two_study_grid(), lines).splitlines()[-1].endswith(
+      '[0.400] | – |')
+
+
+def test_curves_average_seeds_then_studies_per_panel_and_draw_a_figure(tmp_path):
+  values = {}
+  for s, offset in (('x', 0.0), ('y', 0.2)):
+    for seed in (0, 1):
+      for n in (50, 100):
+        values[s, 'a', seed, f'test.acc_len{n}'] = offset + n / 1000 + seed / 100
+      values[s, 'a', seed, 'test.acc_lenient'] = 5.0  # not a number after the prefix
+  values['x', 'b', 0, 'test.acc_len50'] = 0.3  # b: on x only
+  grid, lines = _two_study_grid(), _lines(values)
+  both = sweep.curve_points(grid, lines, 'test.acc_len', ['x', 'y'])
+  assert list(both) == ['a']
+  assert both['a'][0] == [50, 100]
+  assert both['a'][1] == pytest.approx([(0.055 + 0.255) / 2, (0.105 + 0.305) / 2])
+  assert sweep.curve_points(grid, lines, 'test.acc_len', ['x'])['b'] == ([50], [0.3])
+  paths = sweep.plot(grid, lines, str(tmp_path))
+  assert os.path.join(str(tmp_path), 'by_len.png') in paths
+  fig = sweep_plots.curve_figure('t', 'length', 'accuracy', {
+      'both': both, 'x alone': sweep.curve_points(grid, lines, 'test.acc_len', ['x'])})
+  legend, = fig.legends
+  assert [t.get_text() for t in legend.get_texts()] == ['a', 'b']
+  assert _on_the_data(fig, legend) == [] and not _small_text(fig)
+  assert all(ax.get_ylim() == (0, 1.02) for ax in fig.axes)
+
+
+def test_curves_naming_a_study_the_grid_lacks_is_a_grid_error(tmp_path):
+  path = tmp_path / 'grid.py'
+  grid = _two_study_grid()
+  grid['curves']['by_len']['panels'] = {'p': ['x', 'z']}
+  path.write_text(f'def get_sweep():\n  return {grid!r}\n')
+  with pytest.raises(sweep.SweepError, match=r"panels.p names studies \['z'\]"):
+    sweep.load_grid(str(path), check_configs=False)

@@ -1,4 +1,4 @@
-"""Which position scheme generalises? ./launch.sh sweep experiments/sweeps/length_generalisation_suite.py --jobs=2
+"""Which position scheme generalises? ./launch.sh sweep experiments/sweeps/length_generalisation_suite.py --jobs=2 --results benchmarks/results/length_generalisation_suite
 
 The standard length-generalisation tasks (data/algorithmic.py) x position
 schemes x 3 seeds, each run experiments/algorithmic.py: trained on lengths
@@ -13,11 +13,12 @@ sinusoidal and rotary.
 Every run has the same short budget (1,000 steps of 32, a 2+2-layer d64
 encoder-decoder; the papers train 1M steps): these are this budget's
 numbers, not the papers' converged ones.
-Workdirs in workdirs/length_generalisation_suite/; tables.md (a summary per
-metric: task x scheme, mean ± std [best seed]) and the figures
-(accuracy against test length per task group) in
-benchmarks/results/length_generalisation_suite/. About 5 hours at --jobs=2
-on 2 CPU cores; a second invocation finishes at once.
+Workdirs in workdirs/length_generalisation_suite/; results.csv, tables.md
+(a summary per metric: task x scheme, mean ± std [best seed]; then a table
+per task) and the figures (accuracy against test length per task group) in
+--results, without it in the workdirs' root; the committed ones, in
+benchmarks/results/length_generalisation_suite/, come from the command above.
+About 5 hours at --jobs=2 on 2 CPU cores; a second invocation finishes at once.
 """
 
 RANDOMIZED_L = 2048  # Ruoss et al.: L well beyond the longest test length
@@ -73,7 +74,6 @@ def get_sweep():
   return {
       'seeds': [0, 1, 2],
       'out': 'workdirs/length_generalisation_suite',
-      'results': 'benchmarks/results/length_generalisation_suite',
       'studies': {
           task: {
               'experiment': 'experiments/algorithmic.py',

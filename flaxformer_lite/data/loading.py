@@ -129,7 +129,7 @@ def _load(data_config) -> Dataset:
 def _load_synthetic(d, data_dir) -> Dataset:
   """The generated splits padded to fixed widths: train, validation and test
   to one width (data.max_len + EOS for reverse/copy/sort, else the longest
-  of the three), test_long to its own longest."""
+  of the three), test_long to its own (twice that, else its longest)."""
   builder = synthetic.builder(d, data_dir)
   corpora.prepare(builder)
   examples = {}
@@ -144,7 +144,7 @@ def _load_synthetic(d, data_dir) -> Dataset:
   for group in (('train', 'validation', 'test'), ('test_long',)):
     for split in group:
       if d['task'] in synthetic.TASKS and not d.get('test_lengths'):
-        width = (2 if split == 'test_long' else 1) * d['max_len'] + 1
+        width = (2 if split == 'test_long' else 1) * (d['max_len'] + 1)
         widths[split] = {'inputs': width, 'targets': width}
       else:
         widths[split] = {k: longest(group, k) for k in ('inputs', 'targets')}

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.data import algorithmic
-from flaxformer_lite.data.algorithmic import GROUPS, TASKS, examples
-from flaxformer_lite.data.algorithmic import FIRST_SYMBOL
+from flaxformer_lite.data.algorithmic import FIRST_SYMBOL, GROUPS, TASKS, examples
 
 LENGTHS = (1, 2, 3, 4, 5, 8, 13)  # 8 examples each: 56 per task
 
@@ -288,3 +287,20 @@ def test_hand_computed(task, inputs, targets):
       assert _decode(y) == targets
       return
   pytest.fail(f'{task} {inputs} was not generated')
+
+
+def test_bad_lengths_are_config_errors_naming_the_value(tiny_config):
+  from flaxformer_lite import config as config_lib, main
+  c = tiny_config
+  c.data.task = 'mqar'
+  c.data.test_lengths = (100, 300)
+  with pytest.raises(config_lib.ConfigError, match=r"'mqar' has lengths up to 256.*300"):
+    main.validate(c)
+  c.data.task, c.data.test_lengths = 'duplicate_string', (0,)
+  with pytest.raises(config_lib.ConfigError, match=r'test_lengths=\(0,\) must be lengths >= 1'):
+    main.validate(c)
+  c.data.test_lengths, c.model.positions, c.model.max_len = (40,), 'learned', 64
+  with pytest.raises(config_lib.ConfigError, match=r'model.max_len=64 .* \(81 tokens.*>= 81'):
+    main.validate(c)
+  c.model.max_len = 81
+  main.validate(c)

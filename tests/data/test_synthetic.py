@@ -81,3 +81,28 @@ def test_prepare_prints_nothing_of_tfds_and_logs_one_line(tmp_path, capfd, caplo
           if r.name == 'flaxformer_lite'] == [
       f'data: prepared synthetic_tasks under {tmp_path}']
   assert builder.is_prepared()
+
+
+def test_an_algorithmic_task_loads_with_its_test_lengths_spread_evenly(tfds_dir):
+  """reverse_string through data.load: the answer is the input reversed (the
+  task's definition), EOS ends both, test_long holds num_eval examples at
+  data.test_lengths in turn, each row's recorded length is its own, and the
+  in-distribution splits share one width."""
+  ds = data.load(dict(task='reverse_string', data_dir=tfds_dir,
+                      **{**SPEC, 'num_eval': 9}, test_lengths=(9, 12, 20)))
+  assert ds.vocab_size == 3 + 2
+  assert set(ds.length_groups) == {'test_long'}
+  assert sorted(ds.length_groups['test_long'].tolist()) == [9] * 3 + [12] * 3 + [20] * 3
+  for split, arrays in ds.splits.items():
+    for i, (inputs, targets) in enumerate(zip(arrays['inputs'], arrays['targets'])):
+      x, y = _unpad(inputs), _unpad(targets)
+      assert x[-1] == 2 and y[-1] == 2 and y[:-1] == x[-2::-1]
+      assert set(x[:-1]) <= {3, 4}
+      if split == 'test_long':
+        assert len(x) - 1 == ds.length_groups['test_long'][i]
+      else:
+        assert 2 <= len(x) - 1 <= 7
+  assert ds.splits['test_long']['inputs'].shape[1] == 21
+  widths = {ds.splits[s][k].shape[1] for s in ('train', 'validation', 'test')
+            for k in ('inputs', 'targets')}
+  assert widths == {8}

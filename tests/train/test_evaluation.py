@@ -112,3 +112,58 @@ def test_long_context_lm_run_scores_each_context_and_writes_the_sample(
   with open(os.path.join(workdir, 'sample.txt')) as f:
     sample = f.read()
   assert sample == dataset.tokenizer.decode(_hand_greedy(model, state.params, stream[:40], 24))
+
+
+def test_teacher_forced_exact_match_is_greedy_decodings_and_scores_each_test_length(
+    tiny_config):
+  """eval.sequence_accuracy='teacher_forced' against decoding (the reference):
+  the same exact match per example and per test length, on a split whose
+  targets are, row by row, the model's own greedy output (exact), that output
+  with one token changed, or the task's answer (a random model misses it).
+  The answer-token accuracy per length against a numpy count over the
+  model's teacher-forced logits (EOS not counted, an empty answer scored as
+  its exact match), with a last eval batch that is part padding."""
+  c = tiny_config
+  c.data.task, c.data.max_len, c.data.test_lengths = 'reverse_string', 6, (8, 10)
+  c.data.num_train, c.data.num_eval = 64, 12
+  c.eval.batch_size = 5
+  dataset = data.load(c.data)
+  c.model.vocab_size = dataset.vocab_size
+  lengths = dataset.length_groups['test_long']
+  long = dataset.splits['test_long']
+  assert sorted(lengths.tolist()) == [8] * 6 + [10] * 6
+  assert ((long['inputs'] != 0).sum(1) == lengths + 1).all()  # the task's length + EOS
+
+  model = models.build(c.model)
+  params = model.init(jax.random.key(3), long['inputs'][:1], long['targets'][:1])['params']
+  decoded = Evaluator(c, model, dataset)
+  greedy = np.asarray(decoded._decoder(long['targets'].shape[1], 1)(params, long['inputs']))
+  targets = long['targets'].copy()
+  targets[0::3] = greedy[0::3]  # exact
+  targets[1::3] = greedy[1::3]
+  targets[1::3, 1] = np.where(greedy[1::3, 1] == 3, 4, 3)  # one answer token changed
+  targets[5, :] = 0
+  targets[5, 0] = 2  # an empty answer: EOS alone
+  dataset.splits['test_long'] = {'inputs': long['inputs'], 'targets': targets}
+
+  reference = decoded(params, 'test_long')
+  c.eval.sequence_accuracy = 'teacher_forced'
+  forced = Evaluator(c, model, dataset)(params, 'test_long')
+  per_length = [k for k in reference if k.startswith('sequence_accuracy')]
+  assert len(per_length) == 3  # overall, 8, 10
+  for k in per_length:
+    assert forced[k] == reference[k], k
+  assert 0 < forced['sequence_accuracy'] < 1
+
+  logits = np.asarray(model.apply({'params': params}, long['inputs'],
+                                  np.pad(targets, ((0, 0), (1, 0)), constant_values=1)[:, :-1]))
+  hits = []
+  for row, t in zip(np.argmax(logits, -1), targets):
+    answer = (t != 0) & (t != 2)
+    exact = np.all((row == t) | (t == 0))
+    hits.append(np.mean(row[answer] == t[answer]) if answer.any() else float(exact))
+  hits = np.array(hits)
+  for n in (8, 10):
+    assert forced[f'accuracy_len{n}'] == pytest.approx(hits[lengths == n].mean())
+  assert forced['mean_length_accuracy'] == pytest.approx(
+      (hits[lengths == 8].mean() + hits[lengths == 10].mean()) / 2)
