@@ -27,6 +27,7 @@ from flaxformer_lite import sweep, sweep_plots
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REVERSE = os.path.join(REPO, 'experiments', 'reverse.py')
+ALGORITHMIC = os.path.join(REPO, 'experiments', 'algorithmic.py')
 
 # Loss = d_model / 100 + seed / 10, BLEU = 10 * num_heads + seed; fails once
 # where the file FAIL_ONCE names the workdir.
@@ -250,21 +251,28 @@ def test_job_slots_split_the_cores(monkeypatch):
 
 
 
-def test_the_real_command_line_on_the_reverse_task_and_a_changed_row(tmp_path, tfds_dir, capsys):
+def test_the_real_command_line_on_an_algorithmic_task_and_a_changed_row(tmp_path, tfds_dir,
+                                                                        capsys):
+  """The suite's path (experiments/algorithmic.py, a task tested at two
+  lengths, a summary and a curves figure) on a tiny budget; then a row edited."""
   grid = tmp_path / 'grid.py'
 
   def write(row):
     grid.write_text(textwrap.dedent(f'''
         def get_sweep():
           return {{'seeds': [3], 'studies': {{'reverse': {{
-              'experiment': {REVERSE!r},
+              'experiment': {ALGORITHMIC!r},
               'overrides': {{'data.data_dir': {tfds_dir!r}, 'train.num_steps': 2,
                              'model.d_model': 16, 'model.num_heads': 2, 'model.mlp_dim': 32,
                              'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1,
+                             'data.task': 'reverse_string', 'data.test_lengths': (8, 10),
                              'data.max_len': 5, 'data.num_train': 64, 'data.num_eval': 10,
                              'train.batch_size': 8, 'eval.batch_size': 10}},
               'rows': {{'relative': {row!r}}},
-              'metrics': {{'eval.loss': 'loss'}}}}}}}}
+              'metrics': {{'eval.loss': 'loss'}}}}}},
+              'summaries': {{'s': {{'metric': 'test.long_mean_length_accuracy', 'label': 'a'}}}},
+              'curves': {{'c': {{'metric': 'test.long_accuracy_len', 'label': 'a',
+                                 'panels': {{'p': ['reverse']}}}}}}}}
         '''))
 
   def dry_run_status():
@@ -278,13 +286,24 @@ def test_the_real_command_line_on_the_reverse_task_and_a_changed_row(tmp_path, t
 
   write({'model.attention': 'shaw', 'model.positions': 'none',
          'model.attention_kwargs.max_distance': 2})
-  args = [str(grid), f'--out={tmp_path / "out"}', '--no_figures']
+  args = [str(grid), f'--out={tmp_path / "out"}']
   assert sweep.main(args) == 0
   workdir = tmp_path / 'out' / 'reverse' / 'relative' / 'seed_3'
   saved = json.loads((workdir / 'config.json').read_text())
   assert saved['seed'] == 3 and saved['model']['attention_kwargs']['max_distance'] == 2
   line = [l for l in _csv(tmp_path / 'out' / 'results.csv') if l['metric'] == 'eval.loss']
   assert len(line) == 1 and float(line[0]['value']) == pytest.approx(final_eval_loss(workdir))
+  test = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()
+          if json.loads(l)['split'] == 'test'][-1]
+  per_length = {l['metric']: float(l['value']) for l in _csv(tmp_path / 'out' / 'results.csv')
+                if '_len' in l['metric']}
+  for n in (8, 10):
+    for key in (f'long_sequence_accuracy_len{n}', f'long_accuracy_len{n}'):
+      assert per_length[f'test.{key}'] == pytest.approx(test[key])
+  assert test['long_mean_length_accuracy'] == pytest.approx(
+      (test['long_accuracy_len8'] + test['long_accuracy_len10']) / 2)
+  assert '| reverse | ' in (tmp_path / 'out' / 'tables.md').read_text()
+  assert (tmp_path / 'out' / 'c.png').exists()
   first_metrics = (workdir / 'metrics.jsonl').read_text()
   # The saved config (its vocabulary size taken from the data) is the row's.
   assert dry_run_status() == 'done'
