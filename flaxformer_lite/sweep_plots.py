@@ -135,6 +135,8 @@ def curve_figure(title: str, xlabel: str, ylabel: str,
     for ax, (panel, curves) in zip(axes[0], panels.items()):
       for name, (xs, ys) in curves.items():
         ax.plot(xs, ys, label=name, **curve_style(names.index(name)))
+      if not curves:  # a half-done grid
+        ax.text(0.5, 0.5, 'no results yet', transform=ax.transAxes, ha='center')
       ax.set_title(panel)
       ax.set_xlabel(xlabel)
       ax.set_ylim(0, 1.02)
@@ -146,7 +148,8 @@ def curve_figure(title: str, xlabel: str, ylabel: str,
         if l not in labels:
           handles.append(h), labels.append(l)
     fig.suptitle(title)
-    fig.legend(handles, labels, loc='outside lower center', ncol=min(6, len(labels)))
+    if labels:
+      fig.legend(handles, labels, loc='outside lower center', ncol=min(6, len(labels)))
   return fig
 
 

@@ -496,6 +496,8 @@ def test_curves_average_seeds_then_studies_per_panel_and_draw_a_figure(tmp_path)
   assert [t.get_text() for t in legend.get_texts()] == ['a', 'b']
   assert _on_the_data(fig, legend) == [] and not _small_text(fig)
   assert all(ax.get_ylim() == (0, 1.02) for ax in fig.axes)
+  empty = sweep_plots.curve_figure('t', 'length', 'accuracy', {'p': {}})  # a half-done grid
+  assert not empty.legends and 'no results yet' in _texts(empty)
 
 
 def test_curves_naming_a_study_the_grid_lacks_is_a_grid_error(tmp_path):
