@@ -68,7 +68,14 @@ def base_config() -> ml_collections.ConfigDict:
   # registry.position_array_names() read them. 0: off.
   m.randomized_positions = 0
   m.pre_ln = True  # False: post-LN as in the 2017 paper
-  m.activation = 'relu'  # relu | gelu
+  # The MLP: relu | gelu (tanh approximation) | gelu_exact (erf; BERT) | the
+  # gated swiglu (Llama) | geglu: act(x W_gate) * (x W_up), then W_down.
+  m.activation = 'relu'
+  m.norm = 'layernorm'  # layernorm | rmsnorm (Llama)
+  m.norm_eps = 1e-6
+  m.use_bias = True  # biases on the attention and MLP projections (Llama: False)
+  m.tie_embeddings = True  # logits from the token table (False: a matrix of their own)
+  m.embed_scale = 0.0  # token embeddings times this; 0: sqrt(d_model), or 1 with init='gpt2'
   m.dtype = 'float32'  # float32 | bfloat16 (compute; params stay float32)
   # Transformer initialisation: 'default' (flax's, embeddings scaled by sqrt(d))
   # | 'gpt2' (N(0, 0.02), residual outputs / sqrt(2L), unscaled embeddings).

@@ -13,7 +13,7 @@ from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecod
                                     RNNEncoder, TransformerConfig)
 from flaxformer_lite.layers.embeddings import POSITIONS
 from flaxformer_lite.layers.rnn import CELLS
-from flaxformer_lite.layers.transformer import ACTIVATIONS, INITS, REMAT, embed_kwargs
+from flaxformer_lite.layers.transformer import ACTIVATIONS, INITS, NORMS, REMAT, embed_kwargs
 from flaxformer_lite.model_types import MODEL_TYPES
 from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID, shift_right  # noqa: F401 (re-exported)
 
@@ -118,8 +118,9 @@ class EncoderOnly(nn.Module):
     self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name='embed',
                        **embed_kwargs(cfg))
     self.encoder = Encoder(cfg, self.embed, name='encoder')
-    self.mlm_dense = nn.Dense(cfg.d_model, dtype=cfg.dtype, name='mlm_dense')
-    self.mlm_norm = nn.LayerNorm(dtype=cfg.dtype, name='mlm_norm')
+    self.mlm_dense = nn.Dense(cfg.d_model, dtype=cfg.dtype, use_bias=cfg.use_bias,
+                              name='mlm_dense')
+    self.mlm_norm = nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, name='mlm_norm')
     self.mlm_bias = self.param('mlm_bias', nn.initializers.zeros, (cfg.vocab_size,))
 
   def encode(self, ids, *, deterministic=True):
@@ -187,7 +188,10 @@ def transformer_config(model_config: Mapping[str, Any], *, decode=False,
       **_layer_config_fields(c, decode), mlp_dim=c['mlp_dim'], positions=c['positions'],
       max_len=c['max_len'], pre_ln=c['pre_ln'], activation=c['activation'],
       sow_weights=sow_weights, init=c.get('init', 'default'), remat=c.get('remat', 'none'),
-      randomized_positions=c.get('randomized_positions', 0))
+      randomized_positions=c.get('randomized_positions', 0),
+      norm=c.get('norm', 'layernorm'), norm_eps=c.get('norm_eps', 1e-6),
+      use_bias=c.get('use_bias', True), tie_embeddings=c.get('tie_embeddings', True),
+      embed_scale=c.get('embed_scale', 0.0))
 
 
 def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
@@ -268,6 +272,12 @@ def validate(model_config) -> None:
   check(m.positions != 'sinusoidal' or m.d_model % 2 == 0,
         f'sinusoidal positions need an even model.d_model, got {m.d_model}')
   check_choice('model.activation', m.activation, tuple(ACTIVATIONS))
+  check_choice('model.norm', m.norm, NORMS)
+  check(m.norm_eps > 0, f'model.norm_eps={m.norm_eps} must be > 0')
+  check(m.embed_scale >= 0, f'model.embed_scale={m.embed_scale} must be >= 0 (0: by model.init)')
+  check(m.tie_embeddings or m.type != 'encoder_only',
+        'model.tie_embeddings=False: model.type=encoder_only ties its MLM head to the token '
+        'table (BERT); use model.tie_embeddings=True')
   check_choice('model.init', m.init, INITS)
   check_choice('model.remat', m.remat, tuple(REMAT))
   check(m.remat == 'none' or m.type != 'rnn_seq2seq',

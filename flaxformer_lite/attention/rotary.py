@@ -17,6 +17,9 @@ positions only through j - i. Pair i turns by theta_i = b^(-2i/d) a position
       the logits).
 rotary_fraction < 1 rotates the first fraction of each head's features only
 (partial RoPE, GPT-J / GPT-NeoX's rotary_pct); the rest carry no position.
+rotary_layout: which features form pair i: 'interleaved', (2i, 2i+1) as in
+the paper (and GGUF files, whose converter permutes Llama's q and k into
+it), or 'halves', (i, i + r/2) as in GPT-NeoX and Hugging Face's Llama.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from flaxformer_lite.attention.dot_product import dot_product_attention
 
 
 SCALINGS = ('none', 'linear', 'ntk', 'yarn')
+LAYOUTS = ('interleaved', 'halves')
 # YaRN's ramp bounds (alpha, beta of the paper's eq. 18, its LLaMA values): a
 # pair with fewer than YARN_ALPHA turns over the trained context is
 # interpolated, one with more than YARN_BETA is kept.
@@ -64,13 +68,11 @@ def temperature(scaling='none', factor=1.0) -> float:
 
 
 def apply_rotary(x, positions, *, max_wavelength=10000.0, rope_scaling='none', rope_factor=1.0,
-                 rope_original_max_len=0, rotary_fraction=1.0):
-  """Rotates each feature pair (x[2i], x[2i+1]) of the first
-  rotated_dims(d, rotary_fraction) features by positions * theta_i
-  (`frequencies`), and scales them by `temperature`.
-
-  The paper's interleaved layout (not the "rotate halves" layout of GPT-NeoX
-  and others).
+                 rope_original_max_len=0, rotary_fraction=1.0, rotary_layout='interleaved'):
+  """Rotates each feature pair of the first r = rotated_dims(d,
+  rotary_fraction) features by positions * theta_i (`frequencies`), and
+  scales them by `temperature`. Pair i is (x[2i], x[2i+1]) ('interleaved',
+  the paper's) or (x[i], x[i + r/2]) ('halves', GPT-NeoX's).
 
   Args:
     x: [b, n, h, d], d even.
@@ -88,33 +90,36 @@ def apply_rotary(x, positions, *, max_wavelength=10000.0, rope_scaling='none', r
   scale = temperature(rope_scaling, rope_factor)
   cos = scale * jnp.cos(angle)[None, :, None, :]  # [1, n, 1, r/2]
   sin = scale * jnp.sin(angle)[None, :, None, :]
-  pairs = x[..., :r].astype(jnp.float32).reshape(b, n, h, r // 2, 2)  # [b, n, h, r/2, 2]
-  x0, x1 = pairs[..., 0], pairs[..., 1]  # [b, n, h, r/2] each
-  rotated = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+  pair_axis = -1 if rotary_layout == 'interleaved' else -2
+  pairs = x[..., :r].astype(jnp.float32).reshape(
+      (b, n, h, r // 2, 2) if pair_axis == -1 else (b, n, h, 2, r // 2))
+  x0, x1 = jnp.take(pairs, 0, axis=pair_axis), jnp.take(pairs, 1, axis=pair_axis)  # [b, n, h, r/2]
+  rotated = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=pair_axis)
   rotated = rotated.reshape(b, n, h, r).astype(x.dtype)
   return rotated if r == d else jnp.concatenate([rotated, x[..., r:]], axis=-1)
 
 
 OPTIONS = {'max_wavelength': 10000.0, 'rope_scaling': 'none', 'rope_factor': 1.0,
-           'rope_original_max_len': 0, 'rotary_fraction': 1.0}
+           'rope_original_max_len': 0, 'rotary_fraction': 1.0, 'rotary_layout': 'interleaved'}
 
 
 def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavelength=10000.0,
                      rope_scaling='none', rope_factor=1.0, rope_original_max_len=0,
-                     rotary_fraction=1.0, **common):
+                     rotary_fraction=1.0, rotary_layout='interleaved', **common):
   """Dot-product attention over rotated queries and keys; values unrotated.
 
   Args:
     query: [b, n, h, d], query i at absolute position q_offset + i.
     key, value: [b, m, h, d], key j at position j.
     positions: None, or int [n] (n = m): query and key i at positions[i].
-    max_wavelength .. rotary_fraction: apply_rotary's (module docstring).
+    max_wavelength .. rotary_layout: apply_rotary's (module docstring).
     common: dot_product_attention's mask, bias, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
   rope = dict(max_wavelength=max_wavelength, rope_scaling=rope_scaling, rope_factor=rope_factor,
-              rope_original_max_len=rope_original_max_len, rotary_fraction=rotary_fraction)
+              rope_original_max_len=rope_original_max_len, rotary_fraction=rotary_fraction,
+              rotary_layout=rotary_layout)
   q_pos, k_pos = chunked.query_key_positions(query.shape[1], key.shape[1], q_offset, positions)
   query = apply_rotary(query, q_pos, **rope)
   key = apply_rotary(key, k_pos, **rope)
@@ -146,6 +151,7 @@ def _check_head_dim(head_dim):
 def _validate(kwargs):
   registry.positive_number('max_wavelength')(kwargs)
   registry.check_choice(kwargs, 'rope_scaling', SCALINGS)
+  registry.check_choice(kwargs, 'rotary_layout', LAYOUTS)
   factor = kwargs['rope_factor']
   if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
     raise ValueError(f'attention_kwargs.rope_factor={factor!r}; must be a number >= 1 '
@@ -170,4 +176,5 @@ registry.register(registry.AttentionVariant(
     position_arrays=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
         'Su et al. 2021); head_dim must be even; rope_scaling linear (PI) | ntk | yarn '
-        'with rope_factor extends a trained context; rotary_fraction < 1: partial RoPE'))
+        'with rope_factor extends a trained context; rotary_fraction < 1: partial RoPE; '
+        'rotary_layout interleaved | halves'))

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.layers.transformer import EncoderLayer, TransformerConfig
+from flaxformer_lite.layers.transformer import EncoderLayer, TransformerConfig, norm
 
 
 def fusion_step(layers: Sequence[Callable[[jax.Array], jax.Array]],
@@ -109,6 +109,6 @@ class BottleneckFusion(nn.Module):
                for layer, mask in zip(layers, with_z)]
         streams, z = fusion_step(fns, streams, z)
     if cfg.pre_ln:
-      streams = [nn.LayerNorm(dtype=cfg.dtype, name=f'{s}_final_norm')(x)
+      streams = [norm(cfg, f'{s}_final_norm')(x)
                  for s, x in zip('ab', streams)]
     return streams[0], streams[1], z

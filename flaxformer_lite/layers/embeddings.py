@@ -83,6 +83,7 @@ class Embed(nn.Module):
   param_dtype: Any = jnp.float32
   stddev: float | None = None  # None: features ** -0.5
   scale: bool = True  # False: no sqrt(f) on the way in (GPT-2)
+  multiplier: float = 0.0  # > 0: the embedding times this instead (model.embed_scale)
 
   def setup(self):
     stddev = self.features ** -0.5 if self.stddev is None else self.stddev
@@ -91,6 +92,8 @@ class Embed(nn.Module):
 
   def __call__(self, ids):
     x = jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+    if self.multiplier:
+      return x * jnp.asarray(self.multiplier, self.dtype)
     return x * jnp.sqrt(self.features).astype(self.dtype) if self.scale else x
 
   def attend(self, x):

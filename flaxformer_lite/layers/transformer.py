@@ -6,6 +6,7 @@ Pre-LN (default; LN before each sublayer, one final LN per stack) or post-LN
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -17,7 +18,14 @@ from flaxformer_lite.layers.attention import MultiHeadAttention
 from flaxformer_lite.layers.config import LayerConfig
 from flaxformer_lite.layers.embeddings import AddPositions, Embed
 
-ACTIVATIONS = {'relu': nn.relu, 'gelu': nn.gelu}
+# 'gelu' is the tanh approximation (GPT-2, T5 v1.1's gated form); 'gelu_exact'
+# the erf form (BERT). The gated MLPs (Shazeer 2020) multiply act(x W_gate)
+# by x W_up before W_down: swiglu (Llama) and geglu.
+ACTIVATIONS = {'relu': nn.relu, 'gelu': nn.gelu,
+               'gelu_exact': functools.partial(nn.gelu, approximate=False),
+               'swiglu': nn.silu, 'geglu': nn.gelu}
+GATED = ('swiglu', 'geglu')
+NORMS = ('layernorm', 'rmsnorm')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +35,12 @@ class TransformerConfig(LayerConfig):
   positions: str = 'sinusoidal'
   max_len: int = 512
   pre_ln: bool = True
-  activation: str = 'relu'
+  activation: str = 'relu'  # ACTIVATIONS; GATED ones add a gate matrix
+  norm: str = 'layernorm'  # NORMS: LayerNorm, or RMSNorm (no centring, no bias; Llama)
+  norm_eps: float = 1e-6
+  use_bias: bool = True  # biases on the attention and MLP projections (Llama: none)
+  tie_embeddings: bool = True  # logits from the token table; False: their own matrix
+  embed_scale: float = 0.0  # token embeddings times this; 0: by init (sqrt(d) or 1)
   sow_weights: bool = False  # attention weights -> 'intermediates' (plots)
   # 'default': flax's lecun_normal kernels, embeddings N(0, 1/d) scaled by
   # sqrt(d) on the way in (Vaswani et al.). 'gpt2': every kernel and
@@ -65,32 +78,49 @@ def kernel_inits(cfg: TransformerConfig, num_layers: int) -> dict:
 
 
 def embed_kwargs(cfg: TransformerConfig) -> dict:
-  """Embed's stddev and input scaling for cfg.init."""
-  return {'stddev': 0.02, 'scale': False} if cfg.init == 'gpt2' else {}
+  """Embed's stddev and input scaling for cfg.init (cfg.embed_scale > 0 overrides it)."""
+  kwargs = {'stddev': 0.02, 'scale': False} if cfg.init == 'gpt2' else {}
+  return {**kwargs, 'multiplier': cfg.embed_scale} if cfg.embed_scale else kwargs
+
+
+def norm(cfg: TransformerConfig, name: str) -> nn.Module:
+  """cfg.norm's layer: LayerNorm (x - mean) / sqrt(var + eps) * scale + bias,
+  or RMSNorm x / sqrt(mean(x^2) + eps) * scale."""
+  if cfg.norm == 'rmsnorm':
+    return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, name=name)
+  return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, name=name)
 
 
 class MlpBlock(nn.Module):
-  """d_model -> mlp_dim -> activation -> dropout -> d_model."""
+  """d_model -> mlp_dim -> activation -> dropout -> d_model; a GATED
+  activation computes act(x W_gate) * (x W_up) (wi_gate, wi) in between."""
   mlp_dim: int
   activation: str = 'relu'
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal()
   out_kernel_init: Any = None  # None: kernel_init
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, x, *, deterministic=True):
     d = x.shape[-1]
     # Logical axes (train/partitioning.py): a model axis shards the hidden units.
-    x = nn.Dense(self.mlp_dim, dtype=self.dtype, name='wi',
-                 kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', 'mlp')),
-                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)))(x)
-    x = ACTIVATIONS[self.activation](x)
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
-    return nn.Dense(d, dtype=self.dtype, name='wo',
+    def up(name):
+      return nn.Dense(self.mlp_dim, dtype=self.dtype, name=name, use_bias=self.use_bias,
+                      kernel_init=nn.with_logical_partitioning(self.kernel_init,
+                                                               ('embed', 'mlp')),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)))
+    h = up('wi')(x)
+    if self.activation in GATED:
+      h = ACTIVATIONS[self.activation](up('wi_gate')(x)) * h
+    else:
+      h = ACTIVATIONS[self.activation](h)
+    h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+    return nn.Dense(d, dtype=self.dtype, name='wo', use_bias=self.use_bias,
                     kernel_init=nn.with_logical_partitioning(
                         self.out_kernel_init or self.kernel_init, ('mlp', 'embed')),
-                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)))(x)
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)))(h)
 
 
 class _Residual(nn.Module):
@@ -100,10 +130,10 @@ class _Residual(nn.Module):
   @nn.compact
   def __call__(self, x, sublayer, *, deterministic):
     cfg = self.cfg
-    norm = nn.LayerNorm(dtype=cfg.dtype, name='norm')
-    y = sublayer(norm(x) if cfg.pre_ln else x)
+    layer_norm = norm(cfg, 'norm')
+    y = sublayer(layer_norm(x) if cfg.pre_ln else x)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=deterministic)
-    return x + y if cfg.pre_ln else norm(x + y)
+    return x + y if cfg.pre_ln else layer_norm(x + y)
 
 
 def _attention(cfg: TransformerConfig, name: str, num_layers: int, decode: bool = False,
@@ -121,12 +151,13 @@ def _attention(cfg: TransformerConfig, name: str, num_layers: int, decode: bool 
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads or None, attention=attention,
       attention_kwargs=kwargs,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype, decode=decode,
-      sow_weights=cfg.sow_weights, name=name, **kernel_inits(cfg, num_layers))
+      sow_weights=cfg.sow_weights, use_bias=cfg.use_bias, name=name,
+      **kernel_inits(cfg, num_layers))
 
 
 def _mlp(cfg: TransformerConfig, num_layers: int):
   return MlpBlock(cfg.mlp_dim, cfg.activation, cfg.dropout_rate, cfg.dtype, name='mlp',
-                  **kernel_inits(cfg, num_layers))
+                  use_bias=cfg.use_bias, **kernel_inits(cfg, num_layers))
 
 
 def random_positions(module: nn.Module, cfg: TransformerConfig, length: int,
@@ -209,7 +240,7 @@ class Encoder(nn.Module):
     layer = _remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
       x = layer(cfg, name=f'layer_{i}')(x, mask, deterministic, drawn)
-    return nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x) if cfg.pre_ln else x
+    return norm(cfg, 'final_norm')(x) if cfg.pre_ln else x
 
 
 class Decoder(nn.Module):
@@ -230,7 +261,11 @@ class Decoder(nn.Module):
       x = layer(cfg, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, deterministic,
                                         drawn)
     if cfg.pre_ln:
-      x = nn.LayerNorm(dtype=cfg.dtype, name='final_norm')(x)
+      x = norm(cfg, 'final_norm')(x)
+    if not cfg.tie_embeddings:
+      return nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name='logits',
+                      kernel_init=nn.initializers.normal(cfg.d_model ** -0.5))(
+                          x).astype(jnp.float32)
     # The paper multiplies the embedding by sqrt(d) on the way in; tied logits
     # use the raw table, as in T5/flax WMT.
     return self.embed.attend(x).astype(jnp.float32)

@@ -118,7 +118,7 @@ def test_registered_with_defaults():
   variant = registry.get('rotary')
   assert variant.fn is rotary.rotary_attention
   defaults = {'max_wavelength': 10000.0, 'rope_scaling': 'none', 'rope_factor': 1.0,
-              'rope_original_max_len': 0, 'rotary_fraction': 1.0}
+              'rope_original_max_len': 0, 'rotary_fraction': 1.0, 'rotary_layout': 'interleaved'}
   assert dict(variant.kwargs) == defaults
   assert variant.params is None
   assert variant.uses_positions
