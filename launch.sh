@@ -13,6 +13,8 @@ Usage: ./launch.sh [EXPERIMENT.py] [FLAGS...]   train and evaluate an experiment
        ./launch.sh run -m MODULE [ARGS...]      this setup; -c CODE works too
        ./launch.sh sweep GRID.py [--jobs=N]     a grid of overrides x seeds
                                                 (./launch.sh sweep --help)
+       ./launch.sh fetch NAME                   a pretrained model into the cache
+                                                (minilm; flaxformer_lite/pretrained.py)
        ./launch.sh --list_attention             the attention variants and options
        ./launch.sh --help | -h | help           this text
 
@@ -85,7 +87,8 @@ if [ -n "$devices" ]; then
 fi
 
 EXPERIMENT=experiments/reverse.py
-if [ "$subcommand" != test ] && [ "$subcommand" != run ] && [ "$subcommand" != sweep ]; then
+if [ "$subcommand" != test ] && [ "$subcommand" != run ] && [ "$subcommand" != sweep ] &&
+   [ "$subcommand" != fetch ]; then
   if [ $# -gt 0 ] && [[ "$1" != -* ]]; then
     EXPERIMENT="$1"; shift
   fi
@@ -162,6 +165,10 @@ fi
 if [ "${1:-}" = "sweep" ]; then
   shift
   exec "$PY" -m flaxformer_lite.sweep "$@"
+fi
+if [ "${1:-}" = "fetch" ]; then
+  shift
+  exec "$PY" -m flaxformer_lite.pretrained fetch "$@"
 fi
 
 exec "$PY" -m flaxformer_lite.main --config="$EXPERIMENT" "$@"

@@ -76,6 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.use_bias = True  # biases on the attention and MLP projections (Llama: False)
   m.tie_embeddings = True  # logits from the token table (False: a matrix of their own)
   m.embed_scale = 0.0  # token embeddings times this; 0: sqrt(d_model), or 1 with init='gpt2'
+  m.token_types = 0  # > 0: BERT's token-type embeddings (every token of type 0)
+  m.embed_norm = False  # True: a norm over the summed embeddings, before the first block (BERT)
   m.dtype = 'float32'  # float32 | bfloat16 (compute; params stay float32)
   # Transformer initialisation: 'default' (flax's, embeddings scaled by sqrt(d))
   # | 'gpt2' (N(0, 0.02), residual outputs / sqrt(2L), unscaled embeddings).

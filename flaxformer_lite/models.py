@@ -191,7 +191,8 @@ def transformer_config(model_config: Mapping[str, Any], *, decode=False,
       randomized_positions=c.get('randomized_positions', 0),
       norm=c.get('norm', 'layernorm'), norm_eps=c.get('norm_eps', 1e-6),
       use_bias=c.get('use_bias', True), tie_embeddings=c.get('tie_embeddings', True),
-      embed_scale=c.get('embed_scale', 0.0))
+      embed_scale=c.get('embed_scale', 0.0), token_types=c.get('token_types', 0),
+      embed_norm=c.get('embed_norm', False))
 
 
 def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
@@ -275,6 +276,7 @@ def validate(model_config) -> None:
   check_choice('model.norm', m.norm, NORMS)
   check(m.norm_eps > 0, f'model.norm_eps={m.norm_eps} must be > 0')
   check(m.embed_scale >= 0, f'model.embed_scale={m.embed_scale} must be >= 0 (0: by model.init)')
+  check(m.token_types >= 0, f'model.token_types={m.token_types} must be >= 0 (0: none)')
   check(m.tie_embeddings or m.type != 'encoder_only',
         'model.tie_embeddings=False: model.type=encoder_only ties its MLM head to the token '
         'table (BERT); use model.tie_embeddings=True')

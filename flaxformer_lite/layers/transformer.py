@@ -41,6 +41,8 @@ class TransformerConfig(LayerConfig):
   use_bias: bool = True  # biases on the attention and MLP projections (Llama: none)
   tie_embeddings: bool = True  # logits from the token table; False: their own matrix
   embed_scale: float = 0.0  # token embeddings times this; 0: by init (sqrt(d) or 1)
+  token_types: int = 0  # > 0: BERT's token-type table; every token is of type 0
+  embed_norm: bool = False  # a norm over the summed embeddings (BERT)
   sow_weights: bool = False  # attention weights -> 'intermediates' (plots)
   # 'default': flax's lecun_normal kernels, embeddings N(0, 1/d) scaled by
   # sqrt(d) on the way in (Vaswani et al.). 'gpt2': every kernel and
@@ -220,8 +222,16 @@ class DecoderLayer(nn.Module):
 
 
 def _embed_tokens(cfg, embed, ids, deterministic, name, decode=False, positions=None):
+  """Tokens + positions (+ the type-0 row of cfg.token_types' table) (->
+  norm with cfg.embed_norm) -> dropout: [b, n, d_model]."""
   x = embed(ids)
   x = AddPositions(cfg.positions, cfg.max_len, decode=decode, name=name)(x, positions)
+  if cfg.token_types:
+    table = nn.Embed(cfg.token_types, cfg.d_model, dtype=cfg.dtype, name='token_types',
+                     embedding_init=nn.initializers.normal(0.02))
+    x = x + table(jnp.zeros((1, 1), jnp.int32))
+  if cfg.embed_norm:
+    x = norm(cfg, 'embed_norm')(x)
   return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
 

