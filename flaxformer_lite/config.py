@@ -47,6 +47,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = m = ml_collections.ConfigDict()
   m.type = 'encoder_decoder'  # model_types.MODEL_TYPES
+  # A pretrained checkpoint to start from (flaxformer_lite/pretrained.py): its
+  # architecture replaces this section's (pretrained.ARCHITECTURE), its weights
+  # the initial ones; the attention variant and its options stay this config's.
+  m.init_from = ''
   m.vocab_size = 0  # 0: taken from the dataset
   m.d_model = 128
   m.num_heads = 4

@@ -60,6 +60,28 @@ def validate(config) -> None:
   data_validation.validate(config)
 
 
+def from_checkpoint(config) -> None:
+  """With model.init_from, config.model's architecture keys become the
+  checkpoint's (pretrained.ARCHITECTURE; the ones that change are logged)."""
+  if not config.model.init_from:
+    return
+  from flaxformer_lite import pretrained
+  path = os.path.expanduser(config.model.init_from)
+  if not os.path.exists(path):
+    raise config_lib.ConfigError(f'model.init_from={path!r} does not exist; give a Hugging '
+                                 'Face-style checkpoint directory (./launch.sh fetch minilm)')
+  changed = []
+  with config.unlocked():
+    config.model.init_from = path
+    for key, value in pretrained.architecture(path).items():
+      if config.model[key] != value:
+        changed.append(f'{key}={value!r}')
+        config.model[key] = value
+  if changed:
+    std_logging.getLogger('flaxformer_lite').info(
+        'init_from: the architecture of %s: %s', path, ', '.join(changed))
+
+
 def _fail(message: str, code: int = 2):
   print(f'error: {message}', file=sys.stderr)
   sys.exit(code)
@@ -191,16 +213,18 @@ def main(argv):
   import jax
   _setup_logging(jax.process_index())
   # Imported late: --list_attention stays fast.
-  from flaxformer_lite import data
+  from flaxformer_lite import data, pretrained
   from flaxformer_lite.train import checkpoints, loop
 
   config = FLAGS.config
   run_dir = workdir()
   try:
+    from_checkpoint(config)
     validate(config)
     std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(run_dir))
     loop.train_and_evaluate(config, run_dir, allow_config_change=FLAGS.allow_config_change)
-  except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError) as e:
+  except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError,
+          pretrained.PretrainedError) as e:
     _fail(str(e), 2)
   except loop.NonFiniteLossError as e:
     _fail(str(e), 3)

@@ -74,9 +74,42 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
   return out
 
 
+# The keys of config.model that a checkpoint fixes (model.init_from sets them);
+# the attention variant and its options, dropout, dtype and remat stay the run's.
+ARCHITECTURE = ('type', 'vocab_size', 'd_model', 'num_heads', 'num_kv_heads',
+                'num_encoder_layers', 'num_decoder_layers', 'mlp_dim', 'max_len', 'positions',
+                'pre_ln', 'activation', 'norm', 'norm_eps', 'use_bias', 'tie_embeddings',
+                'embed_scale', 'token_types', 'embed_norm')
+
+
 def load(path: str):
   """A checkpoint -> (model_config: the `model` section models.build takes,
   params: its parameter tree, numpy float32)."""
+  model_config, mapped = _read(path)
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from flaxformer_lite import models
+  model = models.build(model_config)
+  fresh = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
+  return model_config, overlay(fresh, mapped)
+
+
+def architecture(path: str) -> dict:
+  """The checkpoint's values of ARCHITECTURE (its config.json only)."""
+  model_config, _ = _read(path, tensors=False)
+  return {k: model_config[k] for k in ARCHITECTURE}
+
+
+def init_params(fresh, path: str):
+  """A model's freshly initialised params with the checkpoint's tensors in
+  place (what it lacks keeps its initial value, logged)."""
+  _, mapped = _read(path)
+  return overlay(fresh, mapped)
+
+
+def _read(path: str, tensors: bool = True):
+  """(model config, {our path: array}) of a checkpoint directory."""
   config_path = os.path.join(path, 'config.json')
   if not os.path.isdir(path) or not os.path.exists(config_path):
     kind = 'a GGUF file' if path.endswith('.gguf') else 'not a checkpoint directory'
@@ -89,8 +122,7 @@ def load(path: str):
   weights = os.path.join(path, 'model.safetensors')
   if not os.path.exists(weights):
     raise PretrainedError(f'{path}: no model.safetensors')
-  model_config, mapped = _bert(hf, read_safetensors(weights))
-  return model_config, _complete(model_config, mapped)
+  return _bert(hf, read_safetensors(weights) if tensors else {})
 
 
 def _bert(hf: dict, tensors: dict):
@@ -180,19 +212,13 @@ def _dense_leaf(name):
   return 'kernel' if name.endswith('weight') else 'bias'
 
 
-def _complete(model_config, mapped: dict) -> dict:
-  """The model's parameter tree with `mapped` ({'a/b/c': array}) in place and
-  the rest initialised (logged); PretrainedError on a shape that differs."""
-  import flax.linen as nn
+def overlay(fresh, mapped: dict) -> dict:
+  """`fresh` (a parameter tree) with `mapped` ({'a/b/c': array}) in place;
+  the parameters `mapped` lacks keep their value and are logged.
+  PretrainedError on a name the tree lacks or a shape that differs."""
   import jax
-  import jax.numpy as jnp
-  from flaxformer_lite import models
-  model = models.build(model_config)
-  shapes = jax.eval_shape(lambda: nn.unbox(model.init(
-      jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params']))
-  initialised = None
-  flat = {'/'.join(k.key for k in path): s
-          for path, s in jax.tree_util.tree_leaves_with_path(shapes)}
+  flat = {'/'.join(k.key for k in path): x
+          for path, x in jax.tree_util.tree_leaves_with_path(fresh)}
   for name, array in mapped.items():
     if name not in flat:
       raise PretrainedError(f'the checkpoint maps to {name}, which the model lacks')
@@ -203,22 +229,14 @@ def _complete(model_config, mapped: dict) -> dict:
   if missing:
     log.info('init_from: %d parameters the checkpoint lacks are initialised: %s',
              len(missing), ', '.join(missing))
-    initialised = nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
   params = {}
-  for name in flat:
-    value = mapped[name] if name in mapped else np.asarray(_at(initialised, name))
+  for name, value in flat.items():
     node = params
     *parents, leaf = name.split('/')
     for p in parents:
       node = node.setdefault(p, {})
-    node[leaf] = np.asarray(value, np.float32)
+    node[leaf] = np.asarray(mapped.get(name, value), np.float32)
   return params
-
-
-def _at(tree, name):
-  for key in name.split('/'):
-    tree = tree[key]
-  return tree
 
 
 def fetch(name: str) -> str:

@@ -92,3 +92,12 @@ def test_devices_sets_the_cpu_device_count_for_every_command(tmp_path):
   for bad in ('--devices=0', '--devices=two', '--devices'):
     r = launch(bad, env={'FFL_VENV': str(tmp_path / 'no_venv')})
     assert r.returncode == 2 and '--devices=N' in r.stderr, (bad, r.stderr)
+
+
+def test_fetch_names_the_models_it_knows():
+  skip_unless_launch_uses_this_venv()
+  r = launch('fetch', 'gpt5')
+  assert r.returncode == 2, r.stderr
+  assert "unknown model 'gpt5'; valid: minilm" in r.stderr
+  r = launch('fetch')
+  assert r.returncode == 2 and 'usage: ./launch.sh fetch NAME; NAME: minilm' in r.stderr

@@ -2,10 +2,12 @@
 in numpy from the checkpoint's own tensors (Devlin et al. 2019; Hugging
 Face's BertModel): a tiny random checkpoint written here in the Hugging Face
 layout, and all-MiniLM-L6-v2 itself (./launch.sh fetch minilm)."""
+import functools
 import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,7 +102,8 @@ def bert_forward(t, config, ids):
 def _hidden(path, ids):
   model_config, params = pretrained.load(path)
   model = models.build(model_config)
-  out = model.apply({'params': params}, jnp.asarray(ids), method=model.encode)
+  out = jax.jit(functools.partial(model.apply, method=model.encode))({'params': params},
+                                                                     jnp.asarray(ids))
   return model_config, np.asarray(out)
 
 
@@ -149,3 +152,36 @@ def test_all_minilm_l6_v2_matches_its_bert_forward():
   want = bert_forward(tensors, config, ids)
   valid = ids != 0
   np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=2e-4)
+
+
+def test_init_from_takes_the_architecture_and_the_weights(tmp_path):
+  """model.init_from on the training path: main.from_checkpoint sets the
+  checkpoint's architecture (the attention variant stays the run's), and the
+  train state starts from its tensors (the masked-LM head it lacks from the
+  run's own initialisation)."""
+  from flaxformer_lite import config as config_lib, main
+  from flaxformer_lite.train import state as state_lib
+  tensors = tiny_bert(str(tmp_path / 'bert'), vocab=30, max_len=32)
+  c = config_lib.base_config()
+  c.model.init_from = str(tmp_path / 'bert')
+  c.model.attention = 'alibi'
+  main.from_checkpoint(c)
+  assert (c.model.type, c.model.d_model, c.model.num_encoder_layers, c.model.vocab_size,
+          c.model.attention) == ('encoder_only', 8, 2, 30, 'alibi')
+  c.model.attention = 'dot_product'
+  model = models.build(c.model)
+  state = state_lib.create(model, c, {'inputs': np.ones((1, 6), np.int32)},
+                           jax.random.key(0))
+  p = state.params
+  np.testing.assert_array_equal(p['embed']['embedding'],
+                                tensors['embeddings.word_embeddings.weight'])
+  np.testing.assert_array_equal(
+      np.asarray(p['encoder']['layer_1']['self_attention']['query']['kernel']).reshape(8, 8),
+      tensors['encoder.layer.1.attention.self.query.weight'].T)
+  np.testing.assert_array_equal(p['encoder']['layer_0']['mlp_block']['norm']['bias'],
+                                tensors['encoder.layer.0.output.LayerNorm.bias'])
+  assert np.asarray(p['mlm_norm']['scale']).tolist() == [1.0] * 8  # initialised: LayerNorm's 1s
+
+  c.model.init_from = str(tmp_path / 'nothing')
+  with pytest.raises(config_lib.ConfigError, match="model.init_from=.*nothing' does not exist"):
+    main.from_checkpoint(c)

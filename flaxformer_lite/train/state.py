@@ -42,8 +42,12 @@ def param_axes(model, config, example_batch):
 
 
 def create(model, config, example_batch, rng) -> train_state.TrainState:
-  """Initialises parameters (plain arrays) from `example_batch` shapes, and the optimizer."""
+  """Initialises parameters (plain arrays) from `example_batch` shapes, or
+  from model.init_from's checkpoint, and the optimizer."""
   batch = {k: example_batch[k] for k in ('inputs', 'targets') if k in example_batch}
   params = nn.unbox(jax.jit(_init_fn(model, config))(rng, batch)['params'])
+  if config.model.get('init_from'):
+    from flaxformer_lite import pretrained
+    params = pretrained.init_params(params, config.model.init_from)
   tx = create_optimizer(config.train, config.model.d_model)
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
