@@ -11,7 +11,8 @@ a GGUF file.
     blocks, SwiGLU, no biases, grouped-query attention, rotary with the
     file's base in the interleaved layout (llama.cpp's converter permutes q
     and k into it from Hugging Face's halves), tied or untied logits.
-Other model types are refused, by name.
+Other model types are refused, by name. A GGUF file's byte-level BPE
+tokenizer comes with it (`gguf_tokenizer`, data/tokenizers.BPETokenizer).
 
 `load` builds the model of the checkpoint's config, puts every tensor it
 maps in place (shapes checked) and initialises the parameters the checkpoint
@@ -273,6 +274,20 @@ def read_gguf(path: str):
     alignment = metadata.get('general.alignment', 32)
     start = -(-f.tell() // alignment) * alignment
   return metadata, {name: (shape, kind, start + offset) for name, shape, kind, offset in infos}
+
+
+def gguf_tokenizer(path: str):
+  """The byte-level BPE tokenizer a GGUF file embeds (tokenizer.ggml.model
+  'gpt2': its tokens and merges; the pre-tokenizers 'smollm' and 'llama-bpe'
+  put each digit alone)."""
+  from flaxformer_lite.data import tokenizers
+  meta, _ = read_gguf(path)
+  if meta.get('tokenizer.ggml.model') != 'gpt2':
+    raise PretrainedError(f'{path}: tokenizer.ggml.model={meta.get("tokenizer.ggml.model")!r}; '
+                          'readable: gpt2 (byte-level BPE)')
+  return tokenizers.BPETokenizer(meta['tokenizer.ggml.tokens'], meta['tokenizer.ggml.merges'],
+                                 split_digits=meta.get('tokenizer.ggml.pre') in ('smollm',
+                                                                                 'llama-bpe'))
 
 
 def _dequantise(path: str, info) -> np.ndarray:

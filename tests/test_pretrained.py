@@ -364,7 +364,28 @@ def test_smollm2_matches_its_llama_forward():
     pytest.skip(f'SmolLM2 not fetched and not fetchable here: {e}')
   meta, infos = pretrained.read_gguf(path)
   values = {name: pretrained._dequantise(path, info) for name, info in infos.items()}
-  ids = np.array([1, 504, 3458, 5046, 282, 253])  # <|im_start|> and a few tokens
+  tokenizer = pretrained.gguf_tokenizer(path)
+  ids = tokenizer.encode('The capital of France is')
   _, got = _logits(path, ids)
   want = llama_forward(values, meta, ids)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
+  assert tokenizer.decode([int(np.argmax(got[-1]))]) == ' Paris'  # the model, read right
+
+
+def test_byte_level_bpe_merges_by_rank_by_hand():
+  """A vocabulary of single bytes and a few merges: each pre-token merges its
+  best-ranked pair first (rank = place in the merges list), then again."""
+  from flaxformer_lite.data import tokenizers
+  symbols = tokenizers.byte_symbols()
+  space = symbols[ord(' ')]  # 'Ġ'
+  singles = [symbols[b] for b in range(256)]
+  merged = ['he', 'll', 'hell', 'hello', space + 'w', 'or', space + 'wor']
+  merges = ['h e', 'l l', 'he ll', 'hell o', f'{space} w', 'o r', f'{space}w or']
+  tok = tokenizers.BPETokenizer(singles + merged, merges, split_digits=True)
+  ids = {t: i for i, t in enumerate(tok.tokens)}
+  assert tok.pieces('hello world 42!') == ['hello', ' world', ' ', '4', '2', '!']
+  want = ['hello', space + 'wor', 'l', 'd', space, '4', '2', '!']
+  assert tok.encode('hello world 42!').tolist() == [ids[t] for t in want]
+  assert tok.encode('help').tolist() == [ids[t] for t in ('he', 'l', 'p')]  # 'll' needs two l
+  for text in ('hello world 42!', 'naïve café — ✓\n\n  x'):
+    assert tok.decode(tok.encode(text)) == text

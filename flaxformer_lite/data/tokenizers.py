@@ -150,6 +150,87 @@ class SentencePieceTokenizer:
     return self._sp.decode(_text_ids(ids, self.vocab_size).tolist())
 
 
+def byte_symbols() -> dict[int, str]:
+  """GPT-2's byte -> printable character map: the printable Latin-1 bytes
+  stand for themselves, every other byte for the next unused code point
+  from 256 on (so that a byte-level token is a string without spaces or
+  control characters)."""
+  keep = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1),
+          *range(ord('®'), ord('ÿ') + 1)]
+  out, extra = {}, 0
+  for b in range(256):
+    if b in keep:
+      out[b] = chr(b)
+    else:
+      out[b] = chr(256 + extra)
+      extra += 1
+  return out
+
+
+# GPT-2's pre-tokenizer: contractions, letters, numbers and other runs, each
+# with at most one leading space; whitespace. `split_digits` first cuts
+# numbers into single digits (SmolLM's, Llama 3's style).
+GPT2_SPLIT = (r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
+              r'|\s+(?!\S)|\s+')
+
+
+class BPETokenizer:
+  """Byte-level BPE (GPT-2; Sennrich et al. 2016 on bytes) from a vocabulary
+  (token strings in the byte_symbols alphabet, id = index) and merges
+  ('a b', highest priority first), as a GGUF file's tokenizer.ggml.tokens
+  and tokenizer.ggml.merges hold them.
+
+  encode: text -> pre-tokens (`pieces`)
+  -> each as byte symbols, merged pairwise by rank until no merge applies
+  -> ids. Special tokens (<|im_start|>, ...) are not parsed from text.
+  """
+
+  def __init__(self, tokens: list[str], merges: list[str], split_digits: bool = False):
+    import regex
+    self.tokens, self.vocab_size = tokens, len(tokens)
+    self.ids = {t: i for i, t in enumerate(tokens)}
+    self.ranks = {tuple(m.split(' ', 1)): i for i, m in enumerate(merges)}
+    self.symbols = byte_symbols()
+    self.bytes = {c: b for b, c in self.symbols.items()}
+    self._split = regex.compile(GPT2_SPLIT)
+    self._digits = regex.compile(r'(\p{N})') if split_digits else None
+    self._cache: dict[str, list[int]] = {}
+
+  def _bpe(self, piece: str) -> list[int]:
+    if piece not in self._cache:
+      parts = list(piece)
+      while len(parts) > 1:
+        pairs = [(self.ranks.get(pair, len(self.ranks)), i)
+                 for i, pair in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs)
+        if rank == len(self.ranks):
+          break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+      missing = [p for p in parts if p not in self.ids]
+      if missing:
+        raise ValueError(f'BPE pieces {missing} of {piece!r} are not in the vocabulary')
+      self._cache[piece] = [self.ids[p] for p in parts]
+    return self._cache[piece]
+
+  def pieces(self, text: str) -> list[str]:
+    """The pre-tokens: each digit alone first (split_digits), then GPT2_SPLIT
+    within the text between them."""
+    segments = self._digits.split(text) if self._digits else [text]
+    return [p for i, seg in enumerate(segments)
+            for p in ([seg] if self._digits and i % 2 else self._split.findall(seg))]
+
+  def encode(self, text: str) -> np.ndarray:
+    ids = []
+    for piece in self.pieces(text):
+      ids += self._bpe(''.join(self.symbols[b] for b in piece.encode('utf-8')))
+    return np.asarray(ids, np.int32)
+
+  def decode(self, ids) -> str:
+    data = bytes(self.bytes[c] for i in _text_ids(ids, self.vocab_size)
+                 for c in self.tokens[i] if c in self.bytes)
+    return data.decode('utf-8', errors='replace')
+
+
 def _train_sentencepiece(path_prefix: str, texts: Iterable[str], vocab_size: int,
                          model_type: str):
   """Writes `<path_prefix>.vocab` and then `<path_prefix>.model`, each atomically."""
