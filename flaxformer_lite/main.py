@@ -60,13 +60,13 @@ def validate(config) -> None:
   data_validation.validate(config)
 
 
-def from_checkpoint(config, keep=()) -> None:
+def from_checkpoint(config, keep=()) -> list[str]:
   """With model.init_from, config.model's architecture becomes the
   checkpoint's (pretrained.architecture: its sizes, blocks and attention
-  variant; the keys that change are logged), except the keys in `keep`
-  ('model.attention', ...: those set on the command line)."""
+  variant), except the keys in `keep` ('model.attention', ...: those set on
+  the command line). Returns the lines for the log: what changed, what was kept."""
   if not config.model.init_from:
-    return
+    return []
   from flaxformer_lite import pretrained
   path = os.path.expanduser(config.model.init_from)
   if not os.path.exists(path):
@@ -89,11 +89,8 @@ def from_checkpoint(config, keep=()) -> None:
       elif node[leaf] != value:
         changed.append(f'{key}={value!r}')
         node[leaf] = value
-  log = std_logging.getLogger('flaxformer_lite')
-  if changed:
-    log.info('init_from: the architecture of %s: %s', path, ', '.join(changed))
-  if kept:
-    log.info('init_from: kept from the command line: %s', ', '.join(kept))
+  lines = [f'init_from: the architecture of {path}: {", ".join(changed)}'] if changed else []
+  return lines + ([f'init_from: kept from the command line: {", ".join(kept)}'] if kept else [])
 
 
 def _fail(message: str, code: int = 2):
@@ -233,10 +230,13 @@ def main(argv):
   config = FLAGS.config
   run_dir = workdir()
   try:
-    from_checkpoint(config, keep=set(config_lib.flatten(
+    checkpoint_lines = from_checkpoint(config, keep=set(config_lib.flatten(
         config_flags.get_override_values(FLAGS['config']))))
     validate(config)
-    std_logging.getLogger('flaxformer_lite').info('workdir: %s', os.path.abspath(run_dir))
+    log = std_logging.getLogger('flaxformer_lite')
+    log.info('workdir: %s', os.path.abspath(run_dir))
+    for line in checkpoint_lines:
+      log.info('%s', line)
     loop.train_and_evaluate(config, run_dir, allow_config_change=FLAGS.allow_config_change)
   except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError,
           pretrained.PretrainedError) as e:

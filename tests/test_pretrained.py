@@ -165,12 +165,14 @@ def test_init_from_takes_the_architecture_and_the_weights(tmp_path):
   c = config_lib.base_config()
   c.model.init_from = str(tmp_path / 'bert')
   c.model.attention = 'alibi'  # from the experiment file: the checkpoint's wins
-  main.from_checkpoint(c)
+  lines = main.from_checkpoint(c)
   assert (c.model.type, c.model.d_model, c.model.num_encoder_layers, c.model.vocab_size,
           c.model.attention) == ('encoder_only', 8, 2, 30, 'dot_product')
+  assert len(lines) == 1 and "type='encoder_only'" in lines[0] and 'd_model=8' in lines[0]
   c.model.attention = 'alibi'  # from the command line: kept
-  main.from_checkpoint(c, keep={'model.attention'})
+  lines = main.from_checkpoint(c, keep={'model.attention'})
   assert c.model.attention == 'alibi'
+  assert lines == ['init_from: kept from the command line: attention']
   c.model.attention = 'dot_product'
   model = models.build(c.model)
   state = state_lib.create(model, c, {'inputs': np.ones((1, 6), np.int32)},
