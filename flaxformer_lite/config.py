@@ -146,7 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.pack = False
   d.source_lang = 'en'  # translation: the features of the pair
   d.target_lang = 'de'
-  d.tokenizer = 'sentencepiece'  # real text: sentencepiece | char | byte
+  d.tokenizer = 'sentencepiece'  # real text: sentencepiece | char | byte | pretrained (model.init_from's)
   d.vocab_size = 8000  # sentencepiece: joint source+target vocabulary
   d.spm_model_type = 'unigram'  # unigram | bpe
   d.mlm_rate = 0.15  # model.type=encoder_only: fraction of tokens masked (BERT)

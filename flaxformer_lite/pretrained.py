@@ -276,6 +276,16 @@ def read_gguf(path: str):
   return metadata, {name: (shape, kind, start + offset) for name, shape, kind, offset in infos}
 
 
+def tokenizer(path: str):
+  """The tokenizer that comes with checkpoint `path` (a GGUF file's BPE)."""
+  if not path:
+    raise PretrainedError('it reads the tokenizer of model.init_from, which is not set')
+  if path.endswith('.gguf'):
+    return gguf_tokenizer(path)
+  raise PretrainedError(f'{path}: reading a BERT checkpoint\'s tokenizer.json (WordPiece) is not '
+                        'supported yet; readable: the BPE of a GGUF file')
+
+
 def gguf_tokenizer(path: str):
   """The byte-level BPE tokenizer a GGUF file embeds (tokenizer.ggml.model
   'gpt2': its tokens and merges; the pre-tokenizers 'smollm' and 'llama-bpe'

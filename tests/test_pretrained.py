@@ -309,7 +309,8 @@ def _logits(path, ids):
                                                          jnp.asarray(ids)[None]))[0]
 
 
-def tiny_llama(path, *, d=8, h=2, kv=1, layers=2, ffn=12, vocab=20, untied=False):
+def tiny_llama(path, *, d=8, h=2, kv=1, layers=2, ffn=12, vocab=20, untied=False,
+               tokens=None):
   rng = np.random.default_rng(1)
   meta = {'general.architecture': 'llama', 'llama.block_count': layers,
           'llama.context_length': 64, 'llama.embedding_length': d,
@@ -317,6 +318,9 @@ def tiny_llama(path, *, d=8, h=2, kv=1, layers=2, ffn=12, vocab=20, untied=False
           'llama.attention.head_count_kv': kv, 'llama.rope.freq_base': 100.0,
           'llama.attention.layer_norm_rms_epsilon': 1e-5, 'llama.vocab_size': vocab,
           'llama.rope.dimension_count': d // h}
+  if tokens:
+    meta.update({'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.pre': 'smollm',
+                 'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.merges': ['Ġ t']})
   shapes = {'token_embd.weight': (vocab, d), 'output_norm.weight': (d,)}
   if untied:
     shapes['output.weight'] = (vocab, d)
@@ -391,3 +395,41 @@ def test_byte_level_bpe_merges_by_rank_by_hand():
   assert tok.encode('help').tolist() == [ids[t] for t in ('he', 'l', 'p')]  # 'll' needs two l
   for text in ('hello world 42!', 'naïve café — ✓\n\n  x'):
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
+    tmp_path, tfds_dir, shared_data):
+  """The user's path: model.init_from a GGUF file and data.tokenizer=pretrained.
+  The run takes the file's architecture, tokenizes the corpus with its BPE
+  (here: three specials, the 256 byte symbols and one merge: byte b is
+  token 3 + b), trains 2 steps and evaluates."""
+  from flaxformer_lite import config as config_lib, data, main
+  from flaxformer_lite.data import tokenizers
+  from flaxformer_lite.train import loop
+  symbols = tokenizers.byte_symbols()
+  tokens = ['<|endoftext|>', '<|im_start|>', '<|im_end|>'] + [symbols[b] for b in range(256)]
+  tokens.append('Ġt')
+  path = str(tmp_path / 'tiny.gguf')
+  meta, values = tiny_llama(path, vocab=len(tokens), tokens=tokens)
+  c = config_lib.base_config()
+  c.model.init_from = path
+  c.data.task, c.data.tokenizer, c.data.max_len = 'tiny_shakespeare', 'pretrained', 16
+  c.data.manual_dir, c.data.data_dir = os.path.join(shared_data, 'tiny_shakespeare'), tfds_dir
+  c.train.num_steps, c.train.batch_size, c.train.label_smoothing = 2, 2, 0.0
+  c.train.log_every = c.train.eval_every = c.train.checkpoint_every = 1
+  c.eval.max_examples, c.eval.sample_prompt, c.eval.sample_len = 2, 8, 4
+  main.from_checkpoint(c)
+  main.validate(c)
+  assert c.model.type == 'decoder_only' and c.model.num_kv_heads == 1
+  workdir = str(tmp_path / 'run')
+  loop.train_and_evaluate(c, workdir)
+
+  dataset = data.load(c.data, tokenizer_from=path)
+  assert dataset.vocab_size == len(tokens)
+  text = 'First Citizen:\nBefore we proceed'
+  assert dataset.tokenizer.decode(dataset.tokenizer.encode(text)) == text
+  assert dataset.splits['train'][:len(text)].tolist()[:6] == [3 + b for b in b'First ']
+  records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  assert [r['step'] for r in records if r['split'] == 'eval'] == [1, 2]
+  saved = json.loads(open(os.path.join(workdir, 'config.json')).read())
+  assert saved['model']['d_model'] == 8 and saved['model']['attention'] == 'rotary'

@@ -55,8 +55,9 @@ def default_data_dir() -> str:
   return os.environ.get('TFDS_DATA_DIR') or os.path.expanduser('~/tensorflow_datasets')
 
 
-def load(data_config) -> Dataset:
-  """Prepares (once) and reads the dataset named by config.data.
+def load(data_config, tokenizer_from: str = '') -> Dataset:
+  """Prepares (once) and reads the dataset named by config.data
+  (data.tokenizer=pretrained: with the tokenizer of checkpoint `tokenizer_from`).
 
   In a multi-process job process 0 prepares it (TFDS files, the tokenizer)
   while the others wait, then they read what it wrote: two processes that
@@ -66,11 +67,11 @@ def load(data_config) -> Dataset:
   import jax  # not at module level: loading a tokenizer needs no JAX
   if jax.process_count() == 1:
     with data_dir_lock(data_config['data_dir'] or default_data_dir()):
-      return _load(data_config)
+      return _load(data_config, tokenizer_from)
   from jax.experimental import multihost_utils
-  dataset = _load(data_config) if jax.process_index() == 0 else None
+  dataset = _load(data_config, tokenizer_from) if jax.process_index() == 0 else None
   multihost_utils.sync_global_devices('flaxformer_lite: dataset prepared')
-  return dataset if dataset is not None else _load(data_config)
+  return dataset if dataset is not None else _load(data_config, tokenizer_from)
 
 
 @contextlib.contextmanager
@@ -92,7 +93,7 @@ def data_dir_lock(data_dir: str):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _load(data_config) -> Dataset:
+def _load(data_config, tokenizer_from: str = '') -> Dataset:
   task = data_config['task']
   if task not in TASKS:
     raise DataError(f'data.task={task!r} is not a known task; valid: {", ".join(TASKS)}')
@@ -117,9 +118,9 @@ def _load(data_config) -> Dataset:
     if any(counts.values()):
       log.warning('%s %s: skipped lines %s', builder.name, split, counts)
   if {d['source_lang'], d['target_lang']} <= features:
-    return _load_translation(d, builder, bad)
+    return _load_translation(d, builder, bad, tokenizer_from)
   if 'text' in features:
-    return _load_lm(d, builder, bad)
+    return _load_lm(d, builder, bad, tokenizer_from)
   raise DataError(
       f'{builder.name} has features {sorted(features)}: neither a translation pair '
       f'data.source_lang={d["source_lang"]!r} / data.target_lang={d["target_lang"]!r} '
@@ -159,8 +160,16 @@ def _load_synthetic(d, data_dir) -> Dataset:
   return Dataset(synthetic.vocab_size(d), splits, dropped, length_groups=groups)
 
 
-def _tokenizer(d, builder, texts_fn):
+def _tokenizer(d, builder, texts_fn, tokenizer_from=''):
+  """data.tokenizer's tokenizer ('pretrained': the one of the checkpoint
+  `tokenizer_from`, model.init_from)."""
   kind = d['tokenizer']
+  if kind == 'pretrained':
+    from flaxformer_lite import pretrained
+    try:
+      return pretrained.tokenizer(tokenizer_from)
+    except pretrained.PretrainedError as e:
+      raise DataError(f'data.tokenizer=pretrained: {e}') from None
   suffix = {'sentencepiece': f'spm_{d["spm_model_type"]}_{d["vocab_size"]}',
             'char': 'char', 'byte': 'byte'}.get(kind, kind)
   try:
@@ -187,7 +196,7 @@ def _splits(builder) -> list[str]:
   return [s for s in ('train', 'validation', 'test') if s in known]
 
 
-def _load_translation(d, builder, bad) -> Dataset:
+def _load_translation(d, builder, bad, tokenizer_from='') -> Dataset:
   """Sentence pairs -> padded id arrays. Training pairs longer than
   data.max_len tokens (+ EOS) are dropped or truncated (data.overlong) and
   counted; evaluation splits keep every pair at its full length."""
@@ -196,7 +205,8 @@ def _load_translation(d, builder, bad) -> Dataset:
   if 'validation' not in text or 'test' not in text:  # e.g. lm1b-like catalogs
     raise DataError(f'{builder.name} has splits {sorted(builder.info.splits)}; a translation '
                     f'task needs train, validation and test')
-  tokenizer = _tokenizer(d, builder, lambda: text['train'][0] + text['train'][1])
+  tokenizer = _tokenizer(d, builder, lambda: text['train'][0] + text['train'][1],
+                         tokenizer_from)
   splits, dropped, references = {}, {}, {}
   for split, (sources, targets) in text.items():
     train = split == 'train'
@@ -219,7 +229,7 @@ def _load_translation(d, builder, bad) -> Dataset:
   return Dataset(tokenizer.vocab_size, splits, dropped, 'seq2seq', tokenizer, references, bad)
 
 
-def _load_lm(d, builder, bad) -> Dataset:
+def _load_lm(d, builder, bad, tokenizer_from='') -> Dataset:
   """Texts -> one token stream per split (EOS between documents)."""
   text = {split: corpora.read_text(builder, split) for split in _splits(builder)}
   if 'validation' not in text and 'test' in text:  # lm1b: train and test only
@@ -231,7 +241,7 @@ def _load_lm(d, builder, bad) -> Dataset:
   # A char vocabulary covers every split (as nanoGPT's); subwords learn from train only.
   texts_fn = (lambda: [t for v in text.values() for t in v]) if d['tokenizer'] == 'char' \
       else (lambda: text['train'])
-  tokenizer = _tokenizer(d, builder, texts_fn)
+  tokenizer = _tokenizer(d, builder, texts_fn, tokenizer_from)
   splits = {}
   for split, texts in text.items():
     pieces = [tokenizer.encode(t) for t in texts]

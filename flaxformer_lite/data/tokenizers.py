@@ -25,7 +25,7 @@ from sentencepiece import sentencepiece_model_pb2
 from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID
 
 FIRST_ID = 3  # the first id of real text; also sentencepiece's unk id
-TOKENIZERS = ('sentencepiece', 'char', 'byte')
+TOKENIZERS = ('sentencepiece', 'char', 'byte', 'pretrained')  # pretrained: model.init_from's
 SP_MODEL_TYPES = ('unigram', 'bpe')
 MIN_SP_VOCAB_SIZE = 16
 

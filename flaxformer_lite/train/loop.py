@@ -113,7 +113,7 @@ def _prepare_workdir(config, workdir, allow_config_change=False):
 def _load_dataset(config):
   """data.load(config.data), checked against the config; model.vocab_size 0
   becomes the dataset's vocabulary (ConfigError if a set one is smaller)."""
-  dataset = data.load(config.data)
+  dataset = data.load(config.data, tokenizer_from=config.model.get('init_from', ''))
   objective = steps.OBJECTIVES[config.model.type]
   data_validation.check_dataset(config, dataset.kind)
   # mlm reserves one more id, the last, for [MASK] (steps.forward).
