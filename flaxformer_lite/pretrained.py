@@ -11,8 +11,9 @@ a GGUF file.
     blocks, SwiGLU, no biases, grouped-query attention, rotary with the
     file's base in the interleaved layout (llama.cpp's converter permutes q
     and k into it from Hugging Face's halves), tied or untied logits.
-Other model types are refused, by name. A GGUF file's byte-level BPE
-tokenizer comes with it (`gguf_tokenizer`, data/tokenizers.BPETokenizer).
+Other model types are refused, by name. The tokenizer comes along
+(`tokenizer`): a GGUF file's byte-level BPE (data/tokenizers.BPETokenizer),
+a directory's tokenizer.json WordPiece (data/tokenizers.WordPieceTokenizer).
 
 `load` builds the model of the checkpoint's config, puts every tensor it
 maps in place (shapes checked) and initialises the parameters the checkpoint
@@ -277,13 +278,20 @@ def read_gguf(path: str):
 
 
 def tokenizer(path: str):
-  """The tokenizer that comes with checkpoint `path` (a GGUF file's BPE)."""
+  """The tokenizer that comes with checkpoint `path`: a GGUF file's BPE, or
+  a directory's tokenizer.json (WordPiece)."""
+  from flaxformer_lite.data import tokenizers
   if not path:
     raise PretrainedError('it reads the tokenizer of model.init_from, which is not set')
   if path.endswith('.gguf'):
     return gguf_tokenizer(path)
-  raise PretrainedError(f'{path}: reading a BERT checkpoint\'s tokenizer.json (WordPiece) is not '
-                        'supported yet; readable: the BPE of a GGUF file')
+  spec = os.path.join(path, 'tokenizer.json')
+  if not os.path.exists(spec):
+    raise PretrainedError(f'{path} has no tokenizer.json')
+  try:
+    return tokenizers.WordPieceTokenizer.from_json(spec)
+  except ValueError as e:
+    raise PretrainedError(str(e)) from None
 
 
 def gguf_tokenizer(path: str):

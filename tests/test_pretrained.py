@@ -151,8 +151,15 @@ def test_all_minilm_l6_v2_matches_its_bert_forward():
   path = _fetched('minilm')
   config = json.loads(open(os.path.join(path, 'config.json')).read())
   tensors = pretrained.read_safetensors(os.path.join(path, 'model.safetensors'))
-  # [CLS] the quick brown fox [SEP], and a shorter row padded
-  ids = np.array([[101, 1996, 4248, 2829, 4419, 102], [101, 7592, 102, 0, 0, 0]])
+  tokenizer = pretrained.tokenizer(path)
+  vocab = tokenizer.vocab
+  # BERT's own example of a word cut into pieces (uncased vocabulary)
+  assert [tokenizer.tokens[int(i)] for i in tokenizer.encode('Unaffable')] == [
+      'una', '##ffa', '##ble']
+  fox = tokenizer.with_specials(tokenizer.encode('The quick brown fox'))
+  assert fox.tolist() == [vocab[w] for w in ('[CLS]', 'the', 'quick', 'brown', 'fox', '[SEP]')]
+  hello = tokenizer.with_specials(tokenizer.encode('Hello'))
+  ids = np.stack([fox, np.pad(hello, (0, len(fox) - len(hello)))])  # a shorter row padded
   _, got = _hidden(path, ids)
   want = bert_forward(tensors, config, ids)
   valid = ids != 0
@@ -376,6 +383,27 @@ def test_smollm2_matches_its_llama_forward():
   want = llama_forward(values, meta, ids)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
   assert tokenizer.decode([int(np.argmax(got[-1]))]) == ' Paris'  # the model, read right
+
+
+def test_wordpiece_cuts_words_greedily_by_hand(tmp_path):
+  """A tokenizer.json of a few pieces: normalised (lowercase, accents and
+  control characters gone), split at spaces and punctuation, each word cut
+  into its longest pieces from the start, [UNK] for a word that cannot be."""
+  from flaxformer_lite.data import tokenizers
+  pieces = ['[PAD]', '[unused0]', '[unused1]', '[UNK]', '[CLS]', '[SEP]', 'un', '##aff',
+            '##able', '##a', 'hello', ',', 'world', '!', 'cafe', 'x', '##y']
+  (tmp_path / 'tokenizer.json').write_text(json.dumps({
+      'normalizer': {'type': 'BertNormalizer', 'lowercase': True},
+      'model': {'type': 'WordPiece', 'unk_token': '[UNK]', 'continuing_subword_prefix': '##',
+                'max_input_chars_per_word': 9, 'vocab': {p: i for i, p in enumerate(pieces)}}}))
+  tok = pretrained.tokenizer(str(tmp_path))
+  assert isinstance(tok, tokenizers.WordPieceTokenizer)
+  text = 'Unaffable, HELLO\tworld!\x07 Café xy unaffablea xyz'
+  want = ['un', '##aff', '##able', ',', 'hello', 'world', '!', 'cafe', 'x', '##y', '[UNK]',
+          '[UNK]']  # 'unaffablea' is longer than 9 characters; 'xyz' has no cut for z
+  assert [pieces[i] for i in tok.encode(text)] == want
+  assert tok.decode(tok.encode('hello, xy')) == 'hello , xy'
+  assert tok.with_specials(tok.encode('x')).tolist() == [4, 15, 5]
 
 
 def test_byte_level_bpe_merges_by_rank_by_hand():

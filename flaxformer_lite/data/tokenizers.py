@@ -231,6 +231,100 @@ class BPETokenizer:
     return data.decode('utf-8', errors='replace')
 
 
+class WordPieceTokenizer:
+  """BERT's tokenizer (Devlin et al. 2019), as a tokenizer.json of type
+  WordPiece with the BertNormalizer and BertPreTokenizer describes it:
+  control characters dropped and whitespace made ' ', CJK characters spaced,
+  lowercased and accents stripped (uncased); split at whitespace and around
+  each punctuation character; each word greedily cut into the longest
+  vocabulary pieces from its start ('##' marks a continuation), the whole
+  word [UNK] when a cut fails or it is longer than max_chars. encode adds
+  no [CLS]/[SEP]: `with_specials` does."""
+
+  def __init__(self, vocab: dict[str, int], *, unk: str = '[UNK]', prefix: str = '##',
+               max_chars: int = 100, lowercase: bool = True):
+    self.vocab, self.unk, self.prefix, self.max_chars = vocab, unk, prefix, max_chars
+    self.lowercase = lowercase
+    self.tokens = {i: t for t, i in vocab.items()}
+    self.vocab_size = max(vocab.values()) + 1
+
+  @classmethod
+  def from_json(cls, path: str) -> 'WordPieceTokenizer':
+    with open(path, encoding='utf-8') as f:
+      spec = json.load(f)
+    model = spec['model']
+    if model.get('type') != 'WordPiece':
+      raise ValueError(f'{path}: model type {model.get("type")!r}; readable: WordPiece')
+    normalizer = spec.get('normalizer') or {}
+    return cls(model['vocab'], unk=model.get('unk_token', '[UNK]'),
+               prefix=model.get('continuing_subword_prefix', '##'),
+               max_chars=model.get('max_input_chars_per_word', 100),
+               lowercase=normalizer.get('lowercase', True))
+
+  def words(self, text: str) -> list[str]:
+    """The normalised, pre-tokenized words."""
+    import unicodedata
+    chars = []
+    for c in text:
+      cat = unicodedata.category(c)
+      if c == '\0' or c == '\ufffd' or (cat.startswith('C') and c not in '\t\n\r'):
+        continue
+      if c.isspace():
+        chars.append(' ')
+      elif 0x4E00 <= ord(c) <= 0x9FFF or 0x3400 <= ord(c) <= 0x4DBF or 0xF900 <= ord(c) <= 0xFAFF:
+        chars.append(f' {c} ')
+      else:
+        chars.append(c)
+    text = ''.join(chars)
+    if self.lowercase:
+      text = ''.join(c for c in unicodedata.normalize('NFD', text.lower())
+                     if unicodedata.category(c) != 'Mn')
+    out = []
+    for word in text.split():
+      piece = ''
+      for c in word:
+        o = ord(c)
+        if (33 <= o <= 47 or 58 <= o <= 64 or 91 <= o <= 96 or 123 <= o <= 126
+            or unicodedata.category(c).startswith('P')):
+          out += [piece, c] if piece else [c]
+          piece = ''
+        else:
+          piece += c
+      if piece:
+        out.append(piece)
+    return out
+
+  def _pieces(self, word: str) -> list[str]:
+    if len(word) > self.max_chars:
+      return [self.unk]
+    pieces, start = [], 0
+    while start < len(word):
+      for end in range(len(word), start, -1):
+        piece = (self.prefix if start else '') + word[start:end]
+        if piece in self.vocab:
+          pieces.append(piece)
+          start = end
+          break
+      else:
+        return [self.unk]
+    return pieces
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.asarray([self.vocab[p] for w in self.words(text) for p in self._pieces(w)],
+                      np.int32)
+
+  def with_specials(self, ids) -> np.ndarray:
+    """[CLS] ids [SEP], as BERT reads one segment."""
+    return np.concatenate([[self.vocab['[CLS]']], ids, [self.vocab['[SEP]']]]).astype(np.int32)
+
+  def decode(self, ids) -> str:
+    text = ''
+    for i in _text_ids(ids, self.vocab_size):
+      token = self.tokens.get(int(i), self.unk)
+      text += token[len(self.prefix):] if token.startswith(self.prefix) else ' ' + token
+    return text.strip()
+
+
 def _train_sentencepiece(path_prefix: str, texts: Iterable[str], vocab_size: int,
                          model_type: str):
   """Writes `<path_prefix>.vocab` and then `<path_prefix>.model`, each atomically."""

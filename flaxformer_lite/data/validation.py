@@ -68,7 +68,7 @@ def validate(config) -> None:
     check_choice('data.tokenizer', d.tokenizer, tokenizers.TOKENIZERS)
     check(d.tokenizer != 'pretrained' or bool(m.get('init_from')),
           "data.tokenizer='pretrained' is the tokenizer of model.init_from's checkpoint; set "
-          'model.init_from (a GGUF file)')
+          'model.init_from')
     check_choice('data.spm_model_type', d.spm_model_type, ('unigram', 'bpe'))
     check(d.vocab_size >= 16, f'data.vocab_size={d.vocab_size} must be >= 16')
     check_choice('data.overlong', d.overlong, OVERLONG)
