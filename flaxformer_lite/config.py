@@ -23,7 +23,8 @@ from flaxformer_lite.attention import registry
 RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'train.checkpoint_every', 'train.keep_checkpoints',
                      'eval.num_examples_to_log', 'eval.final_test', 'train.skip_nonfinite',
-                     'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha', 'eval.sequence_accuracy',
+                     'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
+                     'eval.sequence_accuracy',
                      'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir',
                      'train.profile_steps', 'model.remat', 'eval.batch_tokens',
                      'eval.contexts', 'eval.sample_prompt', 'eval.sample_len',
@@ -146,7 +147,8 @@ def base_config() -> ml_collections.ConfigDict:
   d.pack = False
   d.source_lang = 'en'  # translation: the features of the pair
   d.target_lang = 'de'
-  d.tokenizer = 'sentencepiece'  # real text: sentencepiece | char | byte | pretrained (model.init_from's)
+  # Real text: sentencepiece | char | byte | pretrained (model.init_from's own)
+  d.tokenizer = 'sentencepiece'
   d.vocab_size = 8000  # sentencepiece: joint source+target vocabulary
   d.spm_model_type = 'unigram'  # unigram | bpe
   d.mlm_rate = 0.15  # model.type=encoder_only: fraction of tokens masked (BERT)

@@ -104,9 +104,13 @@ def load(path: str):
   import jax.numpy as jnp
   from flaxformer_lite import models
   model = models.build(model_config)
-  init = lambda: nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
+
+  def init():
+    return nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
+
   shapes = jax.eval_shape(init)
-  names = {'/'.join(k.key for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(shapes)}
+  names = {'/'.join(k.key for k in keys)
+           for keys, _ in jax.tree_util.tree_leaves_with_path(shapes)}
   # Initialised (compiled and run) only when the checkpoint lacks something.
   return model_config, overlay(shapes if names <= set(mapped) else jax.jit(init)(), mapped)
 

@@ -182,7 +182,6 @@ class Evaluator:
     targets; with eval.sequence_accuracy='teacher_forced' (token tasks) the
     exact match of greedy decoding from one teacher-forced pass instead."""
     arrays = self.arrays(split)
-    size, _ = self.batch_rows(arrays)
     if self.row_scores:
       scores = []
 
@@ -217,8 +216,8 @@ class Evaluator:
     """sequence_accuracy from each example's exact match `same` [N] bool; for
     a split of several test lengths also per length, as the papers tabulate:
     sequence_accuracy_len<L>, and with `row_accuracy` [N] (each example's
-    fraction of right answer tokens, EOS not counted) accuracy_len<L> and their mean over the
-    lengths, mean_length_accuracy."""
+    fraction of right answer tokens, EOS not counted) accuracy_len<L> and
+    their mean over the lengths, mean_length_accuracy."""
     out = {'sequence_accuracy': float(np.mean(same))}
     if split in self.dataset.length_groups:
       lengths = self.dataset.length_groups[split][:len(same)]
