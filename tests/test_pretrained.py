@@ -146,26 +146,6 @@ def test_what_cannot_be_mapped_is_named(tmp_path):
     pretrained.load(str(tmp_path / 'model.gguf'))
 
 
-def test_all_minilm_l6_v2_matches_its_bert_forward():
-  """The real checkpoint, fetched by the project's command into the cache."""
-  path = _fetched('minilm')
-  config = json.loads(open(os.path.join(path, 'config.json')).read())
-  tensors = pretrained.read_safetensors(os.path.join(path, 'model.safetensors'))
-  tokenizer = pretrained.tokenizer(path)
-  vocab = tokenizer.vocab
-  # BERT's own example of a word cut into pieces (uncased vocabulary)
-  assert [tokenizer.tokens[int(i)] for i in tokenizer.encode('Unaffable')] == [
-      'una', '##ffa', '##ble']
-  fox = tokenizer.with_specials(tokenizer.encode('The quick brown fox'))
-  assert fox.tolist() == [vocab[w] for w in ('[CLS]', 'the', 'quick', 'brown', 'fox', '[SEP]')]
-  hello = tokenizer.with_specials(tokenizer.encode('Hello'))
-  ids = np.stack([fox, np.pad(hello, (0, len(fox) - len(hello)))])  # a shorter row padded
-  _, got = _hidden(path, ids)
-  want = bert_forward(tensors, config, ids)
-  valid = ids != 0
-  np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=2e-4)
-
-
 def test_init_from_takes_the_architecture_and_the_weights(tmp_path):
   """model.init_from on the training path: main.from_checkpoint sets the
   checkpoint's architecture and attention variant (a variant given on the
@@ -372,17 +352,80 @@ def test_a_llama_gguf_gives_the_llama_forward(tmp_path, untied):
   np.testing.assert_allclose(got, llama_forward(values, meta, ids), rtol=1e-4, atol=1e-4)
 
 
-def test_smollm2_matches_its_llama_forward():
-  """The real SmolLM2-135M-Instruct (Q4_1), fetched by the project's command."""
+def _golden(name):
+  with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'golden',
+                         f'{name}.json')) as f:
+    return json.load(f)
+
+
+def _close(got, want):
+  """float32 against the reference: relative error <= 1e-4 (of the largest value)."""
+  want = np.asarray(want)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_smollm2_matches_transformers():
+  """SmolLM2-135M-Instruct (Q4_1), fetched by the project's command, against
+  Hugging Face transformers' LlamaForCausalLM on the same GGUF
+  (tests/golden/smollm2.json): the tokenizer's ids, a full pass's logits,
+  and greedy decoding with the cache, token by token and logit by logit.
+  (The numpy Llama forward checks the same mapping on a tiny GGUF.)"""
+  from flaxformer_lite import decoding
   path = _fetched('smollm2')
-  meta, infos = pretrained.read_gguf(path)
-  values = {name: pretrained._dequantise(path, info) for name, info in infos.items()}
+  golden = _golden('smollm2')
   tokenizer = pretrained.gguf_tokenizer(path)
-  ids = tokenizer.encode('The capital of France is')
-  _, got = _logits(path, ids)
-  want = llama_forward(values, meta, ids)
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max())
-  assert tokenizer.decode([int(np.argmax(got[-1]))]) == ' Paris'  # the model, read right
+  for text, ids in zip(golden['texts'], golden['ids']):
+    assert tokenizer.encode(text).tolist() == ids, text
+  prompt = np.asarray(golden['prompt'])
+  model_config, params = pretrained.load(path)
+  model = models.build(model_config)
+  got = np.asarray(jax.jit(model.apply)({'params': params}, jnp.asarray(prompt)[None]))[0]
+  columns = golden['columns']
+  _close(got[:, columns], golden['logits'])
+
+
+  decode_model = models.build(model_config, decode=True)
+  steps = len(golden['greedy'])
+  cache = decoding.init_cache(decode_model, jnp.zeros((1, len(prompt) + steps), jnp.int32))
+  # The parameters as an argument, not constants of the computation.
+  step = jax.jit(lambda params, tokens, cache: decoding._lm_fn(decode_model, params)(tokens,
+                                                                                      cache))
+  for token in prompt:  # the prompt a token at a time: one compiled step for all
+    logits, cache = step(params, jnp.asarray([[token]], jnp.int32), cache)
+  tokens, step_logits = [], []
+  for _ in range(steps):
+    last = np.asarray(logits)[0, -1]
+    step_logits.append(last[columns])
+    tokens.append(int(np.argmax(last)))
+    logits, cache = step(params, jnp.asarray([[tokens[-1]]], jnp.int32), cache)
+  assert tokens == golden['greedy']
+  _close(np.stack(step_logits), golden['greedy_logits'])
+  assert tokenizer.decode(tokens)  # text, not nothing
+
+
+def test_minilm_matches_transformers_bertmodel_and_its_bert_forward():
+  """all-MiniLM-L6-v2, fetched by the project's command, against Hugging
+  Face transformers' BertModel (tests/golden/minilm.json): the tokenizer's
+  ids and the last hidden state; a padded batch against the numpy forward."""
+  path = _fetched('minilm')
+  golden = _golden('minilm')
+  tokenizer = pretrained.tokenizer(path)
+  # BERT's own example of a word cut into pieces (uncased vocabulary)
+  assert [tokenizer.tokens[int(i)] for i in tokenizer.encode('Unaffable')] == [
+      'una', '##ffa', '##ble']
+  model_config, params = pretrained.load(path)
+  model = models.build(model_config)
+  encode = jax.jit(functools.partial(model.apply, method=model.encode))
+  for text, ids, hidden in zip(golden['texts'], golden['ids'], golden['hidden']):
+    assert tokenizer.with_specials(tokenizer.encode(text)).tolist() == ids, text
+    _close(np.asarray(encode({'params': params}, jnp.asarray([ids])))[0], hidden)
+  config = json.loads(open(os.path.join(path, 'config.json')).read())
+  tensors = pretrained.read_safetensors(os.path.join(path, 'model.safetensors'))
+  fox, hello = (tokenizer.with_specials(tokenizer.encode(t)) for t in ('The quick fox', 'Hi'))
+  ids = np.stack([fox, np.pad(hello, (0, len(fox) - len(hello)))])  # a shorter row padded
+  got = np.asarray(encode({'params': params}, jnp.asarray(ids)))
+  valid = ids != 0
+  _close(got[valid], bert_forward(tensors, config, ids)[valid])
 
 
 def test_wordpiece_cuts_words_greedily_by_hand(tmp_path):
