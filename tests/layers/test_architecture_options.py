@@ -3,6 +3,7 @@ formula written out in numpy: model.norm (LayerNorm, RMSNorm) and its
 epsilon, the gated MLPs and the exact GELU, model.use_bias,
 model.tie_embeddings, model.embed_scale, and rotary's pair layout."""
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -151,7 +152,7 @@ def test_rotary_layouts_rotate_their_pairs(layout):
 def test_bad_options_are_config_errors(key, value, says):
   c = config_lib.base_config()
   c.model[key] = value
-  with pytest.raises(config_lib.ConfigError, match=re_escape(says)):
+  with pytest.raises(config_lib.ConfigError, match=re.escape(says)):
     models.validate(c.model)
 
 
@@ -162,8 +163,3 @@ def test_a_bad_rotary_layout_is_a_config_error():
   with pytest.raises(config_lib.ConfigError, match="rotary_layout='split'; valid: interleaved, "
                                                   'halves'):
     models.validate(c.model)
-
-
-def re_escape(text):
-  import re
-  return re.escape(text)
