@@ -201,6 +201,16 @@ def check_choice(name: str, value: Any, valid):
   check(value in valid, f'{name}={value!r} is not valid; valid: {", ".join(map(str, valid))}')
 
 
+def parent_of(config, path: str):
+  """(the ConfigDict holding `path`'s last part, that part): 'model.d_model'
+  -> (config.model, 'd_model'). The path must exist (unknown_key_message)."""
+  *parents, leaf = path.split('.')
+  node = config
+  for parent in parents:
+    node = node[parent]
+  return node, leaf
+
+
 def unknown_key_message(config, path: str) -> str | None:
   """None when `path` ('model.d_model') names a key of `config`; else the
   message naming the first part that does not exist, the nearest valid key

@@ -80,10 +80,7 @@ def from_checkpoint(config, keep=()) -> list[str]:
     if 'model.attention' in keep:  # another variant: none of the checkpoint's options
       checkpoint = {k: v for k, v in checkpoint.items() if not k.startswith('attention_kwargs.')}
     for key, value in checkpoint.items():
-      *parents, leaf = key.split('.')
-      node = config.model
-      for parent in parents:
-        node = node[parent]
+      node, leaf = config_lib.parent_of(config.model, key)
       if f'model.{key}' in keep:
         kept.append(key)
       elif node[leaf] != value:

@@ -102,6 +102,7 @@ def load(path: str):
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
+  from flax import traverse_util
   from flaxformer_lite import models
   model = models.build(model_config)
 
@@ -109,8 +110,7 @@ def load(path: str):
     return nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
 
   shapes = jax.eval_shape(init)
-  names = {'/'.join(k.key for k in keys)
-           for keys, _ in jax.tree_util.tree_leaves_with_path(shapes)}
+  names = set(traverse_util.flatten_dict(shapes, sep='/'))
   # Initialised (compiled and run) only when the checkpoint lacks something.
   return model_config, overlay(shapes if names <= set(mapped) else jax.jit(init)(), mapped)
 
@@ -226,9 +226,7 @@ def _bert(hf: dict, tensors: dict):
       continue  # tied to the word embeddings, as ours
     else:
       unknown.append(name)
-  if unknown:
-    raise PretrainedError(f'{len(unknown)} tensors with no place in model.type=encoder_only: '
-                          + ', '.join(sorted(unknown)[:8]))
+  _refuse(unknown, m.type)
   return m, out
 
 
@@ -391,10 +389,15 @@ def _llama(meta: dict, tensors: dict, read: bool = True):
         unknown.append(name)
     else:
       unknown.append(name)
-  if unknown:
-    raise PretrainedError(f'{len(unknown)} tensors with no place in model.type=decoder_only: '
-                          + ', '.join(sorted(unknown)[:8]))
+  _refuse(unknown, m.type)
   return m, out
+
+
+def _refuse(unknown: list, model_type: str):
+  """PretrainedError naming the checkpoint's tensors that have no place (the first 8)."""
+  if unknown:
+    raise PretrainedError(f'{len(unknown)} tensors with no place in model.type={model_type}: '
+                          + ', '.join(sorted(unknown)[:8]))
 
 
 def _norm_leaf(name):
@@ -410,9 +413,8 @@ def overlay(fresh, mapped: dict) -> dict:
   """`fresh` (a parameter tree) with `mapped` ({'a/b/c': array}) in place;
   the parameters `mapped` lacks keep their value and are logged.
   PretrainedError on a name the tree lacks or a shape that differs."""
-  import jax
-  flat = {'/'.join(k.key for k in path): x
-          for path, x in jax.tree_util.tree_leaves_with_path(fresh)}
+  from flax import traverse_util
+  flat = traverse_util.flatten_dict(fresh, sep='/')
   for name, array in mapped.items():
     if name not in flat:
       raise PretrainedError(f'the checkpoint maps to {name}, which the model lacks')
@@ -423,14 +425,9 @@ def overlay(fresh, mapped: dict) -> dict:
   if missing:
     log.info('init_from: %d parameters the checkpoint lacks are initialised: %s',
              len(missing), ', '.join(missing))
-  params = {}
-  for name, value in flat.items():
-    node = params
-    *parents, leaf = name.split('/')
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = np.asarray(mapped.get(name, value), np.float32)
-  return params
+  return traverse_util.unflatten_dict(
+      {name: np.asarray(mapped.get(name, value), np.float32) for name, value in flat.items()},
+      sep='/')
 
 
 def fetch(name: str) -> str:

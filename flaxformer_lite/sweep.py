@@ -217,10 +217,7 @@ def row_configs(study: dict, where: str) -> dict:
       message = config_lib.unknown_key_message(config, key)
       if message:
         raise SweepError(f'{where} row {row}: override {message}')
-      *parents, leaf = key.split('.')
-      node = config
-      for parent in parents:
-        node = node[parent]
+      node, leaf = config_lib.parent_of(config, key)
       try:
         node[leaf] = value
       except TypeError as e:
