@@ -94,6 +94,15 @@ def base_config() -> ml_collections.ConfigDict:
   # (the previous attentional state joins the next decoder input).
   m.rnn_cell = 'lstm'  # lstm | gru
   m.rnn_input_feeding = True
+  # model.type=two_stream (layers/fusion.py): each stream its own embeddings
+  # and layers until fusion_layer; from there 'early'/'late' run one joint
+  # sequence (early: from layer 0), 'bottleneck' exchanges only through
+  # fusion_bottlenecks shared tokens (Nagrani et al. 2021). fusion_layer =
+  # num_encoder_layers: the streams meet in the classifier only.
+  m.fusion = 'bottleneck'  # early | late | bottleneck
+  m.fusion_layer = 0
+  m.fusion_bottlenecks = 4
+  m.num_classes = 0  # two_stream's classifier; 0: the dataset's
 
   c.train = t = ml_collections.ConfigDict()
   t.num_steps = 2000
@@ -153,6 +162,7 @@ def base_config() -> ml_collections.ConfigDict:
   d.spm_model_type = 'unigram'  # unigram | bpe
   d.mlm_rate = 0.15  # model.type=encoder_only: fraction of tokens masked (BERT)
   d.num_symbols = 16  # synthetic tasks ...
+  d.num_claims = 8  # two-stream tasks: the claims of stream B (data/two_stream.py)
   d.min_len = 1
   # Generated tasks: the lengths of split test_long, num_eval examples spread
   # evenly over them, its exact-match accuracy also reported per length

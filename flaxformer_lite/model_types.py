@@ -8,8 +8,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class ModelType:
-  objective: str  # seq2seq | lm | mlm: the loss (train/steps.py)
-  data: str  # seq2seq | lm: the kind of data it reads (pairs, or one token stream)
+  objective: str  # seq2seq | lm | mlm | classify: the loss (train/steps.py)
+  data: str  # seq2seq | lm | two_stream: the kind of data it reads (data/loading.py)
   transformer: bool  # built of Transformer blocks (else the RNN)
 
 
@@ -17,6 +17,7 @@ MODEL_TYPES = {
     'encoder_decoder': ModelType(objective='seq2seq', data='seq2seq', transformer=True),
     'decoder_only': ModelType(objective='lm', data='lm', transformer=True),
     'encoder_only': ModelType(objective='mlm', data='lm', transformer=True),
+    'two_stream': ModelType(objective='classify', data='two_stream', transformer=True),
     'rnn_seq2seq': ModelType(objective='seq2seq', data='seq2seq', transformer=False),
 }
 TRANSFORMER_TYPES = tuple(name for name, t in MODEL_TYPES.items() if t.transformer)

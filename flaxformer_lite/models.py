@@ -10,10 +10,12 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.attention.masks import MaskSpec
 from flaxformer_lite.config import check, check_choice, ConfigError
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
-                                    RNNEncoder, TransformerConfig)
+                                    RNNEncoder, TransformerConfig, TwoStreamEncoder)
 from flaxformer_lite.layers.embeddings import POSITIONS
+from flaxformer_lite.layers.fusion import FUSIONS
 from flaxformer_lite.layers.rnn import CELLS
-from flaxformer_lite.layers.transformer import ACTIVATIONS, INITS, NORMS, REMAT, embed_kwargs
+from flaxformer_lite.layers.transformer import (ACTIVATIONS, INITS, NORMS, REMAT, embed_kwargs,
+                                               embed_tokens)
 from flaxformer_lite.model_types import MODEL_TYPES
 from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID, shift_right  # noqa: F401 (re-exported)
 
@@ -133,6 +135,39 @@ class EncoderOnly(nn.Module):
     return self.embed.attend(h).astype(jnp.float32) + self.mlm_bias  # [b, n, V]
 
 
+class TwoStream(nn.Module):
+  """Two token streams fused (layers/fusion.py), then classified.
+
+  `__call__(inputs [b, n_a], inputs_b [b, n_b])` -> logits [b, num_classes].
+  Each stream has its own token table and positions (0..n_i-1); PAD tokens
+  neither attend nor are attended to. The classifier reads the mean of each
+  stream's final states over its real tokens, the two concatenated: the same
+  head for every fusion mode, so with fusion_layer = num_encoder_layers the
+  streams meet there only (late fusion at the head).
+  """
+  cfg: TransformerConfig
+  fusion: str = 'bottleneck'
+  fusion_layer: int = 0
+  num_bottleneck: int = 4
+  num_classes: int = 2
+
+  @nn.compact
+  def __call__(self, inputs, inputs_b, *, deterministic=True):
+    cfg = self.cfg
+    valid = [inputs > PAD_ID, inputs_b > PAD_ID]
+    x = [embed_tokens(cfg, Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype,
+                                  name=f'embed_{s}', **embed_kwargs(cfg)),
+                       ids, deterministic, f'positions_{s}')
+         for s, ids in zip('ab', (inputs, inputs_b))]
+    y_a, y_b, _ = TwoStreamEncoder(cfg, self.fusion, self.num_bottleneck, self.fusion_layer,
+                                   name='encoder')(x[0], x[1], valid_a=valid[0],
+                                                   valid_b=valid[1], deterministic=deterministic)
+    pooled = [jnp.sum(y * v[..., None], axis=1) / jnp.maximum(v.sum(axis=1), 1)[:, None]
+              for y, v in zip((y_a, y_b), valid)]
+    return nn.Dense(self.num_classes, dtype=cfg.dtype, name='classifier')(
+        jnp.concatenate(pooled, axis=-1)).astype(jnp.float32)
+
+
 class RNNSeq2Seq(nn.Module):
   """Bidirectional RNN encoder, attentional RNN decoder with input feeding
   (layers/rnn.py), one embedding for both sides. The interface is
@@ -205,8 +240,8 @@ def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
 
 def build(model_config: Mapping[str, Any], *, decode: bool = False,
           sow_weights: bool = False) -> nn.Module:
-  """config.model -> EncoderDecoder | DecoderOnly | EncoderOnly | RNNSeq2Seq
-  (set by `model_config.type`).
+  """config.model -> EncoderDecoder | DecoderOnly | EncoderOnly | TwoStream |
+  RNNSeq2Seq (set by `model_config.type`).
 
   `decode=True` builds the same parameters with decoding caches.
   `sow_weights=True`: every Transformer attention layer stores its weights
@@ -221,6 +256,9 @@ def build(model_config: Mapping[str, Any], *, decode: bool = False,
   cfg = transformer_config(model_config, decode=decode, sow_weights=sow_weights)
   if model_type == 'encoder_only':
     return EncoderOnly(cfg)
+  if model_type == 'two_stream':
+    return TwoStream(cfg, model_config['fusion'], model_config['fusion_layer'],
+                     model_config['fusion_bottlenecks'], model_config['num_classes'])
   return (EncoderDecoder if model_type == 'encoder_decoder' else DecoderOnly)(cfg)
 
 
@@ -289,9 +327,31 @@ def validate(model_config) -> None:
   for key in ('dropout_rate', 'attention_dropout_rate'):
     check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')
   check_choice('model.rnn_cell', m.rnn_cell, tuple(CELLS))
+  if m.type == 'two_stream':
+    _validate_two_stream(m)
   if m.type == 'rnn_seq2seq':
     check(m.d_model % 2 == 0,
           f'model.type=rnn_seq2seq splits model.d_model={m.d_model} over the two '
           f'directions of its bidirectional encoder; use an even d_model')
     for key in ('num_encoder_layers', 'num_decoder_layers'):
       check(m[key] >= 1, f'model.{key}={m[key]} must be >= 1 for model.type=rnn_seq2seq')
+
+
+def _validate_two_stream(m) -> None:
+  check_choice('model.fusion', m.fusion, FUSIONS)
+  layers = m.num_encoder_layers
+  check(layers >= 1, f'model.num_encoder_layers={layers} must be >= 1 for model.type=two_stream')
+  check(0 <= m.fusion_layer <= layers,
+        f'model.fusion_layer={m.fusion_layer} is beyond the model\'s layers: valid 0..{layers} '
+        f'(model.num_encoder_layers={layers}; {layers} = the streams meet in the classifier only)')
+  check(m.fusion != 'early' or m.fusion_layer == 0,
+        f"model.fusion='early' fuses from the first layer; model.fusion_layer={m.fusion_layer} "
+        "is for 'late' or 'bottleneck' (or set it to 0)")
+  check(m.fusion != 'bottleneck' or m.fusion_bottlenecks >= 1,
+        f"model.fusion='bottleneck' with model.fusion_bottlenecks={m.fusion_bottlenecks}: the "
+        'streams would exchange nothing; use >= 1 (or fusion_layer = num_encoder_layers to '
+        'fuse in the classifier only)')
+  check(m.num_classes >= 0, f'model.num_classes={m.num_classes} must be >= 0 (0: the data\'s)')
+  for key in ('randomized_positions', 'token_types', 'embed_norm'):
+    check(not m[key], f'model.{key}={m[key]!r} is not implemented for model.type=two_stream; '
+          'leave it off')

@@ -15,12 +15,15 @@ A grid file holds values only; its get_sweep() returns
        'overrides': {'train.num_steps': 300},          # every row of the study
        'rows': {ROW: {'model.attention': 'shaw'}},     # what differs between rows
        'metrics': {'test.bleu': 'test BLEU'},          # SPLIT.KEY of metrics.jsonl -> label
+                                                       # (SPLIT: train, eval or test)
        'tables': {TABLE: [ROW, ...]},                  # default: one table of every row
    }},
    # optional, across studies of the same rows:
    'summaries': {NAME: {'metric': 'test.accuracy', 'label': 'accuracy'}},
    'curves': {NAME: {'metric': 'test.accuracy_len', 'label': 'accuracy',
-                     'xlabel': 'length', 'panels': {PANEL: [STUDY, ...]}}}}
+                     'xlabel': 'length', 'panels': {PANEL: [STUDY, ...]}}},
+   'scatters': {NAME: {'x': 'train.step_flops', 'xlabel': 'FLOPs per train step',
+                       'y': 'test.accuracy', 'ylabel': 'accuracy', 'studies': [STUDY, ...]}}}
 
 Each run is `./launch.sh EXPERIMENT --workdir=OUT/STUDY/ROW/seed_S
 --config.seed=S --config.KEY=VALUE ...` (run as `python -m
@@ -40,6 +43,8 @@ table of one metric with a line per study and a column per row: mean ±
 std over seeds with the best seed's value, and the mean over studies. A
 curves entry is the figure NAME.png: the metrics SPLIT.PREFIX<number>
 against the number, a panel per PANEL averaging its studies, a curve per row.
+A scatters entry is the figure NAME.png: metric y against metric x, a panel
+per study, a point per row (the means over seeds, ± std bars both ways).
 """
 from __future__ import annotations
 
@@ -160,8 +165,8 @@ def load_grid(path: str, check_configs: bool = True) -> dict:
   if grid is None:
     raise SweepError(f'grid file {path!r} defines no get_sweep()')
   grid = grid()
-  _keys(grid, {'seeds', 'out', 'results', 'studies', 'summaries', 'curves'}, 'the grid',
-        required={'seeds', 'studies'})
+  _keys(grid, {'seeds', 'out', 'results', 'studies', 'summaries', 'curves', 'scatters'},
+        'the grid', required={'seeds', 'studies'})
   if not grid['studies']:
     raise SweepError(f'{path}: studies is empty')
   for name, summary in grid.get('summaries', {}).items():
@@ -175,6 +180,14 @@ def load_grid(path: str, check_configs: bool = True) -> dict:
       if missing:
         raise SweepError(f'{where}.panels.{panel} names studies {missing} that the grid lacks; '
                          f'studies: {", ".join(grid["studies"])}')
+  for name, scatter in grid.get('scatters', {}).items():
+    where = f'scatters.{name}'
+    _keys(scatter, {'x', 'xlabel', 'y', 'ylabel', 'studies'}, where,
+          required={'x', 'y', 'studies'})
+    missing = [s for s in scatter['studies'] if s not in grid['studies']]
+    if missing:
+      raise SweepError(f'{where}.studies names {missing}, which the grid lacks; studies: '
+                       f'{", ".join(grid["studies"])}')
   for name, study in grid['studies'].items():
     where = f'studies.{name}'
     _keys(study, {'experiment', 'overrides', 'rows', 'metrics', 'tables'}, where,
@@ -300,10 +313,12 @@ def _records(workdir: str):
 
 
 def final_metrics(workdir: str) -> dict:
-  """{'SPLIT.KEY': value} of the last eval and test records of metrics.jsonl."""
+  """{'SPLIT.KEY': value} of the last train, eval and test records of
+  metrics.jsonl (train: the last logged window's loss, steps_per_sec,
+  step_flops, ...)."""
   out = {}
   for r in _records(workdir):
-    if r['split'] in ('eval', 'test'):
+    if r['split'] in ('train', 'eval', 'test'):
       out.update({f'{r["split"]}.{k}': v for k, v in r.items()
                   if k not in ('step', 'split') and isinstance(v, (int, float))})
   return out
@@ -497,7 +512,7 @@ def dry_run_report(all_runs: list[Run], statuses: dict, walls: dict, rates: dict
 
 
 def collect(grid: dict, all_runs: list[Run]) -> list[dict]:
-  """results.csv's lines: every final eval/test metric of every finished run."""
+  """results.csv's lines: every final train/eval/test metric of every finished run."""
   lines = []
   for run in all_runs:
     record = run.done()
@@ -617,7 +632,7 @@ def curve_points(grid: dict, lines: list[dict], prefix: str, studies: list[str])
 
 def plot(grid: dict, lines: list[dict], results: str) -> list[str]:
   """A figure per (study, table), STUDY_TABLE.png in `results`, and one per
-  curves entry, NAME.png; returns the paths written."""
+  curves or scatters entry, NAME.png; returns the paths written."""
   paths = []
   for name, study in grid['studies'].items():
     for table, rows in study['tables'].items():
@@ -632,6 +647,14 @@ def plot(grid: dict, lines: list[dict], results: str) -> list[str]:
     fig = sweep_plots.curve_figure(
         f'{name}: {curves["label"]}, the mean over {sweep_plots.seeds_phrase([len(seeds)])} '
         "and each panel's studies", curves.get('xlabel', 'x'), curves['label'], panels)
+    paths.append(sweep_plots.save(fig, os.path.join(results, f'{name}.png')))
+  for name, scatter in grid.get('scatters', {}).items():
+    panels = {study: {row: (_by_row(lines, study, scatter['x']).get(row, []),
+                            _by_row(lines, study, scatter['y']).get(row, []))
+                      for row in grid['studies'][study]['rows']}
+              for study in scatter['studies']}
+    fig = sweep_plots.scatter_figure(name, scatter.get('xlabel', scatter['x']),
+                                     scatter.get('ylabel', scatter['y']), panels)
     paths.append(sweep_plots.save(fig, os.path.join(results, f'{name}.png')))
   return paths
 

@@ -1,7 +1,7 @@
 """Figures that read at 100%: bars per row from zero, curves told apart, legends off the data.
 
-bar_figure draws a sweep table and curve_figure a sweep's curves
-(flaxformer_lite/sweep.py); READABLE, curve_style and save are shared with the
+bar_figure draws a sweep table, curve_figure a sweep's curves and
+scatter_figure its scatters (flaxformer_lite/sweep.py); READABLE, curve_style and save are shared with the
 benchmarks' figures (benchmarks/train_short_test_long.py).
 matplotlib is imported on first use: the sweep imports this module at start.
 """
@@ -150,6 +150,39 @@ def curve_figure(title: str, xlabel: str, ylabel: str,
     fig.suptitle(title)
     if labels:
       fig.legend(handles, labels, loc='outside lower center', ncol=min(6, len(labels)))
+  return fig
+
+
+def scatter_figure(title: str, xlabel: str, ylabel: str,
+                   panels: dict[str, dict[str, tuple[list[float], list[float]]]]):
+  """A panel per entry of `panels` (title -> {row: (x per seed, y per seed)}),
+  a point per row at the means, ± sample std bars both ways with several
+  seeds, each point labelled with its row; rows without both values are left
+  out. Returns the matplotlib Figure."""
+  plt = pyplot()
+  with plt.rc_context(READABLE):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 0.6, 4.4),
+                             squeeze=False, layout='constrained')
+    for ax, (panel, rows) in zip(axes[0], panels.items()):
+      drawn = 0
+      for i, (row, (xs, ys)) in enumerate(rows.items()):
+        if not xs or not ys:
+          continue
+        (mx, sx, nx), (my, sy, ny) = summarise(xs), summarise(ys)
+        style = curve_style(i)
+        ax.errorbar(mx, my, xerr=sx if nx > 1 else None, yerr=sy if ny > 1 else None,
+                    color=style['color'], marker=style['marker'], capsize=3, linestyle='')
+        ax.annotate(row, (mx, my), xytext=(4, 4), textcoords='offset points', fontsize=9)
+        drawn += 1
+      if not drawn:
+        ax.text(0.5, 0.5, 'no results yet', transform=ax.transAxes, ha='center')
+      ax.set_title(panel)
+      ax.set_xlabel(xlabel)
+      ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    counts = [len(ys) for rows in panels.values() for _, ys in rows.values() if ys] or [1]
+    fig.suptitle(f'{title}: mean over {seeds_phrase(counts)}'
+                 + (', ± sample std' if max(counts) > 1 else ''))
   return fig
 
 

@@ -1,6 +1,7 @@
 """Config validation (exit 2 paths) and config.json round trips."""
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -286,3 +287,48 @@ def test_cli_space_separated_config_path_takes_overrides(tmp_path, run_main):
                   f'--workdir={tmp_path}/w')
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert 'model.num_heads=5' in proc.stderr and 'defined twice' not in proc.stderr
+
+
+def _two_stream_config():
+  return runpy.run_path(os.path.join(REPO, 'experiments', 'two_stream.py'))['get_config']()
+
+
+@pytest.mark.parametrize('key,value,expected', [
+    ('model.fusion_layer', 5, 'beyond the model\'s layers: valid 0..4'),
+    ('model.fusion_layer', -1, 'valid 0..4'),
+    ('model.fusion_bottlenecks', 0, 'would exchange nothing'),
+    ('model.fusion', 'middle', 'valid: early, late, bottleneck'),
+    ('model.num_classes', -2, 'must be >= 0'),
+    ('data.num_claims', 0, 'must be >= 1'),
+    ('data.num_symbols', 1, 'must be >= 2'),
+    ('train.batch_tokens', 4096, 'use train.batch_size'),
+])
+def test_two_stream_bad_values_are_named(key, value, expected):
+  c = _two_stream_config()
+  section, name = key.split('.')
+  c[section][name] = value
+  with pytest.raises(config_lib.ConfigError) as e:
+    main.validate(c)
+  assert key in str(e.value) and expected in str(e.value)
+
+
+def test_early_fusion_refuses_a_fusion_layer():
+  c = _two_stream_config()
+  c.model.fusion, c.model.fusion_layer = 'early', 2
+  with pytest.raises(config_lib.ConfigError, match="fusion='early' fuses from the first layer"):
+    main.validate(c)
+
+
+@pytest.mark.parametrize('model_type,task,valid', [
+    ('two_stream', 'reverse', "['two_stream']"),  # a single-stream task
+    ('two_stream', 'tiny_shakespeare', "['two_stream']"),
+    ('encoder_decoder', 'presence_claims', "['two_stream']"),
+])
+def test_two_stream_model_and_task_go_together(model_type, task, valid):
+  c = _two_stream_config()
+  c.model.type, c.data.task = model_type, task
+  with pytest.raises(config_lib.ConfigError) as e:
+    main.validate(c)
+  message = str(e.value)
+  assert f"model.type='{model_type}'" in message and f"data.task='{task}'" in message
+  assert ('use model.type in ' + valid in message) == (model_type == 'encoder_decoder')

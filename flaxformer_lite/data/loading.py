@@ -1,9 +1,11 @@
 """load(config.data) -> Dataset: prepares a task's data once and reads it back.
 
-Two kinds of data:
-  'seq2seq'  splits of padded arrays {'inputs', 'targets'} [N, L] (synthetic
-             tasks, translation: multi30k, wmt14/17 from the TFDS catalog);
-  'lm'       splits as one token stream [T] (tiny_shakespeare, lm1b).
+Three kinds of data:
+  'seq2seq'     splits of padded arrays {'inputs', 'targets'} [N, L] (synthetic
+                tasks, translation: multi30k, wmt14/17 from the TFDS catalog);
+  'lm'          splits as one token stream [T] (tiny_shakespeare, lm1b);
+  'two_stream'  splits {'inputs' [N, n], 'inputs_b' [N, m], 'targets' [N, 1]}:
+                two token streams and a class (data/two_stream.py).
 Text is tokenized here (sentencepiece, char or byte; tokenizers.py) with the
 tokenizer trained once on the training split and cached next to the data.
 """
@@ -17,21 +19,21 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import corpora, pipeline, shared, synthetic, tokenizers
+from flaxformer_lite.data import corpora, pipeline, shared, synthetic, tokenizers, two_stream
 from flaxformer_lite.data.corpora import DataError
 from flaxformer_lite.tokens import EOS_ID
 
 REAL_TASKS = ('multi30k', 'tiny_shakespeare', 'tfds')
 BUILDER_NAMES = {'multi30k': 'multi30k', 'tiny_shakespeare': 'tiny_shakespeare_char'}
-TASKS = synthetic.TASK_NAMES + REAL_TASKS
-KINDS = ('seq2seq', 'lm')
+TASKS = synthetic.TASK_NAMES + two_stream.TASKS + REAL_TASKS
+KINDS = ('seq2seq', 'lm', 'two_stream')
 OVERLONG = ('drop', 'truncate')
 log = logging.getLogger('flaxformer_lite')
 
 
 @dataclasses.dataclass
 class Dataset:
-  """vocab_size: largest id + 1; kind: 'seq2seq' | 'lm'.
+  """vocab_size: largest id + 1; kind: 'seq2seq' | 'lm' | 'two_stream'.
 
   splits: name -> {'inputs': [N, L], 'targets': [N, L]} (seq2seq) or a token
   stream [T] (lm). dropped: training examples dropped or truncated for
@@ -40,6 +42,7 @@ class Dataset:
   references: split -> the raw target texts, row for row (text seq2seq).
   length_groups: split -> each row's task length [N], for a split whose
   metrics are also reported per length (test_long of data.test_lengths).
+  num_classes: the classes of a 'two_stream' task's label (else 0).
   """
   vocab_size: int
   splits: dict
@@ -49,6 +52,7 @@ class Dataset:
   references: dict = dataclasses.field(default_factory=dict)
   bad_lines: dict = dataclasses.field(default_factory=dict)
   length_groups: dict = dataclasses.field(default_factory=dict)
+  num_classes: int = 0
 
 
 def default_data_dir() -> str:
@@ -100,6 +104,8 @@ def _load(data_config, tokenizer_from: str = '') -> Dataset:
   data_dir = data_config['data_dir'] or default_data_dir()
   if task in synthetic.TASK_NAMES:
     return _load_synthetic(data_config, data_dir)
+  if task in two_stream.TASKS:
+    return _load_two_stream(data_config)
   d = data_config
   manual_dir = os.path.abspath(os.path.expanduser(d['manual_dir'])) if d['manual_dir'] else ''
   if not manual_dir:
@@ -158,6 +164,18 @@ def _load_synthetic(d, data_dir) -> Dataset:
   if d.get('test_lengths'):
     groups['test_long'] = np.array([ex['length'] for ex in examples['test_long']], np.int32)
   return Dataset(synthetic.vocab_size(d), splits, dropped, length_groups=groups)
+
+
+def _load_two_stream(d) -> Dataset:
+  """Generated in memory (a second at most): train, validation and test."""
+  n, m, k = d['max_len'], d['num_claims'], d['num_symbols']
+  splits = {}
+  for split_seed, split in enumerate(('train', 'validation', 'test')):
+    num = d['num_train'] if split == 'train' else d['num_eval']
+    a, b, label = two_stream.examples(d['task'], num, n=n, m=m, k=k, seed=[d['seed'], split_seed])
+    splits[split] = {'inputs': a, 'inputs_b': b, 'targets': label[:, None]}
+  return Dataset(two_stream.vocab_size(n, k), splits, {s: 0 for s in splits}, 'two_stream',
+                 num_classes=two_stream.num_classes(m))
 
 
 def _tokenizer(d, builder, texts_fn, tokenizer_from=''):

@@ -3,7 +3,7 @@ positions' reach, packing), checked before anything is loaded or built."""
 from __future__ import annotations
 
 from flaxformer_lite.config import ConfigError, check, check_choice
-from flaxformer_lite.data import algorithmic, corpora, synthetic, tokenizers
+from flaxformer_lite.data import algorithmic, corpora, synthetic, tokenizers, two_stream
 from flaxformer_lite.data.corpora import DataError
 from flaxformer_lite.data.loading import BUILDER_NAMES, OVERLONG, REAL_TASKS, TASKS
 from flaxformer_lite.model_types import MODEL_TYPES
@@ -22,10 +22,13 @@ OBJECTIVE_KIND = {name: t.data for name, t in MODEL_TYPES.items()}
 
 
 def task_kind(data_config) -> str | None:
-  """'seq2seq' | 'lm' for a task, None when only the data can tell (tfds)."""
+  """'seq2seq' | 'lm' | 'two_stream' for a task, None when only the data can
+  tell (tfds)."""
   task = data_config.task
   if task == 'tiny_shakespeare':
     return 'lm'
+  if task in two_stream.TASKS:
+    return 'two_stream'
   if task == 'tfds':
     return None
   return 'seq2seq'
@@ -84,7 +87,9 @@ def validate(config) -> None:
   if kind == 'lm':
     check(m.positions != 'learned' or m.max_len >= d.max_len,
           f'model.max_len={m.max_len} is shorter than the context data.max_len={d.max_len}')
-  if d.task in TASKS and d.task not in REAL_TASKS:  # generated
+  if kind == 'two_stream':
+    _validate_two_stream(config)
+  elif d.task in TASKS and d.task not in REAL_TASKS:  # generated
     check(1 <= d.min_len <= d.max_len,
           f'data.min_len={d.min_len} and data.max_len={d.max_len} need 1 <= min_len <= max_len')
     check(d.num_symbols >= 1, f'data.num_symbols={d.num_symbols} must be >= 1')
@@ -104,3 +109,24 @@ def validate(config) -> None:
     check(m.positions != 'learned' or m.max_len >= longest,
           f'model.max_len={m.max_len} is shorter than the longest sequence ({longest} tokens '
           f'of data.task={d.task!r}, split test_long, + EOS); set model.max_len >= {longest}')
+
+
+def _validate_two_stream(config) -> None:
+  """A two-stream task: n = data.max_len symbols of k = data.num_symbols in
+  stream A, m = data.num_claims claims in stream B."""
+  m, t, d = config.model, config.train, config.data
+  check(d.num_symbols >= 2, f'data.num_symbols={d.num_symbols} must be >= 2 for '
+        f'data.task={d.task!r}: a false claim names another symbol')
+  check(d.max_len >= 2, f'data.max_len={d.max_len} (stream A) must be >= 2 for '
+        f'data.task={d.task!r}')
+  check(d.num_claims >= 1, f'data.num_claims={d.num_claims} (stream B) must be >= 1')
+  check(d.num_train >= t.batch_size,
+        f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
+  check(d.num_eval >= 1, f'data.num_eval={d.num_eval} must be >= 1')
+  check(not t.batch_tokens, f'train.batch_tokens={t.batch_tokens} groups rows of similar '
+        f'length; data.task={d.task!r} has rows of one length: use train.batch_size '
+        '(train.batch_tokens=0)')
+  longest = max(d.max_len, d.num_claims)
+  check(m.positions != 'learned' or m.max_len >= longest,
+        f'model.max_len={m.max_len} is shorter than the longer stream ({longest} tokens); '
+        f'set model.max_len >= {longest}')

@@ -221,7 +221,7 @@ class DecoderLayer(nn.Module):
         x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
 
 
-def _embed_tokens(cfg, embed, ids, deterministic, name, decode=False, positions=None):
+def embed_tokens(cfg, embed, ids, deterministic, name, decode=False, positions=None):
   """Tokens + positions (+ the type-0 row of cfg.token_types' table) (->
   norm with cfg.embed_norm) -> dropout: [b, n, d_model]."""
   x = embed(ids)
@@ -245,7 +245,7 @@ class Encoder(nn.Module):
   def __call__(self, ids, *, mask, positions=None, deterministic=True):
     cfg = self.cfg
     drawn = random_positions(self, cfg, ids.shape[1], deterministic)
-    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
+    x = embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
                       positions=positions if drawn is None else drawn)
     layer = _remat(EncoderLayer, cfg, deterministic_argnum=3)
     for i in range(cfg.num_encoder_layers):
@@ -264,7 +264,7 @@ class Decoder(nn.Module):
                deterministic=True):
     cfg = self.cfg
     drawn = random_positions(self, cfg, ids.shape[1], deterministic)
-    x = _embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
+    x = embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
                       decode=cfg.decode, positions=positions if drawn is None else drawn)
     layer = _remat(DecoderLayer, cfg, deterministic_argnum=5)
     for i in range(self.num_layers):

@@ -41,6 +41,7 @@ class Evaluator:
     written to `sample_path`.
   mlm: loss/accuracy on masked positions; the masks are drawn from a fixed
     key, so every evaluation scores the same ones.
+  classify: loss and accuracy, one prediction per example.
   Batches hold eval.batch_size examples, or eval.batch_tokens tokens. The
   metrics step is compiled once per batch shape (`compiled_step`): the
   memory guard (train/loop.py) analyses the executables evaluation runs.
@@ -59,7 +60,7 @@ class Evaluator:
         vocab_size=config.model.vocab_size, data_vocab_size=dataset.vocab_size,
         row_scores=self.row_scores))
     self.model, self.decode_model = model, None
-    if self.objective != 'mlm':
+    if self.objective in ('seq2seq', 'lm'):
       self.decode_model = models.build(config.model, decode=True)
     self._decoders, self._arrays, self._compiled = {}, {}, {}
 
@@ -143,7 +144,7 @@ class Evaluator:
       return self._translation(params, split, beam_size, log_examples)
     out = {}
     for context in self.contexts():
-      suffix = '' if context == self.config.data.max_len else f'_{context}'
+      suffix = '' if context in (None, self.config.data.max_len) else f'_{context}'
       out.update({k + suffix: v for k, v in self.window_metrics(params, split, context).items()})
     if self.objective == 'lm' and log_examples:
       self._log_sample(params, split)

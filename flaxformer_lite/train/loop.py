@@ -112,7 +112,8 @@ def _prepare_workdir(config, workdir, allow_config_change=False):
 
 def _load_dataset(config):
   """data.load(config.data), checked against the config; model.vocab_size 0
-  becomes the dataset's vocabulary (ConfigError if a set one is smaller)."""
+  becomes the dataset's vocabulary, model.num_classes 0 a classification
+  task's classes (ConfigError if a set one is smaller)."""
   dataset = data.load(config.data, tokenizer_from=config.model.get('init_from', ''))
   objective = steps.OBJECTIVES[config.model.type]
   data_validation.check_dataset(config, dataset.kind)
@@ -121,10 +122,17 @@ def _load_dataset(config):
   with config.unlocked():
     if not config.model.vocab_size:
       config.model.vocab_size = needed
+    if objective == 'classify' and not config.model.num_classes:
+      config.model.num_classes = dataset.num_classes
   if config.model.vocab_size < needed:
     raise config_lib.ConfigError(
         f'model.vocab_size={config.model.vocab_size} is smaller than the dataset '
         f'vocabulary ({needed}); use 0 (automatic) or >= {needed}')
+  if objective == 'classify' and config.model.num_classes < dataset.num_classes:
+    raise config_lib.ConfigError(
+        f'model.num_classes={config.model.num_classes} is fewer than the classes of '
+        f'data.task={config.data.task!r} ({dataset.num_classes}); use 0 (automatic) or '
+        f'>= {dataset.num_classes}')
   return dataset
 
 
@@ -174,10 +182,10 @@ def _opt_state_bytes(parallel, state) -> int:
   return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
 
 
-def _check_memory(config, dataset, parallel, state, train_step, train_batch, dropout_rng,
-                  evaluate, limit) -> None:
-  """The memory guard: compiles the train step and every eval step (and the
-  greedy sample's generation) this run will call, each once, and stops the
+def _check_memory(config, dataset, parallel, state, compiled_train, train_batch, evaluate,
+                  limit) -> None:
+  """The memory guard: with the compiled train step, compiles every eval
+  step (and the greedy sample's generation) this run will call, each once, and stops the
   run (ConfigError, exit 2) if the largest would not fit in `limit` = (bytes
   or None, where from); else logs each step's peak.
 
@@ -186,7 +194,7 @@ def _check_memory(config, dataset, parallel, state, train_step, train_batch, dro
   the optimizer state stays allocated beside it. On CPU the local devices
   share the host's memory, so their peaks add up.
   """
-  train = train_step.lower(state, train_batch, dropout_rng).compile().memory_analysis()
+  train = compiled_train.memory_analysis()
   if train is None:  # a backend without XLA's buffer assignment
     log.info('Memory: no estimate on this backend (%s)', jax.default_backend())
     return
@@ -357,10 +365,11 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     _log_setup(config, parallel, evaluate, num_params, start, row_multiple)
     # Before the metric writer, which drops the points logged after `start`:
     # a run that cannot fit changes nothing in its workdir.
-    _check_memory(config, dataset, parallel, state, train_step,
-                  parallel.place_batch(data.pad_rows(first_batch, partitioning.padded_rows(
-                      len(first_batch['inputs']), row_multiple))),
-                  dropout_rng, evaluate, limit)
+    example = parallel.place_batch(data.pad_rows(first_batch, partitioning.padded_rows(
+        len(first_batch['inputs']), row_multiple)))
+    compiled_train = train_step.lower(state, example, dropout_rng).compile()
+    _check_memory(config, dataset, parallel, state, compiled_train, example, evaluate, limit)
+    step_flops = profiling.step_flops(compiled_train)
     writer = to_close.enter_context(contextlib.closing(metrics_lib.MetricWriter(workdir, start)))
     schedule = schedules.create(t, config.model.d_model)
 
@@ -380,6 +389,8 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
           if done % t.log_every == 0 or done == t.num_steps:
             m = window.metrics(done, ckpt)
             m['learning_rate'] = _applied_learning_rate(schedule, state.opt_state)
+            if step_flops:
+              m['step_flops'] = step_flops
             _log_train(writer, done, t.num_steps, m)
             window = _TrainWindow()
           if done % t.eval_every == 0 or done == t.num_steps:

@@ -1,4 +1,5 @@
-"""train.profile_steps: a jax.profiler trace of a range of training steps.
+"""train.profile_steps: a jax.profiler trace of a range of training steps;
+`step_flops`: what XLA counts in a compiled step.
 
 The trace goes to WORKDIR/plugins/profile/<time>/ (an .xplane.pb for
 TensorBoard's Profile tab, `tensorboard --logdir WORKDIR` with
@@ -13,6 +14,19 @@ import os
 import jax
 
 log = logging.getLogger('flaxformer_lite')
+
+
+def step_flops(compiled) -> float:
+  """The floating-point operations XLA's cost analysis counts in one call of
+  a compiled executable (a train step: forward, backward and update, on one
+  device's share); 0.0 where the backend gives none."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # some backends and runtimes do not implement it
+    return 0.0
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+    cost = cost[0] if cost else {}
+  return float((cost or {}).get('flops', 0.0))
 
 
 def parse(spec: str) -> tuple[int, int] | None:

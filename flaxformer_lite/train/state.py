@@ -28,9 +28,13 @@ def create_optimizer(train_config, d_model: int):
 def _init_fn(model, config):
   """(rng, example_batch) -> the model's variables, boxed with the logical axes
   the layers give their parameters (nn.with_logical_partitioning). Models with
-  one input (LMs, the MLM encoder) see only example_batch['inputs']."""
-  if MODEL_TYPES[config.model.type].data == 'lm':
+  one input (LMs, the MLM encoder) see only example_batch['inputs'], the
+  two-stream classifier 'inputs' and 'inputs_b'."""
+  data = MODEL_TYPES[config.model.type].data
+  if data == 'lm':
     return lambda rng, batch: model.init(rng, batch['inputs'])
+  if data == 'two_stream':
+    return lambda rng, batch: model.init(rng, batch['inputs'], batch['inputs_b'])
   return lambda rng, batch: model.init(rng, batch['inputs'], shift_right(batch['targets']))
 
 
@@ -44,7 +48,7 @@ def param_axes(model, config, example_batch):
 def create(model, config, example_batch, rng) -> train_state.TrainState:
   """Initialises parameters (plain arrays) from `example_batch` shapes, or
   from model.init_from's checkpoint, and the optimizer."""
-  batch = {k: example_batch[k] for k in ('inputs', 'targets') if k in example_batch}
+  batch = {k: example_batch[k] for k in ('inputs', 'inputs_b', 'targets') if k in example_batch}
   params = nn.unbox(jax.jit(_init_fn(model, config))(rng, batch)['params'])
   if config.model.get('init_from'):
     from flaxformer_lite import pretrained

@@ -5,7 +5,10 @@ The objective follows the model type (OBJECTIVES):
            (packed rows: also segmentation and positions, data.pack);
   lm       batch {'inputs', 'targets' = next tokens}: a causal LM on inputs;
   mlm      batch {'inputs'}: BERT's masked LM, masks drawn inside the step
-           (data/masking.py); loss on the masked positions only.
+           (data/masking.py); loss on the masked positions only;
+  classify batch {'inputs', 'inputs_b', 'targets' = the class [b, 1]}: the
+           two-stream classifier, scored as one token per row (an all-PAD
+           row, padding the batch, weighs nothing).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ OBJECTIVES = {name: t.objective for name, t in MODEL_TYPES.items()}
 
 def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = True,
             rng=None, mlm_rate: float = 0.15, vocab_size: int = 0, data_vocab_size: int = 0):
-  """-> (logits [b, n, V], targets [b, n], weights [b, n] float, 0 = not scored).
+  """-> (logits [b, n, V], targets [b, n], weights [b, n] float, 0 = not scored);
+  classify: n = 1 and V = the classes.
 
   rng: dropout (when not deterministic) and, for mlm, the masks.
   vocab_size: mlm only, the model's vocabulary (the last id is [MASK]).
@@ -40,6 +44,11 @@ def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = Tr
     logits = apply_fn({'params': params}, inputs, deterministic=deterministic, rngs=rngs)
     return logits, targets, weights.astype(jnp.float32)
   targets = batch['targets']
+  if objective == 'classify':
+    logits = apply_fn({'params': params}, batch['inputs'], batch['inputs_b'],
+                      deterministic=deterministic, rngs=rngs)[:, None]  # [b, 1, C]
+    return logits, targets, jnp.any(batch['inputs'] != PAD_ID, axis=1, keepdims=True
+                                    ).astype(jnp.float32)
   if objective == 'seq2seq':
     packed = {k: batch[k] for k in ('inputs_segmentation', 'targets_segmentation',
                                     'inputs_positions', 'targets_positions') if k in batch}

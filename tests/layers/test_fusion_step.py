@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.layers import bottleneck
+from flaxformer_lite.layers import fusion
 
 B, D = 2, 3
 
@@ -25,13 +25,13 @@ def test_fusion_step_matches_numpy_loop_over_three_streams():
   layers = [_mixer(i) for i in range(3)]
   streams = _inputs(0, 4, 1, 3)
   z = _inputs(1, 2)[0]
-  got_streams, got_z = bottleneck.fusion_step([l[0] for l in layers], streams, z)
+  got_streams, got_z = fusion.fusion_step([l[0] for l in layers], streams, z)
 
   want_streams, updated = [], np.zeros_like(z)
   for (_, np_fn), x in zip(layers, streams):
-    y = np_fn(np.concatenate([x, z], axis=1))
-    want_streams.append(y[:, :x.shape[1]])
-    updated += y[:, x.shape[1]:] / len(streams)
+    y = np_fn(np.concatenate([z, x], axis=1))
+    want_streams.append(y[:, z.shape[1]:])
+    updated += y[:, :z.shape[1]] / len(streams)
   for got, want in zip(got_streams, want_streams):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
   np.testing.assert_allclose(np.asarray(got_z), updated, atol=1e-6)
@@ -42,17 +42,17 @@ def _stream_a_after_two_steps(cut):
   a's layers read the bottleneck tokens through stop_gradient."""
   (fa, _), (fb, _) = _mixer(0), _mixer(1)
   x_a, z = _inputs(2, 3, 2)
-  n_a = x_a.shape[1]
+  num = z.shape[1]
 
   def read_a(t):
     if cut:
-      t = jnp.concatenate([t[:, :n_a], jax.lax.stop_gradient(t[:, n_a:])], axis=1)
+      t = jnp.concatenate([jax.lax.stop_gradient(t[:, :num]), t[:, num:]], axis=1)
     return fa(t)
 
   def out_a(x_b):
     streams, zz = [x_a, x_b], z
     for _ in range(2):
-      streams, zz = bottleneck.fusion_step([read_a, fb], streams, zz)
+      streams, zz = fusion.fusion_step([read_a, fb], streams, zz)
     return streams[0]
   return out_a
 

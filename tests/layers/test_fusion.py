@@ -1,4 +1,4 @@
-"""BottleneckFusion: what reaches stream a from stream b, an explicit
+"""TwoStreamEncoder: what reaches stream a from stream b, an explicit
 concatenation reference, and padding masks."""
 import functools
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.layers import BottleneckFusion, EncoderLayer, TransformerConfig
+from flaxformer_lite.layers import TwoStreamEncoder, EncoderLayer, TransformerConfig
 
 BATCH, N_A, N_B, D = 2, 3, 4, 8
 
@@ -23,11 +23,11 @@ def _x(seed, n):
 
 
 @functools.lru_cache
-def _model(num_layers, num_bottleneck, fusion_layer):
+def _model(num_layers, num_bottleneck, fusion_layer, fusion='bottleneck'):
   """(module, random params); cached: tests share models. Random, not
   initialised: no init to compile, and a bottleneck table (initialised near
   0) whose effect is well above rounding in the gradient checks."""
-  module = BottleneckFusion(_cfg(num_layers), num_bottleneck=num_bottleneck,
+  module = TwoStreamEncoder(_cfg(num_layers), fusion=fusion, num_bottleneck=num_bottleneck,
                             fusion_layer=fusion_layer)
   shapes = jax.eval_shape(module.init, jax.random.key(0), _x(0, N_A), _x(1, N_B))['params']
   rng = np.random.default_rng(num_layers)
@@ -44,7 +44,7 @@ def _gradients(module, params, x_a, x_b):
 
   def projected(x_b):
     y_a, _, z = module.apply({'params': params}, x_a, x_b)
-    return jnp.sum(y_a * r_a), jnp.sum(z * r_z)
+    return jnp.sum(y_a * r_a), (0.0 if z is None else jnp.sum(z * r_z))
   return [np.asarray(g) for g in jax.jit(jax.jacrev(projected))(x_b)]
 
 
@@ -79,7 +79,8 @@ def test_cutting_the_bottleneck_that_stream_a_reads_cuts_stream_b_off():
     t = args[0] if args else None
     if (isinstance(context.module, EncoderLayer) and context.module.name.startswith('a_')
         and t is not None and t.shape[1] == N_A + module.num_bottleneck):
-      t = jnp.concatenate([t[:, :N_A], jax.lax.stop_gradient(t[:, N_A:])], axis=1)
+      t = jnp.concatenate([jax.lax.stop_gradient(t[:, :module.num_bottleneck]),
+                           t[:, module.num_bottleneck:]], axis=1)
       args = (t, *args[1:])
     return next_fun(*args, **kwargs)
 
@@ -104,7 +105,7 @@ def _layer(params, x, valid):
 @pytest.mark.parametrize('num_layers,fusion_layer', [(1, 0), (3, 1)])
 def test_matches_explicit_concatenation_reference(num_layers, fusion_layer):
   """Each layer applied by hand: alone before fusion_layer; from it on over
-  np.concatenate([x_i, z]), then z = (z_a + z_b) / 2."""
+  np.concatenate([z, x_i]), then z = (z_a + z_b) / 2."""
   module, params = _model(num_layers, 3, fusion_layer)
   x_a, x_b = _x(2, N_A), _x(3, N_B)
   valid_a = jnp.asarray([[True] * N_A, [True, True, False]])
@@ -120,9 +121,9 @@ def test_matches_explicit_concatenation_reference(num_layers, fusion_layer):
     if i < fusion_layer:
       a, b = _layer(pa, a, valid_a), _layer(pb, b, valid_b)
     else:
-      ya = _layer(pa, np.concatenate([a, zz], 1), np.concatenate([valid_a, ones], 1))
-      yb = _layer(pb, np.concatenate([b, zz], 1), np.concatenate([valid_b, ones], 1))
-      a, b, zz = ya[:, :N_A], yb[:, :N_B], (ya[:, N_A:] + yb[:, N_B:]) / 2
+      ya = _layer(pa, np.concatenate([zz, a], 1), np.concatenate([ones, valid_a], 1))
+      yb = _layer(pb, np.concatenate([zz, b], 1), np.concatenate([ones, valid_b], 1))
+      a, b, zz = ya[:, 3:], yb[:, 3:], (ya[:, :3] + yb[:, :3]) / 2
   norm = nn.LayerNorm()
   np.testing.assert_allclose(np.asarray(z), zz, atol=1e-5)
   np.testing.assert_allclose(np.asarray(y_a),
@@ -152,6 +153,54 @@ def test_padding_in_stream_b_changes_nothing():
 
 
 def test_bad_fusion_layer_is_an_error_naming_the_range():
-  module = BottleneckFusion(_cfg(2), num_bottleneck=2, fusion_layer=3)
+  module = TwoStreamEncoder(_cfg(2), num_bottleneck=2, fusion_layer=3)
   with pytest.raises(ValueError, match=r'fusion_layer=3 must be in \[0, 2\]'):
     module.init(jax.random.key(0), _x(0, N_A), _x(1, N_B))
+
+
+@pytest.mark.parametrize('fusion,num_layers,fusion_layer,a_sees_b', [
+    ('early', 2, 0, True),
+    ('late', 3, 2, True),  # the last layer only
+    ('late', 2, 2, False),  # fusion_layer = num_layers: the streams never meet
+])
+def test_joint_fusion_reaches_stream_a_only_from_fusion_layer_on(
+    fusion, num_layers, fusion_layer, a_sees_b):
+  """Joint layers attend across the streams: d y_a / d x_b is nonzero with a
+  joint layer, exactly zero without one."""
+  module, params = _model(num_layers, 0, fusion_layer, fusion)
+  d_a, _ = _gradients(module, params, _x(2, N_A), _x(3, N_B))
+  if a_sees_b:
+    assert np.abs(d_a).max() > 1e-3
+  else:
+    assert np.all(d_a == 0.0)
+  assert not any(k.startswith('joint_layer_') and int(k.rsplit('_', 1)[1]) < fusion_layer
+                 for k in params)
+
+
+@pytest.mark.parametrize('fusion,num_layers,fusion_layer', [('early', 2, 0), ('late', 3, 1)])
+def test_joint_fusion_matches_explicit_concatenation_reference(fusion, num_layers, fusion_layer):
+  """Each layer applied by hand: a and b alone before fusion_layer, then one
+  layer over np.concatenate([a, b]) (padding of either stream masked)."""
+  module, params = _model(num_layers, 0, fusion_layer, fusion)
+  x_a, x_b = _x(2, N_A), _x(3, N_B)
+  valid_a = jnp.asarray([[True] * N_A, [True, True, False]])
+  valid_b = jnp.asarray([[True, True, True, False], [True] * N_B])
+  y_a, y_b, z = jax.jit(module.apply)({'params': params}, x_a, x_b, valid_a=valid_a,
+                                      valid_b=valid_b)
+  assert z is None
+  a, b = np.asarray(x_a), np.asarray(x_b)
+  for i in range(num_layers):
+    if i < fusion_layer:
+      a = _layer(params[f'a_layer_{i}'], a, valid_a)
+      b = _layer(params[f'b_layer_{i}'], b, valid_b)
+    else:
+      ab = _layer(params[f'joint_layer_{i}'], np.concatenate([a, b], 1),
+                  np.concatenate([valid_a, valid_b], 1))
+      a, b = ab[:, :N_A], ab[:, N_A:]
+  norm = nn.LayerNorm()
+  np.testing.assert_allclose(np.asarray(y_a),
+                             norm.apply({'params': params['a_final_norm']}, a), atol=1e-5)
+  real_b = np.asarray(valid_b)[..., None]
+  np.testing.assert_allclose(np.asarray(y_b) * real_b,
+                             norm.apply({'params': params['b_final_norm']}, b) * real_b,
+                             atol=1e-5)
