@@ -5,14 +5,17 @@
   ./launch.sh experiments/two_stream.py --config.data.task=claims_control
   ./launch.sh sweep experiments/sweeps/two_stream_fusion.py --jobs=2   # every fusion x 3 seeds
 
-Stream A is 32 symbols of 8; stream B is 8 claims "A[p] = s", each true
-with probability 1/2; the label is how many hold (data/two_stream.py; chance:
-the majority class, 0.27). model.type=two_stream: each stream has its own
-embeddings and 4 pre-LN encoder layers (d 64), fused from layer 2 through 4
-shared bottleneck tokens; the classifier reads both streams' mean states.
-A few minutes on one CPU core. In metrics.jsonl: eval and test `accuracy`
-(one prediction per example); train records carry `step_flops` (XLA's cost
-analysis of the train step). The grid's table: benchmarks/README.md.
+Stream A is 16 symbols drawn from a random half of 8; stream B is 4 claims
+"s occurs in A", each true with probability 1/2; the label is how many hold
+(data/two_stream.py; chance: the majority class, 0.37). model.type=two_stream:
+each stream has its own embeddings and 4 pre-LN encoder layers (d 64), fused
+from layer 2 through 4 shared bottleneck tokens; the classifier reads both
+streams' mean states. In metrics.jsonl: eval and test `accuracy` (one
+prediction per example); train records carry `step_flops` (XLA's cost
+analysis of the train step). About 3 minutes on one CPU core.
+Expected: test accuracy above 0.99 (early fusion and the bottleneck alike);
+with --config.model.fusion_layer=4 (the streams meet only in the classifier)
+near chance. The grid's table: benchmarks/README.md.
 """
 from flaxformer_lite import config as config_lib
 

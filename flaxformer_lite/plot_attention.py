@@ -19,6 +19,10 @@ Without it, an example longer than MAX_WINDOW is cut to its first
 MAX_WINDOW tokens. The title names the window where it is not the whole
 input.
 
+`attention_maps` and `plot` also take a decoder-only model's config and
+params without a workdir (benchmarks/pretrained_context.py --tasks maps:
+a few heads of a pretrained SmolLM2).
+
 Exit codes: 0 done; 2 bad flag (a --window wider than MAX_WINDOW included),
 or DIR holds no run (config.json and a checkpoint).
 """
@@ -83,6 +87,8 @@ class AttentionMap:
   weights: [h, n, m] float32, rows (queries) summing to 1 over visible keys.
   queries, keys: n and m token labels.
   query_axis, key_axis: what the labels are ('input', 'output', 'decoder input').
+  heads: h subplot titles; None: 'head 0' .. 'head h-1' (a map gathered
+    from several layers names each head's layer).
   """
   path: str
   weights: np.ndarray
@@ -90,6 +96,7 @@ class AttentionMap:
   keys: list[str]
   query_axis: str
   key_axis: str
+  heads: list[str] | None = None
 
 
 def load_run(workdir: str) -> Run:
@@ -184,27 +191,34 @@ def _token(i) -> str:
   return SPECIAL_TOKENS.get(int(i), str(int(i)))
 
 
-def attention_maps(config, params, inputs, decoded) -> list[AttentionMap]:
+def attention_maps(config, params, inputs, decoded=None, label=None) -> list[AttentionMap]:
   """Teacher-forced weights of every sown attention layer.
 
   inputs [m], decoded [n] (no padding). Queries of encoder layers are the
   input tokens; other queries are decoder positions, labelled with the token
   each one outputs (decoded[t]). Keys are decoder inputs (BOS, decoded[:-1])
   for decoder self-attention (a 'self_attention' module under 'decoder'),
-  otherwise the input tokens.
+  otherwise the input tokens. A decoder-only model (config.model.type) reads
+  inputs alone (decoded None): queries and keys are its input tokens.
+  label: token id -> its label (default: the id, '<pad>', '<s>', '</s>').
   """
+  label = label or _token
   model = models.build(config.model, sow_weights=True)
-  decoder_inputs = tokens.shift_right(decoded[None])
   forward = jax.jit(functools.partial(model.apply, mutable=['intermediates']))
-  _, state = forward({'params': params}, inputs[None], decoder_inputs)
-  labels = {'input': [_token(t) for t in inputs], 'output': [_token(t) for t in decoded],
-            'decoder input': [_token(t) for t in decoder_inputs[0]]}
+  labels = {'input': [label(t) for t in inputs]}
+  if config.model.type == 'decoder_only':
+    _, state = forward({'params': params}, inputs[None])
+  else:
+    decoder_inputs = tokens.shift_right(decoded[None])
+    _, state = forward({'params': params}, inputs[None], decoder_inputs)
+    labels.update({'output': [label(t) for t in decoded],
+                   'decoder input': [label(t) for t in decoder_inputs[0]]})
   maps = []
   for key, sown in traverse_util.flatten_dict(state['intermediates']).items():
     if key[-1] != 'attention_weights':
       continue
     modules = key[:-1]
-    is_encoder = modules[0] == 'encoder'
+    is_encoder = modules[0] == 'encoder' or config.model.type == 'decoder_only'
     decoder_self = not is_encoder and 'self_attention' in modules
     query_axis = 'input' if is_encoder else 'output'
     key_axis = 'decoder input' if decoder_self else 'input'
@@ -234,7 +248,7 @@ def plot(maps: list[AttentionMap], out_dir: str, title: str,
         ax.set_xticks(range(k), labels=m.keys, rotation=90, fontsize=7)
       if n <= LABELLED_TOKENS:
         ax.set_yticks(range(n), labels=m.queries, fontsize=7)
-      ax.set_title(f'head {head}', fontsize=9)
+      ax.set_title(m.heads[head] if m.heads else f'head {head}', fontsize=9)
       ax.set_xlabel(f'key: {m.key_axis} token' + ('' if k <= LABELLED_TOKENS else ' (index)'))
     axes[0].set_ylabel(f'query: {m.query_axis} token'
                        + ('' if n <= LABELLED_TOKENS else ' (index)'))

@@ -512,13 +512,20 @@ def dry_run_report(all_runs: list[Run], statuses: dict, walls: dict, rates: dict
 
 
 def collect(grid: dict, all_runs: list[Run]) -> list[dict]:
-  """results.csv's lines: every final train/eval/test metric of every finished run."""
+  """results.csv's lines: every final eval/test metric of every finished run,
+  and the train metrics that the grid names (its studies' metrics, summaries
+  and scatters)."""
+  named = {m for study in grid['studies'].values() for m in study['metrics']}
+  named |= {s['metric'] for s in grid.get('summaries', {}).values()}
+  named |= {s[k] for s in grid.get('scatters', {}).values() for k in ('x', 'y')}
   lines = []
   for run in all_runs:
     record = run.done()
     if record is None:
       continue
     for metric, value in sorted(final_metrics(run.workdir).items()):
+      if metric.startswith('train.') and metric not in named:
+        continue
       lines.append({'study': run.study, 'row': run.row, 'overrides': run.overrides(grid),
                     'seed': run.seed, 'metric': metric, 'value': value,
                     'wall_seconds': round(record['wall_seconds'], 1)})

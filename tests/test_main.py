@@ -95,9 +95,13 @@ for path in sys.argv[2:]:
   objective = steps.OBJECTIVES[m.type]
   with config.unlocked():
     m.vocab_size = m.vocab_size or 40  # the data's, once loaded
+    m.num_classes = m.num_classes or 3
   width = d.max_len + (objective == 'seq2seq')  # + EOS
   rows = t.batch_tokens // width if t.batch_tokens else t.batch_size
   batch = {k: np.full((rows, width), 5, np.int32) for k in ('inputs', 'targets')}
+  if objective == 'classify':  # two streams and a class
+    batch.update(inputs_b=np.full((rows, d.num_claims), 5, np.int32),
+                 targets=np.full((rows, 1), 1, np.int32))
   parallel = partitioning.Partitioner(t.parallel)
   train_rows = partitioning.padded_rows(rows, jax.local_device_count() * t.grad_accum_steps)
   placed = parallel.place_batch(data.pad_rows(batch, train_rows))

@@ -148,6 +148,28 @@ def test_rnn_decoder_weights_are_found_by_walking_the_intermediates(tfds_dir, tm
     assert f.read(8) == PNG_MAGIC
 
 
+def test_a_decoder_only_model_attends_over_its_own_input(tfds_dir, tmp_path):
+  """A language model's params and config without a workdir: causal maps,
+  both axes its input tokens, labels and subplot titles as given."""
+  c = _tiny(tfds_dir)
+  c.model.type, c.model.num_encoder_layers, c.model.vocab_size = 'decoder_only', 0, 9
+  inputs = np.array([5, 3, 4, 2, 7])
+  shapes = jax.eval_shape(models.build(c.model).init, jax.random.key(0),
+                          inputs[None])['params']
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: rng.normal(0, 0.3, s.shape).astype(s.dtype), shapes)
+  (a,) = plot_attention.attention_maps(c, params, inputs, label=lambda t: 'abcdefghi'[t])
+  assert (a.path, a.query_axis, a.key_axis) == ('decoder/layer_0/self_attention', 'input',
+                                                'input')
+  assert a.weights.shape == (2, 5, 5) and a.queries == a.keys == list('fdech')
+  np.testing.assert_allclose(a.weights.sum(-1), 1.0, atol=1e-5)
+  assert np.all(a.weights[:, np.triu_indices(5, 1)[0], np.triu_indices(5, 1)[1]] == 0)
+  a.heads = ['layer 0 head 0', 'layer 0 head 1']
+  (png,) = plot_attention.plot([a], str(tmp_path), 'lm')
+  with open(png, 'rb') as f:
+    assert f.read(8) == PNG_MAGIC
+
+
 def test_a_workdir_without_a_run_exits_2(tmp_path, tfds_dir):
   empty = tmp_path / 'empty'
   empty.mkdir()

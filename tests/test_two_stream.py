@@ -116,4 +116,5 @@ def test_experiment_runs_end_to_end(tmp_path):
   assert 0.0 <= test['accuracy'] <= 1.0 and np.isfinite(test['loss'])
   assert train['step_flops'] > 0
   config = json.load(open(workdir / 'config.json'))
-  assert config['model']['num_classes'] == 9  # 8 claims: 0..8 hold
+  claims = config['data']['num_claims']
+  assert config['model']['num_classes'] == claims + 1  # 0..claims of them hold
