@@ -5,7 +5,7 @@
   ./launch.sh experiments/two_stream.py --config.data.task=claims_control
   ./launch.sh sweep experiments/sweeps/two_stream_fusion.py --jobs=2   # every fusion x 3 seeds
 
-Stream A is 16 symbols drawn from a random half of 8; stream B is 4 claims
+Stream A is 32 symbols drawn from a random half of 8; stream B is 4 claims
 "s occurs in A", each true with probability 1/2; the label is how many hold
 (data/two_stream.py; chance: the majority class, 0.37). model.type=two_stream:
 each stream has its own embeddings and 4 pre-LN encoder layers (d 64), fused
@@ -43,7 +43,7 @@ def get_config():
   config.train.checkpoint_every = 500
 
   config.data.task = 'presence_claims'
-  config.data.max_len = 16  # stream A
+  config.data.max_len = 32  # stream A
   config.data.num_symbols = 8
   config.data.num_claims = 4  # stream B
   config.data.num_train = 64_000

@@ -7,8 +7,8 @@ layers, d 64; the same budget for every row):
                  streams meet only in the classifier;
   bottleneck_B   from layer 2, the streams exchange only through B shared
                  tokens (B = 1, 4, 16).
-Studies: presence_claims (B needs k bits from A), position_claims (B checks
-single tokens of A) and presence_control (the label is A's alone). Table and
+Studies: presence_claims (B needs k bits from A) and presence_control (the
+label is A's alone). Table and
 figure: test accuracy, the train step's FLOPs (XLA's cost analysis) and the
 steps per second. Results in benchmarks/results/two_stream_fusion/ with
 `--results benchmarks/results/two_stream_fusion`.
@@ -16,7 +16,7 @@ steps per second. Results in benchmarks/results/two_stream_fusion/ with
 
 EARLY = {'model.fusion': 'early', 'model.fusion_layer': 0}
 LATE = {f'late_{layer}': {'model.fusion': 'late', 'model.fusion_layer': layer}
-        for layer in (1, 2, 3, 4)}
+        for layer in (2, 3, 4)}
 BOTTLENECK = {f'bottleneck_{b}': {'model.fusion': 'bottleneck', 'model.fusion_layer': 2,
                                   'model.fusion_bottlenecks': b} for b in (1, 4, 16)}
 ROWS = {'early': EARLY, **LATE, **BOTTLENECK}
@@ -35,12 +35,11 @@ def get_sweep():
       'out': 'workdirs/two_stream_fusion',
       'studies': {
           'presence_claims': study('presence_claims', ROWS),
-          'position_claims': study('position_claims', ROWS),
           'presence_control': study('presence_control',
                                     {k: ROWS[k] for k in ('early', 'late_4', 'bottleneck_4')}),
       },
       'scatters': {'accuracy_against_flops': {
           'x': 'train.step_flops', 'xlabel': 'FLOPs per train step (XLA cost analysis)',
           'y': 'test.accuracy', 'ylabel': 'test accuracy',
-          'studies': ['presence_claims', 'position_claims']}},
+          'studies': ['presence_claims']}},
   }
