@@ -84,11 +84,24 @@ def test_chunked_kernel_matches_dense_inside_both_streams_and_the_joint_layer(na
   np.testing.assert_allclose(chunked, dense, atol=2e-5)
 
 
-@pytest.mark.parametrize('fusion', ['early', 'bottleneck'])
-def test_stream_b_reaches_the_logits_in_each_fusion_mode(fusion):
-  """A different B changes the class scores (the streams are fused)."""
-  other = jnp.asarray([[17, 15, 16, 0], [16, 16, 19, 18]], jnp.int32)
-  assert not np.allclose(_logits('dot_product', fusion), _logits('dot_product', fusion, b=other))
+@pytest.mark.parametrize('fusion,fusion_layer,fused', [
+    ('early', 0, True), ('bottleneck', 0, True), ('late', 0, True),
+    ('late', 1, False),  # fusion_layer = the one layer: never fused
+    ('bottleneck', 1, False)])  # of 2 layers: only the last exchanges, read by no stream
+def test_streams_interact_below_the_classifier_only_when_fused(fusion, fusion_layer, fused):
+  """The classifier is linear in the two pooled streams, so without fusion
+  the logits split as f(A) + g(B): logits(A, B) + logits(A', B') = logits(A,
+  B') + logits(A', B). A joint layer breaks the identity; a bottleneck needs
+  two fused layers (a stream reads z only in the layer after z read the
+  other stream; 2 layers here)."""
+  model = models.build(dict(BASE, fusion=fusion, fusion_layer=fusion_layer,
+                            num_encoder_layers=2 if fusion == 'bottleneck' else 1))
+  params = model.init(jax.random.key(1), A, B)
+  a2 = jnp.asarray([[9, 9, 4, 3, 8, 0, 0], [14, 13, 12, 11, 10, 9, 8]], jnp.int32)
+  b2 = jnp.asarray([[17, 15, 16, 0], [16, 16, 19, 18]], jnp.int32)
+  f = lambda a, b: np.asarray(model.apply(params, a, b))
+  gap = np.abs(f(A, B) + f(a2, b2) - f(A, b2) - f(a2, B)).max()
+  assert (gap > 1e-3) if fused else (gap < 1e-5), gap
 
 
 def test_step_flops_counts_a_matmul_by_hand():

@@ -77,7 +77,9 @@ class TwoStreamEncoder(nn.Module):
   bottleneck: from fusion_layer on stream i's layer runs over [z; x_i] and
   z becomes the mean of the streams' updated z (eq. 8-9); z starts as a
   learned [B, d] table shared by all examples and is returned as the last
-  layer left it. early / late: from fusion_layer on one layer runs over
+  layer left it. A stream reads the other's contribution one layer after z
+  took it in: bottleneck fusion in the last layer alone carries nothing from
+  one stream's outputs to the other's. early / late: from fusion_layer on one layer runs over
   [x_a; x_b], z is None; a relative variant sees its positions 0..n_a+n_b-1,
   stream b's after stream a's padded width (fixed for a task's streams).
   y_a, y_b get a final norm per stream under pre-LN.
