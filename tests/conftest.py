@@ -115,7 +115,7 @@ def run_main():
 SLOW_FIRST = ('tests/train/', 'tests/test_real_data.py', 'tests/test_readme.py',
               'tests/test_sweep.py', 'tests/test_main.py', 'tests/test_plot_attention.py',
               'tests/test_packing.py', 'tests/test_decoding.py', 'tests/layers/test_transformer.py',
-              'tests/test_pretrained.py')
+              'tests/test_pretrained.py', 'tests/test_two_stream.py')
 # Before those, the tests that share one large module-scoped compilation
 # (these fixtures), together: pytest-xdist hands each worker a first batch of
 # consecutive tests (a twelfth of the suite each, with 3 workers), so they all

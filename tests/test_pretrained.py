@@ -504,3 +504,21 @@ def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
   assert [r['step'] for r in records if r['split'] == 'eval'] == [1, 2]
   saved = json.loads(open(os.path.join(workdir, 'config.json')).read())
   assert saved['model']['d_model'] == 8 and saved['model']['attention'] == 'rotary'
+
+  # train.num_steps=0: the checkpoint evaluated as it is, against the numpy
+  # Llama's mean next-token loss over the same windows.
+  c.train.num_steps = 0
+  main.validate(c)
+  evaluated = str(tmp_path / 'evaluated')
+  results = loop.train_and_evaluate(c, evaluated)
+  windows = data.lm_eval_arrays(dataset.splits['validation'], 16)
+  nll = []
+  for inputs, targets in zip(windows['inputs'][:2], windows['targets'][:2]):
+    logits = llama_forward(values, meta, inputs)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                           ) - logits.max(-1, keepdims=True)
+    nll += [-logp[i, t] for i, t in enumerate(targets) if t != 0]
+  assert results['eval']['nll'] == pytest.approx(np.mean(nll), rel=1e-4)
+  records = [json.loads(l) for l in open(os.path.join(evaluated, 'metrics.jsonl'))]
+  assert [(r['step'], r['split']) for r in records] == [(0, 'eval')]  # no test split
+  assert not os.path.exists(os.path.join(evaluated, 'checkpoints'))

@@ -191,8 +191,7 @@ def _check_memory(config, dataset, parallel, state, compiled_train, train_batch,
 
   A step's peak is what XLA assigns it (memory.step_bytes): the train step's
   arguments hold the whole state; an eval step is passed the parameters, and
-  the optimizer state stays allocated beside it. On CPU the local devices
-  share the host's memory, so their peaks add up.
+  the optimizer state stays allocated beside it.
   """
   train = compiled_train.memory_analysis()
   if train is None:  # a backend without XLA's buffer assignment
@@ -200,7 +199,16 @@ def _check_memory(config, dataset, parallel, state, compiled_train, train_batch,
     return
   shape = 'x'.join(map(str, train_batch['inputs'].shape))
   needs = {f'train step, batch {shape}': memory.step_bytes(train)}
-  params, held = parallel.unplace_state(state).params, _opt_state_bytes(parallel, state)
+  needs.update(_eval_needs(config, dataset, evaluate, parallel.unplace_state(state).params,
+                           _opt_state_bytes(parallel, state)))
+  _check_needs(config, needs, limit)
+
+
+def _eval_needs(config, dataset, evaluate, params, held: int) -> dict:
+  """{step: peak bytes} of every eval step (and the greedy sample's
+  generation) the run will call, each compiled once; `held`: the bytes that
+  stay allocated beside them (the optimizer state)."""
+  needs = {}
   for split in _eval_splits(config, dataset):
     for context in evaluate.contexts():
       arrays = evaluate.arrays(split, context)
@@ -211,6 +219,13 @@ def _check_memory(config, dataset, parallel, state, compiled_train, train_batch,
     generate, prompt = evaluate.sample_step(params, 'validation')
     needs[f'greedy sample after {prompt.shape[1]} tokens'] = (
         memory.step_bytes(generate.memory_analysis()) + held)
+  return needs
+
+
+def _check_needs(config, needs: dict, limit) -> None:
+  """ConfigError (exit 2) if the largest of `needs` would not fit in
+  `limit`; else logs them. On CPU the local devices share the host's memory,
+  so their peaks add up."""
   if jax.default_backend() == 'cpu':
     needs = {k: v * jax.local_device_count() for k, v in needs.items()}
   e = config.eval
@@ -289,10 +304,12 @@ def _log_train(writer, done: int, num_steps: int, m: dict):
            m['steps_per_sec'], metrics_lib.fmt_time(eta))
 
 
-def _validate(evaluate, parallel, state, done: int, writer, log_examples: int):
-  """(the validation metrics, written and logged; the seconds they took)."""
+def _validate(evaluate, parallel, state, done: int, writer, log_examples: int, params=None):
+  """(the validation metrics, written and logged; the seconds they took) of
+  the state's parameters, or of `params` given."""
   eval_start = time.time()
-  m = evaluate(parallel.unplace_state(state).params, 'validation', log_examples=log_examples)
+  params = parallel.unplace_state(state).params if params is None else params
+  m = evaluate(params, 'validation', log_examples=log_examples)
   writer.write(done, 'eval', m)
   log.info('eval at step %d (%.1fs): %s', done, time.time() - eval_start, _fmt_metrics(m))
   return m, time.time() - eval_start
@@ -331,10 +348,43 @@ def _log_done(num_steps: int, start: int, train_time: float, eval_seconds: float
     log.info('  %-5s %s', split, _fmt_metrics(m))
 
 
+def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) -> dict:
+  """train.num_steps=0: model.init_from's weights evaluated as they are, on
+  validation (and test, eval.final_test), written to metrics.jsonl at step 0
+  as a trained run's final evaluation is. No optimizer state, no train step,
+  no checkpoint. Returns the metrics by split."""
+  limit = memory.available(jax.devices()[0])
+  dataset = _load_dataset(config)
+  _prepare_workdir(config, workdir, allow_config_change)
+  parallel = partitioning.Partitioner(config.train.parallel, config.train.model_parallel)
+  model = models.build(config.model)
+  example = {k: v[:1] for k, v in next(_train_batches(config, dataset)).items()}
+  params = jax.device_put(state_lib.init_params(model, config, example,
+                                                jax.random.key(config.seed)),
+                          parallel.replicated)
+  evaluate = Evaluator(config, model, dataset, parallel.place_eval_batch,
+                       sample_path=os.path.join(workdir, 'sample.txt'))
+  log.info('Model %s, %s parameters, attention=%s: evaluated without training '
+           '(train.num_steps=0)', config.model.type,
+           f'{sum(x.size for x in jax.tree.leaves(params)):,}', config.model.attention)
+  _check_needs(config, _eval_needs(config, dataset, evaluate, params, 0), limit)
+  results, start = {}, time.time()
+  with contextlib.closing(metrics_lib.MetricWriter(workdir, 0)) as writer:
+    results['eval'], seconds = _validate(evaluate, parallel, None, 0, writer,
+                                         config.eval.num_examples_to_log, params)
+    if config.eval.final_test and 'test' in dataset.splits:
+      results['test'] = _test(config, dataset, evaluate, params, writer)
+  _log_done(0, 0, 0.0, time.time() - start, results)
+  return results
+
+
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains config.train.num_steps steps (resuming from the newest checkpoint
-  in workdir), evaluates, and returns the final metrics by split.
+  in workdir), evaluates, and returns the final metrics by split; with
+  train.num_steps=0, `evaluate_only`.
   allow_config_change: resume a workdir whose config.json differs (logged)."""
+  if config.train.num_steps == 0:
+    return evaluate_only(config, workdir, allow_config_change=allow_config_change)
   # Before the run allocates anything: on CPU its buffers come out of MemAvailable.
   limit = memory.available(jax.devices()[0])
   dataset = _load_dataset(config)

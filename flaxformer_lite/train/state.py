@@ -45,13 +45,19 @@ def param_axes(model, config, example_batch):
   return nn.get_partition_spec(shapes['params'])
 
 
-def create(model, config, example_batch, rng) -> train_state.TrainState:
-  """Initialises parameters (plain arrays) from `example_batch` shapes, or
-  from model.init_from's checkpoint, and the optimizer."""
+def init_params(model, config, example_batch, rng):
+  """Parameters (plain arrays) initialised from `example_batch` shapes, then
+  overlaid with model.init_from's checkpoint where it is set."""
   batch = {k: example_batch[k] for k in ('inputs', 'inputs_b', 'targets') if k in example_batch}
   params = nn.unbox(jax.jit(_init_fn(model, config))(rng, batch)['params'])
   if config.model.get('init_from'):
     from flaxformer_lite import pretrained
     params = pretrained.init_params(params, config.model.init_from)
+  return params
+
+
+def create(model, config, example_batch, rng) -> train_state.TrainState:
+  """The parameters (`init_params`) and the optimizer."""
+  params = init_params(model, config, example_batch, rng)
   tx = create_optimizer(config.train, config.model.d_model)
   return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)

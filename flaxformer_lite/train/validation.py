@@ -16,7 +16,9 @@ from flaxformer_lite.train.evaluation import sample_lengths
 def validate(config) -> None:
   """Raises ConfigError naming the bad value and what would be valid."""
   t = config.train
-  check(t.num_steps > 0, f'train.num_steps={t.num_steps} must be > 0')
+  check(t.num_steps > 0 or (t.num_steps == 0 and bool(config.model.get('init_from'))),
+        f'train.num_steps={t.num_steps} must be > 0, or 0 with model.init_from (evaluate '
+        'the checkpoint without training)')
   check(t.batch_size > 0, f'train.batch_size={t.batch_size} must be > 0')
   check_choice('train.schedule', t.schedule, schedules.SCHEDULES)
   check(t.learning_rate > 0, f'train.learning_rate={t.learning_rate} must be > 0')
