@@ -170,3 +170,26 @@ def test_mlm_step_draws_replacements_from_the_data_ids_when_the_model_vocab_is_l
   assert replaced.size > 50  # ~10% of 2048 selected positions
   assert replaced.min() >= masking.FIRST_TOKEN_ID and replaced.max() < 10, np.unique(replaced)
   assert (inputs == 63).mean() == pytest.approx(0.8, abs=0.05)
+
+
+def test_mlm_masks_with_the_tokenizers_own_mask_id():
+  """A pretrained BERT's tokenizer has [MASK] inside its vocabulary (103 in
+  BERT's): the step masks with it, and no extra id is reserved."""
+  from flaxformer_lite.data import tokenizers
+  from flaxformer_lite.train import steps
+  vocab = {t: i for i, t in enumerate(['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]', 'a', 'b',
+                                       'c', 'd', 'e'])}
+  tokenizer = tokenizers.WordPieceTokenizer(vocab)
+  assert tokenizer.mask_id == 4 and tokenizer.vocab_size == 10
+  seen = {}
+
+  def apply_fn(variables, inputs, **kwargs):
+    seen['inputs'] = inputs
+    return jnp.zeros(inputs.shape + (10,))
+
+  steps.forward(apply_fn, {}, {'inputs': jnp.full((64, 32), 7, jnp.int32)}, objective='mlm',
+                rng=jax.random.key(0), mlm_rate=1.0, vocab_size=10, data_vocab_size=10,
+                mask_id=tokenizer.mask_id)
+  inputs = np.asarray(seen['inputs'])
+  assert (inputs == 4).mean() == pytest.approx(0.8, abs=0.05)
+  assert (inputs == 9).mean() < 0.05  # the last id is an ordinary token here

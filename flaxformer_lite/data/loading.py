@@ -43,6 +43,8 @@ class Dataset:
   length_groups: split -> each row's task length [N], for a split whose
   metrics are also reported per length (test_long of data.test_lengths).
   num_classes: the classes of a 'two_stream' task's label (else 0).
+  mask_id: the tokenizer's [MASK] id, for masked-LM training (0: none; the
+  model then reserves an id of its own).
   """
   vocab_size: int
   splits: dict
@@ -53,6 +55,7 @@ class Dataset:
   bad_lines: dict = dataclasses.field(default_factory=dict)
   length_groups: dict = dataclasses.field(default_factory=dict)
   num_classes: int = 0
+  mask_id: int = 0
 
 
 def default_data_dir() -> str:
@@ -267,5 +270,5 @@ def _load_lm(d, builder, bad, tokenizer_from='') -> Dataset:
       pieces = [np.append(p, EOS_ID) for p in pieces]
     splits[split] = np.concatenate(pieces).astype(np.int32)
   return Dataset(tokenizer.vocab_size, splits, {s: 0 for s in splits}, 'lm', tokenizer,
-                 {}, bad)
+                 {}, bad, mask_id=getattr(tokenizer, 'mask_id', 0))
 

@@ -247,6 +247,7 @@ class WordPieceTokenizer:
     self.lowercase = lowercase
     self.tokens = {i: t for t, i in vocab.items()}
     self.vocab_size = max(vocab.values()) + 1
+    self.mask_id = vocab.get('[MASK]', 0)  # masked-LM training masks with it
 
   @classmethod
   def from_json(cls, path: str) -> 'WordPieceTokenizer':

@@ -117,8 +117,9 @@ def _load_dataset(config):
   dataset = data.load(config.data, tokenizer_from=config.model.get('init_from', ''))
   objective = steps.OBJECTIVES[config.model.type]
   data_validation.check_dataset(config, dataset.kind)
-  # mlm reserves one more id, the last, for [MASK] (steps.forward).
-  needed = dataset.vocab_size + (objective == 'mlm')
+  # mlm reserves one more id, the last, for [MASK] (steps.forward), unless
+  # the tokenizer has its own.
+  needed = dataset.vocab_size + (objective == 'mlm' and not dataset.mask_id)
   with config.unlocked():
     if not config.model.vocab_size:
       config.model.vocab_size = needed
@@ -164,7 +165,7 @@ def _compile_train_step(config, dataset, parallel):
       steps.train_step, label_smoothing=t.label_smoothing, skip_nonfinite=t.skip_nonfinite,
       objective=steps.OBJECTIVES[config.model.type], mlm_rate=config.data.mlm_rate,
       vocab_size=config.model.vocab_size, data_vocab_size=dataset.vocab_size,
-      grad_accum_steps=t.grad_accum_steps)
+      mask_id=dataset.mask_id, grad_accum_steps=t.grad_accum_steps)
 
 
 def _eval_splits(config, dataset) -> list[str]:

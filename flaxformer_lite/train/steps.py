@@ -25,19 +25,23 @@ OBJECTIVES = {name: t.objective for name, t in MODEL_TYPES.items()}
 
 
 def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = True,
-            rng=None, mlm_rate: float = 0.15, vocab_size: int = 0, data_vocab_size: int = 0):
+            rng=None, mlm_rate: float = 0.15, vocab_size: int = 0, data_vocab_size: int = 0,
+            mask_id: int = 0):
   """-> (logits [b, n, V], targets [b, n], weights [b, n] float, 0 = not scored);
   classify: n = 1 and V = the classes.
 
   rng: dropout (when not deterministic) and, for mlm, the masks.
-  vocab_size: mlm only, the model's vocabulary (the last id is [MASK]).
+  vocab_size: mlm only, the model's vocabulary (its last id is [MASK] unless
+    mask_id says otherwise).
   data_vocab_size: mlm only, the ids the data uses (random replacements are
     drawn from them); 0 = every id below [MASK]. A model.vocab_size set
     larger than the data's leaves ids no data token has.
+  mask_id: mlm only, the tokenizer's own [MASK] id (a pretrained BERT's); 0 =
+    the model's last id.
   """
   rngs = None if deterministic else {'dropout': jax.random.fold_in(rng, 0)}
   if objective == 'mlm':
-    mask_id = vocab_size - 1
+    mask_id = mask_id or vocab_size - 1
     inputs, targets, weights = masking.mask_tokens(
         jax.random.fold_in(rng, 1), batch['inputs'], vocab_size=data_vocab_size or mask_id,
         mask_id=mask_id, rate=mlm_rate)
@@ -63,7 +67,7 @@ def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = Tr
 
 def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: bool = False,
                objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
-               data_vocab_size: int = 0, grad_accum_steps: int = 1,
+               data_vocab_size: int = 0, mask_id: int = 0, grad_accum_steps: int = 1,
                axis_name: str | None = None):
   """One optimizer update on the global batch.
 
@@ -91,7 +95,8 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
     def loss_fn(params):
       logits, targets, weights = forward(
           state.apply_fn, params, batch, objective=objective, deterministic=False,
-          rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size, data_vocab_size=data_vocab_size)
+          rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size, data_vocab_size=data_vocab_size,
+          mask_id=mask_id)
       sums = losses.token_metrics(logits, targets, weights, label_smoothing)
       return sums['loss'], sums
     return jax.grad(loss_fn, has_aux=True)(params)
@@ -126,7 +131,7 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
 
 def eval_step(params, batch, rng=None, *, apply_fn, label_smoothing: float,
               objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
-              data_vocab_size: int = 0, row_scores: bool = False):
+              data_vocab_size: int = 0, mask_id: int = 0, row_scores: bool = False):
   """Teacher-forced metric sums on one batch (PAD rows weigh nothing).
   rng: the mlm masks (fixed per batch, so every eval scores the same masks).
 
@@ -140,7 +145,7 @@ def eval_step(params, batch, rng=None, *, apply_fn, label_smoothing: float,
   """
   logits, targets, weights = forward(apply_fn, params, batch, objective=objective,
                                      rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size,
-                                     data_vocab_size=data_vocab_size)
+                                     data_vocab_size=data_vocab_size, mask_id=mask_id)
   sums = losses.token_metrics(logits, targets, weights, label_smoothing)
   if not row_scores:
     return sums
