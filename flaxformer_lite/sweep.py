@@ -268,8 +268,8 @@ def runs(grid: dict, out: str) -> list[Run]:
 def config_changes(run: Run) -> list[str]:
   """'key: saved -> row' for each value of the workdir's config.json that
   differs from the run's config where main would refuse to resume (empty
-  without a saved config). A model.vocab_size of 0 means the dataset's: the
-  run saved the number it took."""
+  without a saved config). A model.vocab_size or model.num_classes of 0
+  means the dataset's: the run saved the number it took."""
   from flaxformer_lite import config as config_lib
   path = os.path.join(run.workdir, 'config.json')
   if run.config is None or not os.path.exists(path):
@@ -277,9 +277,8 @@ def config_changes(run: Run) -> list[str]:
   with open(path) as f:
     saved = config_lib.from_json(f.read())
   diffs = config_lib.differences(saved, run.config)
-  if not run.config.model.vocab_size:
-    diffs = [d for d in diffs if not d.startswith('model.vocab_size:')]
-  return diffs
+  from_data = [f'model.{k}:' for k in ('vocab_size', 'num_classes') if not run.config.model[k]]
+  return [d for d in diffs if not d.startswith(tuple(from_data))]
 
 
 def status(run: Run) -> str:

@@ -31,10 +31,18 @@ def pyplot():
   return plt
 
 
+SI = ((1e12, 'T'), (1e9, 'G'), (1e6, 'M'))
+
+
 def fmt_value(x: float, like: float | None = None) -> str:
   """A metric as the tables print it: BLEU-sized values to 0.01, losses and
-  accuracies to 0.001 (the digits of `like`'s size, e.g. a std beside its mean)."""
-  return f'{x:.2f}' if abs(x if like is None else like) >= 10 else f'{x:.3f}'
+  accuracies to 0.001, counts from a million on in SI units to 4 digits
+  (3.053G FLOPs); in the digits of `like`'s size, e.g. a std beside its mean."""
+  size = abs(x if like is None else like)
+  for scale, unit in SI:
+    if size >= scale:
+      return f'{x / scale:.3f}{unit}' if size < 10 * scale else f'{x / scale:.2f}{unit}'
+  return f'{x:.2f}' if size >= 10 else f'{x:.3f}'
 
 
 def seeds_phrase(counts: list[int]) -> str:
@@ -155,24 +163,27 @@ def curve_figure(title: str, xlabel: str, ylabel: str,
 
 def scatter_figure(title: str, xlabel: str, ylabel: str,
                    panels: dict[str, dict[str, tuple[list[float], list[float]]]]):
-  """A panel per entry of `panels` (title -> {row: (x per seed, y per seed)}),
-  a point per row at the means, ± sample std bars both ways with several
-  seeds, each point labelled with its row; rows without both values are left
-  out. Returns the matplotlib Figure."""
+  """A panel per entry of `panels` (title -> {row: (x per seed, y per seed)}):
+  per row a large marker at the means and a small hollow one per seed, in
+  the row's style (curve_style), named in one legend below (points that
+  coincide stay told apart by it). Rows without both values are left out.
+  Returns the matplotlib Figure."""
   plt = pyplot()
+  names = list(dict.fromkeys(r for rows in panels.values() for r in rows))
   with plt.rc_context(READABLE):
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 0.6, 4.4),
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 0.6, 4.8),
                              squeeze=False, layout='constrained')
     for ax, (panel, rows) in zip(axes[0], panels.items()):
       drawn = 0
-      for i, (row, (xs, ys)) in enumerate(rows.items()):
+      for row, (xs, ys) in rows.items():
         if not xs or not ys:
           continue
-        (mx, sx, nx), (my, sy, ny) = summarise(xs), summarise(ys)
-        style = curve_style(i)
-        ax.errorbar(mx, my, xerr=sx if nx > 1 else None, yerr=sy if ny > 1 else None,
-                    color=style['color'], marker=style['marker'], capsize=3, linestyle='')
-        ax.annotate(row, (mx, my), xytext=(4, 4), textcoords='offset points', fontsize=9)
+        style = curve_style(names.index(row))
+        color, marker = style['color'], style['marker']
+        ax.plot(xs, ys, linestyle='', marker=marker, markersize=5, color=color,
+                markerfacecolor='white', alpha=0.8)
+        ax.plot([sum(xs) / len(xs)], [sum(ys) / len(ys)], linestyle='', marker=marker,
+                markersize=9, color=color, label=row)
         drawn += 1
       if not drawn:
         ax.text(0.5, 0.5, 'no results yet', transform=ax.transAxes, ha='center')
@@ -180,9 +191,15 @@ def scatter_figure(title: str, xlabel: str, ylabel: str,
       ax.set_xlabel(xlabel)
       ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
+    handles, labels = [], []
+    for ax in axes[0]:  # every row once, whichever panel has it
+      for h, l in zip(*ax.get_legend_handles_labels()):
+        if l not in labels:
+          handles.append(h), labels.append(l)
     counts = [len(ys) for rows in panels.values() for _, ys in rows.values() if ys] or [1]
-    fig.suptitle(f'{title}: mean over {seeds_phrase(counts)}'
-                 + (', ± sample std' if max(counts) > 1 else ''))
+    fig.suptitle(f'{title}\nmean of {seeds_phrase(counts)} (large), each seed (small)')
+    if labels:
+      fig.legend(handles, labels, loc='outside lower center', ncol=min(4, len(labels)))
   return fig
 
 

@@ -507,3 +507,48 @@ def test_curves_naming_a_study_the_grid_lacks_is_a_grid_error(tmp_path):
   path.write_text(f'def get_sweep():\n  return {grid!r}\n')
   with pytest.raises(sweep.SweepError, match=r"panels.p names studies \['z'\]"):
     sweep.load_grid(str(path), check_configs=False)
+
+
+def test_a_scatter_puts_each_row_at_its_seed_means_and_names_it_in_the_legend(tmp_path):
+  values = {('x', 'a', 0, 'train.flops'): 2e9, ('x', 'a', 1, 'train.flops'): 2e9,
+            ('x', 'a', 0, 'test.acc'): 0.4, ('x', 'a', 1, 'test.acc'): 0.8,
+            ('x', 'b', 0, 'train.flops'): 3e9, ('x', 'b', 0, 'test.acc'): 1.0}
+  grid = dict(_two_study_grid(), scatters={'cost': {'x': 'train.flops', 'y': 'test.acc',
+                                                    'studies': ['x']}})
+  paths = sweep.plot(grid, _lines(values), str(tmp_path))
+  assert os.path.join(str(tmp_path), 'cost.png') in paths
+  panels = {'x': {'a': ([2e9, 2e9], [0.4, 0.8]), 'b': ([3e9], [1.0]), 'c': ([], [])}}
+  fig = sweep_plots.scatter_figure('cost', 'FLOPs', 'accuracy', panels)
+  legend, = fig.legends
+  assert [t.get_text() for t in legend.get_texts()] == ['a', 'b']  # c: no values
+  means = {line.get_label(): line.get_xydata().tolist() for line in fig.axes[0].lines
+           if not line.get_label().startswith('_')}
+  assert means == {'a': [[2e9, pytest.approx(0.6)]], 'b': [[3e9, 1.0]]}
+  assert _on_the_data(fig, legend) == [] and not _small_text(fig)
+  grid['scatters']['cost']['studies'] = ['z']
+  path = tmp_path / 'grid.py'
+  path.write_text(f'def get_sweep():\n  return {grid!r}\n')
+  with pytest.raises(sweep.SweepError, match=r"scatters.cost.studies names \['z'\]"):
+    sweep.load_grid(str(path), check_configs=False)
+
+
+def test_large_counts_print_in_si_units_beside_their_std():
+  assert sweep_plots.fmt_value(3052988928.0) == '3.053G'
+  assert sweep_plots.fmt_value(0.0, like=3052988928.0) == '0.000G'
+  assert sweep_plots.fmt_value(441542656.0) == '441.54M'
+  assert sweep_plots.fmt_value(0.372) == '0.372' and sweep_plots.fmt_value(33.51) == '33.51'
+
+
+def test_counts_a_run_takes_from_its_data_do_not_make_its_row_changed(tmp_path):
+  """model.vocab_size and model.num_classes of 0 become the dataset's in the
+  saved config.json: the row is still the run's. Set by the row, they count."""
+  import runpy
+  from flaxformer_lite import config as config_lib
+  config = runpy.run_path(os.path.join(REPO, 'experiments', 'two_stream.py'))['get_config']()
+  saved = config_lib.from_json(config_lib.to_json(config))
+  saved.model.vocab_size, saved.model.num_classes = 267, 5
+  (tmp_path / 'config.json').write_text(config_lib.to_json(saved))
+  run = sweep.Run('s', 'r', 0, str(tmp_path), 'experiments/two_stream.py', {}, config)
+  assert sweep.config_changes(run) == [] and sweep.status(run) != 'changed'
+  config.model.num_classes = 7
+  assert sweep.config_changes(run) == ['model.num_classes: 5 -> 7']
