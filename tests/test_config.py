@@ -38,14 +38,18 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize('key,value,expected', BAD)
-def test_validate_names_bad_value_and_valid_ones(key, value, expected):
-  c = config_lib.base_config()
+def _refused(c, key, value, expected):
+  """c with key=value fails validation with a message naming the key and `expected`."""
   section, name = key.split('.')
   c[section][name] = value
   with pytest.raises(config_lib.ConfigError) as e:
     main.validate(c)
   assert key in str(e.value) and expected in str(e.value)
+
+
+@pytest.mark.parametrize('key,value,expected', BAD)
+def test_validate_names_bad_value_and_valid_ones(key, value, expected):
+  _refused(config_lib.base_config(), key, value, expected)
 
 
 def test_base_config_is_valid():
@@ -304,12 +308,7 @@ def _two_stream_config():
     ('train.batch_tokens', 4096, 'use train.batch_size'),
 ])
 def test_two_stream_bad_values_are_named(key, value, expected):
-  c = _two_stream_config()
-  section, name = key.split('.')
-  c[section][name] = value
-  with pytest.raises(config_lib.ConfigError) as e:
-    main.validate(c)
-  assert key in str(e.value) and expected in str(e.value)
+  _refused(_two_stream_config(), key, value, expected)
 
 
 def test_early_fusion_refuses_a_fusion_layer():
