@@ -129,6 +129,8 @@ def test_differences_ignore_resumable_keys():
       '--config.model.attention_kwargs.implementation=chunked'],
      "attention='luong_local_m' has no chunked form"),
     (['--config.model.attention_kwargs.dense_max_mib=-1'], 'dense_max_mib=-1'),
+    (['--config=experiments/two_stream.py', '--config.model.fusion_layer=9'],
+     "model.fusion_layer=9 is beyond the model's layers: valid 0..4"),
 ])
 def test_cli_bad_config_exits_2_with_message(args, expected, tmp_path, run_main):
   proc = run_main(*args, f'--workdir={tmp_path}/w')
