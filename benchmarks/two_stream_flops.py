@@ -9,7 +9,9 @@ Rows are the sweep's (experiments/sweeps/two_stream_fusion.py): early (one
 joint sequence of 2n tokens from layer 0), late_L (streams alone for L
 layers, then joint), bottleneck_B (from layer 2, each stream with B shared
 tokens). FLOPs are XLA's cost analysis of the compiled step; time is the
-median of interleaved calls. Joint attention costs (2n)^2 per layer, a
+median of interleaved calls. Attention runs on the dense kernel: XLA's cost
+analysis counts a loop's body once, so the chunked kernel's blocks (a loop)
+would be undercounted. Joint attention costs (2n)^2 per layer, a
 bottleneck layer 2 (n + B)^2: about half once n dominates the MLPs.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ def build(overrides: dict, n: int, batch: int):
   def make():
     config = runpy.run_path(os.path.join(REPO, 'experiments', 'two_stream.py'))['get_config']()
     config.model.update(vocab_size=64, num_classes=5, max_len=n, **overrides)
+    config.model.attention_kwargs.implementation = 'dense'  # see the module docstring
     model = models.build(config.model)
     rng = np.random.default_rng(0)
     data = {'inputs': rng.integers(3, 64, (batch, n), dtype=np.int32),

@@ -19,7 +19,9 @@ log = logging.getLogger('flaxformer_lite')
 def step_flops(compiled) -> float:
   """The floating-point operations XLA's cost analysis counts in one call of
   a compiled executable (a train step: forward, backward and update, on one
-  device's share); 0.0 where the backend gives none."""
+  device's share); 0.0 where the backend gives none. A loop's body counts
+  once (XLA does not multiply by the trip count): steps with the chunked
+  kernel's block loop, gradient accumulation or remat'd scans are undercounted."""
   try:
     cost = compiled.cost_analysis()
   except Exception:  # some backends and runtimes do not implement it
