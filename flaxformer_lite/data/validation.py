@@ -87,14 +87,15 @@ def validate(config) -> None:
   if kind == 'lm':
     check(m.positions != 'learned' or m.max_len >= d.max_len,
           f'model.max_len={m.max_len} is shorter than the context data.max_len={d.max_len}')
+  if d.task in TASKS and d.task not in REAL_TASKS:  # generated: one or two streams
+    check(d.num_train >= t.batch_size,
+          f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
   if kind == 'two_stream':
     _validate_two_stream(config)
-  elif d.task in TASKS and d.task not in REAL_TASKS:  # generated
+  elif d.task in TASKS and d.task not in REAL_TASKS:
     check(1 <= d.min_len <= d.max_len,
           f'data.min_len={d.min_len} and data.max_len={d.max_len} need 1 <= min_len <= max_len')
     check(d.num_symbols >= 1, f'data.num_symbols={d.num_symbols} must be >= 1')
-    check(d.num_train >= t.batch_size,
-          f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
     test_lengths = tuple(d.get('test_lengths', ()))
     check(all(isinstance(n, int) and n >= 1 for n in test_lengths),
           f'data.test_lengths={test_lengths} must be lengths >= 1, e.g. (50, 100, 200)')
@@ -120,8 +121,6 @@ def _validate_two_stream(config) -> None:
   check(d.max_len >= 2, f'data.max_len={d.max_len} (stream A) must be >= 2 for '
         f'data.task={d.task!r}')
   check(d.num_claims >= 1, f'data.num_claims={d.num_claims} (stream B) must be >= 1')
-  check(d.num_train >= t.batch_size,
-        f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
   check(d.num_eval >= 1, f'data.num_eval={d.num_eval} must be >= 1')
   check(not t.batch_tokens, f'train.batch_tokens={t.batch_tokens} groups rows of similar '
         f'length; data.task={d.task!r} has rows of one length: use train.batch_size '

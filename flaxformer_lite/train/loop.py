@@ -305,11 +305,9 @@ def _log_train(writer, done: int, num_steps: int, m: dict):
            m['steps_per_sec'], metrics_lib.fmt_time(eta))
 
 
-def _validate(evaluate, parallel, state, done: int, writer, log_examples: int, params=None):
-  """(the validation metrics, written and logged; the seconds they took) of
-  the state's parameters, or of `params` given."""
+def _validate(evaluate, params, done: int, writer, log_examples: int):
+  """(the validation metrics of `params`, written and logged; the seconds they took)."""
   eval_start = time.time()
-  params = parallel.unplace_state(state).params if params is None else params
   m = evaluate(params, 'validation', log_examples=log_examples)
   writer.write(done, 'eval', m)
   log.info('eval at step %d (%.1fs): %s', done, time.time() - eval_start, _fmt_metrics(m))
@@ -371,8 +369,8 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
   _check_needs(config, _eval_needs(config, dataset, evaluate, params, 0), limit)
   results, start = {}, time.time()
   with contextlib.closing(metrics_lib.MetricWriter(workdir, 0)) as writer:
-    results['eval'], seconds = _validate(evaluate, parallel, None, 0, writer,
-                                         config.eval.num_examples_to_log, params)
+    results['eval'], _ = _validate(evaluate, params, 0, writer,
+                                         config.eval.num_examples_to_log)
     if config.eval.final_test and 'test' in dataset.splits:
       results['test'] = _test(config, dataset, evaluate, params, writer)
   _log_done(0, 0, 0.0, time.time() - start, results)
@@ -445,8 +443,8 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
             _log_train(writer, done, t.num_steps, m)
             window = _TrainWindow()
           if done % t.eval_every == 0 or done == t.num_steps:
-            results['eval'], seconds = _validate(evaluate, parallel, state, done, writer,
-                                                 config.eval.num_examples_to_log)
+            results['eval'], seconds = _validate(evaluate, parallel.unplace_state(state).params,
+                                                 done, writer, config.eval.num_examples_to_log)
             window.start += seconds
             eval_seconds += seconds
           stop = multihost.any_process(preempt.requested is not None)  # all stop at one step
