@@ -103,32 +103,52 @@ def _quick_start_logs(done, workdir):
   assert [m['step'] for m in metrics if m['split'] == 'train'] == [1, 2]
 
 
-def test_every_readme_command_runs_as_written(env, tmp_path):
-  commands = launch_commands(open(README).read())
-  assert './launch.sh' in commands and './launch.sh test' in commands  # the quick start
+COMMANDS = launch_commands(open(README).read())
+# The quick start's run, then each command that reads it (the plot), in one test.
+QUICK_START = ['./launch.sh'] + [c for c in COMMANDS if 'workdirs/reverse' in c]
+ON_THEIR_OWN = [c for c in COMMANDS
+                if c not in QUICK_START and shlex.split(c)[1:2] != ['test']]  # test: this suite
+
+
+def _run_as_written(command, env, tmp_path, quick_start):
+  """Runs one README command (a training one tiny, in a workdir under
+  tmp_path; one that reads workdirs/reverse on the quick start's); returns
+  the finished process."""
+  argv = shlex.split(command)
+  if _trains(argv):
+    experiment = _experiment(argv)
+    assert experiment in TINY, f'add tiny overrides for {experiment} ({command})'
+    workdir = quick_start if command == './launch.sh' else tmp_path / 'run'
+    argv = argv + TINY[experiment] + [f'--workdir={workdir}']
+  else:
+    argv = [a.replace('workdirs/reverse', str(quick_start)) for a in argv]
+  done = _launch(argv, env)
+  assert done.returncode == 0, f'{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
+  assert 'Traceback' not in done.stderr, f'{command}\n{done.stderr[-3000:]}'
+  if _trains(argv):
+    assert os.path.isfile(os.path.join(argv[-1].split('=', 1)[1], 'metrics.jsonl')), command
+  return done
+
+
+def test_readme_has_the_quick_start():
+  assert './launch.sh' in COMMANDS and './launch.sh test' in COMMANDS
+  assert len(QUICK_START) >= 2, 'the README shows no plot of the quick start\'s run'
+
+
+def test_quick_start_and_its_plot_run_as_written(env, tmp_path):
   quick_start = tmp_path / 'quick_start'
-  ran = []
-  for i, command in enumerate(commands):
-    argv = shlex.split(command)
-    if argv[1:2] == ['test']:
-      continue  # this suite
-    if _trains(argv):
-      experiment = _experiment(argv)
-      assert experiment in TINY, f'add tiny overrides for {experiment} ({command})'
-      workdir = quick_start if command == './launch.sh' else tmp_path / f'run_{i}'
-      argv = argv + TINY[experiment] + [f'--workdir={workdir}']
-    else:  # a plot of the quick start's run
-      argv = [a.replace('workdirs/reverse', str(quick_start)) for a in argv]
-    done = _launch(argv, env)
-    assert done.returncode == 0, f'{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
-    assert 'Traceback' not in done.stderr, f'{command}\n{done.stderr[-3000:]}'
-    if _trains(argv):
-      assert os.path.isfile(os.path.join(argv[-1].split('=', 1)[1], 'metrics.jsonl')), command
+  for command in QUICK_START:
+    done = _run_as_written(command, env, tmp_path, quick_start)
     if command == './launch.sh':
       _quick_start_logs(done, quick_start)
-    ran.append(command)
-  assert len(ran) == len(commands) - 1
   assert list((quick_start / 'attention').glob('*.png')), 'the plot command wrote no figure'
+
+
+@pytest.mark.parametrize('command', ON_THEIR_OWN)
+def test_readme_command_runs_as_written(command, env, tmp_path):
+  """Each README command apart from the quick start's is its own test, so
+  that pytest-xdist's workers share them."""
+  _run_as_written(command, env, tmp_path, tmp_path / 'quick_start')
 
 
 def test_readme_error_examples_print_what_they_show(env):
