@@ -307,7 +307,9 @@ def gguf_tokenizer(path: str):
                           'readable: gpt2 (byte-level BPE)')
   return tokenizers.BPETokenizer(meta['tokenizer.ggml.tokens'], meta['tokenizer.ggml.merges'],
                                  split_digits=meta.get('tokenizer.ggml.pre') in ('smollm',
-                                                                                 'llama-bpe'))
+                                                                                 'llama-bpe'),
+                                 eos_id=int(meta.get('tokenizer.ggml.eos_token_id',
+                                                    tokenizers.EOS_ID)))
 
 
 def _dequantise(path: str, info) -> np.ndarray:

@@ -302,7 +302,7 @@ def _logits(path, ids):
 
 
 def tiny_llama(path, *, d=8, h=2, kv=1, layers=2, ffn=12, vocab=20, untied=False,
-               tokens=None):
+               tokens=None, eos=2):
   rng = np.random.default_rng(1)
   meta = {'general.architecture': 'llama', 'llama.block_count': layers,
           'llama.context_length': 64, 'llama.embedding_length': d,
@@ -312,7 +312,8 @@ def tiny_llama(path, *, d=8, h=2, kv=1, layers=2, ffn=12, vocab=20, untied=False
           'llama.rope.dimension_count': d // h}
   if tokens:
     meta.update({'tokenizer.ggml.model': 'gpt2', 'tokenizer.ggml.pre': 'smollm',
-                 'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.merges': ['Ġ t']})
+                 'tokenizer.ggml.tokens': tokens, 'tokenizer.ggml.merges': ['Ġ t'],
+                 'tokenizer.ggml.eos_token_id': eos})
   shapes = {'token_embd.weight': (vocab, d), 'output_norm.weight': (d,)}
   if untied:
     shapes['output.weight'] = (vocab, d)
@@ -447,6 +448,25 @@ def test_wordpiece_cuts_words_greedily_by_hand(tmp_path):
   assert [pieces[i] for i in tok.encode(text)] == want
   assert tok.decode(tok.encode('hello, xy')) == 'hello , xy'
   assert tok.with_specials(tok.encode('x')).tolist() == [4, 15, 5]
+  # A text ends with [SEP], as BERT was trained to read it, in the datasets
+  # (documents and sentences) and when decoding.
+  from flaxformer_lite.data import loading
+  assert loading._encode(tok, 'x x', None, 'drop')[0].tolist() == [15, 15, 5]
+  assert tok.decode([15, 5, 10]) == 'x'
+
+
+def test_a_gguf_files_eos_token_ends_its_texts(tmp_path):
+  from flaxformer_lite.data import loading, tokenizers
+  symbols = tokenizers.byte_symbols()
+  tokens = ['<|endoftext|>', '<|im_start|>', '<|im_end|>'] + [symbols[b] for b in range(256)]
+  for eos in (0, 2):  # SmolLM2's base models end with <|endoftext|>, the instruct ones <|im_end|>
+    path = str(tmp_path / f'eos_{eos}.gguf')
+    meta, _ = tiny_llama(path, vocab=len(tokens), tokens=tokens, eos=eos)
+    tok = pretrained.tokenizer(path)
+    assert tok.eos_id == eos
+    assert loading._encode(tok, 'hi', None, 'drop')[0].tolist() == [3 + ord('h'), 3 + ord('i'),
+                                                                       eos]
+  assert tok.decode([3 + ord('h'), 2, 3 + ord('i')]) == 'h'
 
 
 def test_byte_level_bpe_merges_by_rank_by_hand():

@@ -21,7 +21,6 @@ import numpy as np
 
 from flaxformer_lite.data import corpora, pipeline, shared, synthetic, tokenizers, two_stream
 from flaxformer_lite.data.corpora import DataError
-from flaxformer_lite.tokens import EOS_ID
 
 REAL_TASKS = ('multi30k', 'tiny_shakespeare', 'tfds')
 BUILDER_NAMES = {'multi30k': 'multi30k', 'tiny_shakespeare': 'tiny_shakespeare_char'}
@@ -202,12 +201,13 @@ def _tokenizer(d, builder, texts_fn, tokenizer_from=''):
 
 
 def _encode(tokenizer, text: str, max_len: int | None, overlong: str):
-  """Text -> ids + EOS; (ids, whether it was over max_len tokens + EOS)."""
+  """Text -> ids + EOS (the tokenizer's); (ids, whether it was over max_len
+  tokens + EOS)."""
   ids = tokenizer.encode(text)
   long = max_len is not None and len(ids) > max_len
   if long and overlong == 'truncate':
     ids = ids[:max_len]
-  return np.append(ids, EOS_ID).astype(np.int32), long
+  return np.append(ids, tokenizers.end_id(tokenizer)).astype(np.int32), long
 
 
 def _splits(builder) -> list[str]:
@@ -267,7 +267,7 @@ def _load_lm(d, builder, bad, tokenizer_from='') -> Dataset:
   for split, texts in text.items():
     pieces = [tokenizer.encode(t) for t in texts]
     if len(pieces) > 1:
-      pieces = [np.append(p, EOS_ID) for p in pieces]
+      pieces = [np.append(p, tokenizers.end_id(tokenizer)) for p in pieces]
     splits[split] = np.concatenate(pieces).astype(np.int32)
   return Dataset(tokenizer.vocab_size, splits, {s: 0 for s in splits}, 'lm', tokenizer,
                  {}, bad, mask_id=getattr(tokenizer, 'mask_id', 0))

@@ -3,7 +3,7 @@
 Every tokenizer has
   vocab_size: int           largest id + 1;
   encode(text) -> [n] int32 ids >= 3 (never PAD/BOS/EOS), WITHOUT EOS:
-                            callers append EOS_ID;
+                            callers append `end_id(tokenizer)`;
   decode(ids) -> str        ids is 1-D (list, numpy or jax); decoding stops at
                             the first EOS and skips PAD, BOS and ids >= vocab_size
                             (a model's output layer may be padded past the vocab).
@@ -36,12 +36,18 @@ class Tokenizer(Protocol):
   def decode(self, ids) -> str: ...
 
 
-def _text_ids(ids, vocab_size: int) -> np.ndarray:
+def end_id(tokenizer) -> int:
+  """The id that ends a text: EOS_ID, or a pretrained vocabulary's own
+  (BERT's [SEP], a GGUF file's eos token), as its model was trained to read."""
+  return getattr(tokenizer, 'eos_id', EOS_ID)
+
+
+def _text_ids(ids, vocab_size: int, eos_id: int = EOS_ID) -> np.ndarray:
   """The ids before the first EOS, without PAD, BOS and out-of-vocabulary ids."""
   ids = np.asarray(ids, dtype=np.int64)
   if ids.ndim != 1:
     raise ValueError(f'decode takes a 1-D sequence of ids, got shape {ids.shape}')
-  eos = np.flatnonzero(ids == EOS_ID)
+  eos = np.flatnonzero(ids == eos_id)
   if eos.size:
     ids = ids[:eos[0]]
   return ids[(ids != PAD_ID) & (ids != BOS_ID) & (ids >= 0) & (ids < vocab_size)]
@@ -185,9 +191,10 @@ class BPETokenizer:
   -> ids. Special tokens (<|im_start|>, ...) are not parsed from text.
   """
 
-  def __init__(self, tokens: list[str], merges: list[str], split_digits: bool = False):
+  def __init__(self, tokens: list[str], merges: list[str], split_digits: bool = False,
+               eos_id: int = EOS_ID):
     import regex
-    self.tokens, self.vocab_size = tokens, len(tokens)
+    self.tokens, self.vocab_size, self.eos_id = tokens, len(tokens), eos_id
     self.ids = {t: i for i, t in enumerate(tokens)}
     self.ranks = {tuple(m.split(' ', 1)): i for i, m in enumerate(merges)}
     self.symbols = byte_symbols()
@@ -226,7 +233,7 @@ class BPETokenizer:
     return np.asarray(ids, np.int32)
 
   def decode(self, ids) -> str:
-    data = bytes(self.bytes[c] for i in _text_ids(ids, self.vocab_size)
+    data = bytes(self.bytes[c] for i in _text_ids(ids, self.vocab_size, self.eos_id)
                  for c in self.tokens[i] if c in self.bytes)
     return data.decode('utf-8', errors='replace')
 
@@ -248,6 +255,7 @@ class WordPieceTokenizer:
     self.tokens = {i: t for t, i in vocab.items()}
     self.vocab_size = max(vocab.values()) + 1
     self.mask_id = vocab.get('[MASK]', 0)  # masked-LM training masks with it
+    self.eos_id = vocab.get('[SEP]', EOS_ID)  # BERT ends each segment with it
 
   @classmethod
   def from_json(cls, path: str) -> 'WordPieceTokenizer':
@@ -320,7 +328,7 @@ class WordPieceTokenizer:
 
   def decode(self, ids) -> str:
     text = ''
-    for i in _text_ids(ids, self.vocab_size):
+    for i in _text_ids(ids, self.vocab_size, self.eos_id):
       token = self.tokens.get(int(i), self.unk)
       text += token[len(self.prefix):] if token.startswith(self.prefix) else ' ' + token
     return text.strip()
