@@ -16,6 +16,9 @@ interleaved with it, so that the ratio is side by side too). Dense is
 skipped ('-') where its [b, h, n, n] float32 scores alone would pass
 --dense_limit_mib.
 
+--forward_only times the layer's forward pass alone (deterministic), as
+evaluation and a prompt's prefill run it.
+
 --dropout RATE runs the layer with attention dropout (dropout_rate, not
 deterministic, a fixed 'dropout' key) in both kernels, and adds the chunked
 time and memory over the chunked kernel's without dropout (c/c0). A
@@ -43,7 +46,8 @@ DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
 def _step(variant, implementation, chunk_size, dropout, args, x):
-  """(jitted fwd+bwd of MultiHeadAttention on x [b, n, d_model], its arguments).
+  """(jitted fwd+bwd of MultiHeadAttention on x [b, n, d_model], its arguments;
+  with --forward_only, the jitted forward pass).
 
   dropout: the layer's attention dropout rate (0: deterministic).
   """
@@ -58,6 +62,8 @@ def _step(variant, implementation, chunk_size, dropout, args, x):
     return jnp.sum(y.astype(jnp.float32) * d_y)
 
   d_y = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
+  if args.forward_only:
+    return jax.jit(lambda params, x: layer.apply(params, x, mask=spec)), (params, x)
   return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x, d_y, jax.random.key(2))
 
 
@@ -118,6 +124,8 @@ def main(argv=None):
   parser.add_argument('--d_model', type=int, default=512)
   parser.add_argument('--heads', type=int, default=8)
   parser.add_argument('--chunk_sizes', '--chunk_size', nargs='+', type=int, default=[512])
+  parser.add_argument('--forward_only', action='store_true',
+                      help='time the forward pass alone (evaluation, prefill)')
   parser.add_argument('--dropout', type=float, default=0.0,
                       help='attention dropout rate in both kernels (0: none)')
   parser.add_argument('--dtype', choices=sorted(DTYPES), default='float32')
@@ -128,7 +136,7 @@ def main(argv=None):
                       help='compile and report temp memory; no timing (long lengths)')
   args = parser.parse_args(argv)
   batch_at = {int(k): int(v) for k, v in (p.split(':') for p in args.batch_at)}
-  print(f'# MultiHeadAttention fwd+bwd, d_model {args.d_model}, {args.heads} heads, '
+  print(f'# MultiHeadAttention {"forward" if args.forward_only else "fwd+bwd"}, d_model {args.d_model}, {args.heads} heads, '
         f'{args.dtype}, {"causal" if args.causal else "bidirectional"}, attention dropout '
         f'{args.dropout}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores')
   print(f'{"variant":14s} {"n":>6s} {"b":>2s} {"chunk":>5s} {"dense ms":>9s} {"chunk ms":>9s} '

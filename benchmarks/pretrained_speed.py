@@ -1,7 +1,8 @@
 """SmolLM2-135M prefill and cached decoding, tokens/s, against Hugging Face transformers on PyTorch.
 
   ./launch.sh run benchmarks/pretrained_speed.py [--prefill 2048 8192] [--decode_prompt 512]
-      [--decode_steps 32] [--repeats 3] [--hf_python /tmp/hfenv/bin/python]
+      [--decode_steps 32] [--attention 2048 8192] [--repeats 3]
+      [--hf_python /tmp/hfenv/bin/python]
   taskset -c 0 ./launch.sh run benchmarks/pretrained_speed.py ...   # both sides on one core
 
 Both sides run the same GGUF file (./launch.sh fetch smollm2; --model PATH),
@@ -35,6 +36,12 @@ Batch 1, greedy:
   decode      after a --decode_prompt-token prefill (not timed),
               --decode_steps calls of one token each, the argmax of the last
               logits fed back; tokens/s = steps / seconds.
+  attention N one layer's causal attention alone at the model's shapes (its
+              query, key/value heads and head size; random q, k, v of N
+              positions): ours the chunked kernel `auto` picks there, theirs
+              torch.nn.functional.scaled_dot_product_attention(is_causal=True)
+              as transformers' sdpa calls it, keys and values repeated to the
+              query heads; tokens/s = N / seconds.
 Prints a markdown table (median seconds over --repeats) and writes it as
 JSON to --out (default benchmarks/results/pretrained_context/speed.json).
 A side that fails (no --hf_python, too little memory) prints '-' and why.
@@ -42,8 +49,10 @@ A side that fails (no --hf_python, too little memory) prints '-' and why.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -52,6 +61,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, 'results', 'pretrained_context', 'speed.json')
+# Before each measurement: the other side's idle threads stop spinning first
+# (torch's OpenMP threads spin-wait after a call, on the cores ours then uses).
+SETTLE_S = 0.5
 HF_PYTHON = os.environ.get('FFL_HF_PYTHON', '/tmp/hfenv/bin/python')
 
 
@@ -73,7 +85,7 @@ class Ours:
     self.jax, self.decoding = jax, decoding
     config, params = pretrained.load(path)
     config.attention_kwargs.implementation = 'auto'
-    self.vocab = config.vocab_size
+    self.config, self.vocab, self._attention = config, config.vocab_size, {}
     self.model = models.build(config, decode=True)
     self.params = jax.device_put(params)
     call = decoding._lm_fn  # noqa: SLF001  (tokens, cache) -> (logits, cache)
@@ -114,6 +126,30 @@ class Ours:
     return time.perf_counter() - start
 
 
+  def time_attention(self, n: int) -> float:
+    if n not in self._attention:  # compiled, and its buffers touched, once
+      from flaxformer_lite.attention import masks, registry
+      jnp, c = self.jax.numpy, self.config
+      variant, kernel = registry.get(c.attention), registry.resolve_kernel(c.attention,
+                                                                          c.attention_kwargs)
+      q, k, v = (jnp.asarray(x) for x in attention_inputs(
+          n, c.num_heads, c.num_kv_heads or c.num_heads, c.d_model // c.num_heads))
+      attend = self.jax.jit(lambda q, k, v: variant.chunked(
+          q, k, v, mask=masks.MaskSpec(causal=True), chunk_size=kernel.chunk_size))
+      self.jax.block_until_ready(attend(q, k, v))
+      self._attention[n] = functools.partial(attend, q, k, v)
+    start = time.perf_counter()
+    self.jax.block_until_ready(self._attention[n]())
+    return time.perf_counter() - start
+
+
+def attention_inputs(n: int, heads: int, kv_heads: int, head_dim: int):
+  """float32 q [1, n, heads, d], k and v [1, n, kv_heads, d]: the same on both sides."""
+  r = np.random.default_rng(n)
+  return (r.normal(size=(1, n, heads, head_dim)).astype(np.float32) / head_dim ** 0.5,
+          *(r.normal(size=(1, n, kv_heads, head_dim)).astype(np.float32) for _ in range(2)))
+
+
 class Theirs:
   """The Hugging Face worker, driven over its stdin and stdout."""
 
@@ -133,13 +169,19 @@ class Theirs:
   def ask(self, **request) -> float:
     self.proc.stdin.write(json.dumps(request) + '\n')
     self.proc.stdin.flush()
-    return self._answer()['seconds']
+    answer = self._answer()
+    if answer.get('note'):
+      print(f'#   theirs, {request["op"]} {request.get("n", "")}: {answer["note"]}', flush=True)
+    return answer['seconds']
 
   def time_prefill(self, ids):
     return self.ask(op='prefill', ids=ids)
 
   def time_decode(self, ids, steps):
     return self.ask(op='decode', ids=ids, steps=steps)
+
+  def time_attention(self, n):
+    return self.ask(op='attention', n=n)
 
   def close(self):
     self.proc.stdin.close()
@@ -162,8 +204,29 @@ def hf_worker(path: str) -> int:
 
   send(torch=torch.__version__, transformers=transformers.__version__,
        attention=model.config._attn_implementation, threads=torch.get_num_threads())
+  config = model.config
+  heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
   for line in sys.stdin:
     request = json.loads(line)
+    if request['op'] == 'attention':
+      q, k, v = (torch.from_numpy(x).transpose(1, 2) for x in attention_inputs(
+          request['n'], heads, kv_heads, config.hidden_size // heads))
+      k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+      attend = torch.nn.functional.scaled_dot_product_attention
+      with open('/proc/self/statm') as f:  # resident pages now
+        resident = int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
+      with torch.inference_mode():
+        attend(q, k, v, is_causal=True)
+        start = time.perf_counter()
+        attend(q, k, v, is_causal=True)
+        seconds = time.perf_counter() - start
+      # The most the calls can have added to what was resident (the peak,
+      # ru_maxrss in KiB, may be the model's load): dense scores would add
+      # 4 * heads * n^2 bytes.
+      most = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - resident
+      send(seconds=seconds, note=f'its memory grew by at most {most:.0f} MiB (dense float32 '
+           f'scores: {4 * heads * request["n"] ** 2 / 2**20:.0f} MiB)')
+      continue
     ids = torch.tensor([request['ids']])
     with torch.inference_mode():
       cache = transformers.DynamicCache(config=model.config)
@@ -184,6 +247,8 @@ def main(argv=None) -> int:
   parser.add_argument('--prefill', nargs='*', type=int, default=[2048, 8192])
   parser.add_argument('--decode_prompt', type=int, default=512)
   parser.add_argument('--decode_steps', type=int, default=32, help='0: no decode row')
+  parser.add_argument('--attention', nargs='*', type=int, default=[],
+                      help='also time one layer\'s causal attention alone at these lengths')
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--hf_python', default=HF_PYTHON,
                       help="a python with torch, transformers and gguf ('': ours alone)")
@@ -215,6 +280,8 @@ def main(argv=None) -> int:
     ids = prompt_ids(args.decode_prompt, vocab)
     runs[f'decode after {args.decode_prompt}'] = (
         lambda side: side.time_decode(ids, args.decode_steps), args.decode_steps)
+  runs.update({f'attention {n}': (lambda side, n=n: side.time_attention(n), n)
+               for n in args.attention})
   print(f'# {os.path.basename(path)}, batch 1, float32, {threads()} threads a side '
         f'({os.cpu_count()} cores), {jax.devices()[0].device_kind}; theirs: '
         + (f'transformers {info["transformers"]}, torch {info["torch"]}, attention '
@@ -226,6 +293,7 @@ def main(argv=None) -> int:
       for side, model in sides.items():
         if side in failed:
           continue
+        time.sleep(SETTLE_S)
         try:
           seconds = run(model)
         except Exception as e:  # noqa: BLE001  (a side out of memory: '-' and why)
