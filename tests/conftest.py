@@ -7,10 +7,11 @@ import sys
 
 # The suite's programs are small: LLVM's optimisation of the code XLA:CPU
 # generates for them costs more time than it saves (a quarter of the suite's
-# CPU time). Subprocesses inherit it; those that set XLA_FLAGS append to it.
-if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
-                             + ' --xla_backend_optimization_level=0').strip()
+# CPU time; its expensive passes alone, 5-10% of a compile-bound test's).
+# Subprocesses inherit it; those that set XLA_FLAGS append to it.
+for _flag in ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensive_passes=true'):
+  if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402

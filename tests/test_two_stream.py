@@ -68,15 +68,16 @@ def test_every_transformer_variant_takes_two_streams():
 def test_each_variant_classifies_ignores_padding_and_runs_chunked(name):
   """Logits [b, classes], finite; more PAD at the end of either stream
   changes nothing (bottleneck fusion, [z; x_i]: padding never moves a token,
-  and neither attends nor is attended to, nor pooled); where the variant has
-  a chunked form, the chunked kernel gives the dense kernel's logits."""
+  and neither attends nor is attended to, nor pooled). The padded rows go
+  through the chunked kernel where the variant has one, so that it is held
+  to the dense kernel's logits too (padding on the dense path: variants with
+  no chunked form here, tests/layers/test_fusion.py for dot_product)."""
   logits = _logits(name, 'bottleneck')
   assert logits.shape == (2, 3) and np.isfinite(logits).all()
-  np.testing.assert_allclose(_logits(name, 'bottleneck', a=_pad(A, 2), b=_pad(B, 3)), logits,
-                             atol=2e-5)
-  if registry.get(name).chunked is not None:
-    np.testing.assert_allclose(_logits(name, 'bottleneck', implementation='chunked',
-                                       chunk_size=2), logits, atol=2e-5)
+  chunked = {} if registry.get(name).chunked is None else {'implementation': 'chunked',
+                                                          'chunk_size': 2}
+  np.testing.assert_allclose(_logits(name, 'bottleneck', a=_pad(A, 2), b=_pad(B, 3), **chunked),
+                             logits, atol=2e-5)
 
 
 @pytest.mark.parametrize('fusion,fusion_layer,fused', [
