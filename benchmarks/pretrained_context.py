@@ -79,6 +79,7 @@ from flaxformer_lite import models, plot_attention, pretrained  # noqa: E402
 from flaxformer_lite.data import corpora, loading, shared  # noqa: E402
 
 TASKS = ('perplexity', 'passkey', 'maps', 'memory')
+TABLED = ('perplexity', 'passkey', 'memory')  # a cell per row and length
 ROWS = 'none,linear2,linear4,ntk2,ntk4,yarn2,yarn4'
 LENGTHS = (512, 2048, 8192, 16384, 32768)
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'pretrained_context')
@@ -343,10 +344,17 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   results = os.path.join(args.out, 'results.jsonl')
   records = _read(results)
-  settings = {'perplexity': {'eval_tokens': args.eval_tokens},
-              'passkey': {'trials': args.trials, 'seed': args.seed}, 'memory': {}}
-  todo = {(n, row.name): [t for t in args.tasks if t in settings and not any(
-              (r['task'], r['row'], r['length'], r['settings']) == (t, row.name, n, settings[t])
+  def settings(task, n):
+    """What a cell's result depends on besides its row and length: the
+    scored text (max(n, --eval_tokens) tokens), the passkey trials."""
+    return {'perplexity': {'eval_tokens': max(n, args.eval_tokens)},
+            'passkey': {'trials': args.trials, 'seed': args.seed}, 'memory': {}}[task]
+
+  def done(r):
+    return r['settings'] == settings(r['task'], r['length'])
+
+  todo = {(n, row.name): [t for t in args.tasks if t in TABLED and not any(
+              done(r) and (r['task'], r['row'], r['length']) == (t, row.name, n)
               for r in records)] for n in args.lengths for row in rows}
   if any(todo.values()) or 'maps' in args.tasks:  # else: the tables of a finished grid
     path = args.model or pretrained.fetch('smollm2')
@@ -382,15 +390,18 @@ def main(argv=None) -> int:
         except ValueError as e:
           print(f'# {task} {row.name} {n}: {e}', flush=True)
           continue
-        record = {'task': task, 'row': row.name, 'length': n, 'settings': settings[task],
+        record = {'task': task, 'row': row.name, 'length': n, 'settings': settings(task, n),
                   **out, 'seconds': round(time.time() - began, 1)}
         records.append(record)
         with open(results, 'a') as f:
           f.write(json.dumps(record) + '\n')
         print(json.dumps(record), flush=True)
 
-  table = tables([r for r in records if r['settings'] == settings[r['task']]],
-                 [r.name for r in rows], args.lengths)
+  # Every length with a result, not only this call's: a grid filled in by
+  # several calls keeps one table.
+  kept = [r for r in records if done(r)]
+  table = tables(kept, [r.name for r in rows],
+                 sorted(set(args.lengths) | {r['length'] for r in kept}))
   with open(os.path.join(args.out, 'tables.md'), 'w') as f:
     f.write(table)
   print(table)

@@ -151,3 +151,11 @@ def test_the_script_runs_end_to_end_on_smollm2(tmp_path, tfds_dir):
   assert '| none |' in table and '/2)' in table
   assert pc.main(args + ['--tasks', 'perplexity']) == 0  # resumed: nothing to run
   assert len(open(os.path.join(out, 'results.jsonl')).readlines()) == 3
+  # A cell an earlier call made at another length (its own text: max(32, 128)
+  # tokens) stays in the tables that a later call writes.
+  earlier = dict(ppl['none'], length=32, ppl=12.5, nll=2.526)
+  with open(os.path.join(out, 'results.jsonl'), 'a') as f:
+    f.write(json.dumps(earlier) + '\n')
+  assert pc.main(args + ['--tasks', 'perplexity']) == 0
+  table = open(os.path.join(out, 'tables.md')).read()
+  assert '| rope | 32 | 64 |' in table and '| none | 12.50 (2.526) |' in table
