@@ -136,7 +136,8 @@ def main(argv=None):
                       help='compile and report temp memory; no timing (long lengths)')
   args = parser.parse_args(argv)
   batch_at = {int(k): int(v) for k, v in (p.split(':') for p in args.batch_at)}
-  print(f'# MultiHeadAttention {"forward" if args.forward_only else "fwd+bwd"}, d_model {args.d_model}, {args.heads} heads, '
+  print(f'# MultiHeadAttention {"forward" if args.forward_only else "fwd+bwd"}, '
+        f'd_model {args.d_model}, {args.heads} heads, '
         f'{args.dtype}, {"causal" if args.causal else "bidirectional"}, attention dropout '
         f'{args.dropout}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores')
   print(f'{"variant":14s} {"n":>6s} {"b":>2s} {"chunk":>5s} {"dense ms":>9s} {"chunk ms":>9s} '

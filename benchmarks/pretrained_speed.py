@@ -125,7 +125,6 @@ class Ours:
     self.jax.block_until_ready(token)
     return time.perf_counter() - start
 
-
   def time_attention(self, n: int) -> float:
     if n not in self._attention:  # compiled, and its buffers touched, once
       from flaxformer_lite.attention import masks, registry

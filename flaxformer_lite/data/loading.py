@@ -267,7 +267,8 @@ def _load_lm(d, builder, bad, tokenizer_from='') -> Dataset:
   for split, texts in text.items():
     pieces = [tokenizer.encode(t) for t in texts]
     if len(pieces) > 1:
-      pieces = [np.append(p, tokenizers.end_id(tokenizer)) for p in pieces]
+      end = tokenizers.end_id(tokenizer)
+      pieces = [np.append(p, end) for p in pieces]
     splits[split] = np.concatenate(pieces).astype(np.int32)
   return Dataset(tokenizer.vocab_size, splits, {s: 0 for s in splits}, 'lm', tokenizer,
                  {}, bad, mask_id=getattr(tokenizer, 'mask_id', 0))

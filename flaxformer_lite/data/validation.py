@@ -87,12 +87,13 @@ def validate(config) -> None:
   if kind == 'lm':
     check(m.positions != 'learned' or m.max_len >= d.max_len,
           f'model.max_len={m.max_len} is shorter than the context data.max_len={d.max_len}')
-  if d.task in TASKS and d.task not in REAL_TASKS:  # generated: one or two streams
+  generated = d.task in TASKS and d.task not in REAL_TASKS  # one or two streams
+  if generated:
     check(d.num_train >= t.batch_size,
           f'data.num_train={d.num_train} is smaller than train.batch_size={t.batch_size}')
   if kind == 'two_stream':
     _validate_two_stream(config)
-  elif d.task in TASKS and d.task not in REAL_TASKS:
+  elif generated:
     check(1 <= d.min_len <= d.max_len,
           f'data.min_len={d.min_len} and data.max_len={d.max_len} need 1 <= min_len <= max_len')
     check(d.num_symbols >= 1, f'data.num_symbols={d.num_symbols} must be >= 1')

@@ -369,8 +369,7 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
   _check_needs(config, _eval_needs(config, dataset, evaluate, params, 0), limit)
   results, start = {}, time.time()
   with contextlib.closing(metrics_lib.MetricWriter(workdir, 0)) as writer:
-    results['eval'], _ = _validate(evaluate, params, 0, writer,
-                                         config.eval.num_examples_to_log)
+    results['eval'], _ = _validate(evaluate, params, 0, writer, config.eval.num_examples_to_log)
     if config.eval.final_test and 'test' in dataset.splits:
       results['test'] = _test(config, dataset, evaluate, params, writer)
   _log_done(0, 0, 0.0, time.time() - start, results)
