@@ -211,18 +211,19 @@ def beam_translate(model, decode_model, params, inputs, max_len: int, *, beam_si
   return seqs[:, 0]
 
 
-def greedy_generate(decode_model, params, prompt, max_steps: int):
-  """Decoder-only LM: prompt [b, P] -> [b, max_steps] continuation."""
+def greedy_generate(decode_model, params, prompt, max_steps: int, *, eos_id=EOS_ID):
+  """Decoder-only LM: prompt [b, P] -> [b, max_steps] continuation, PAD after
+  `eos_id` (a pretrained vocabulary's own: `tokenizers.end_id`)."""
   total = prompt.shape[1] + max_steps
   cache = init_cache(decode_model, jnp.zeros((prompt.shape[0], total), prompt.dtype))
-  return greedy(_lm_fn(decode_model, params), cache, prompt, max_steps)
+  return greedy(_lm_fn(decode_model, params), cache, prompt, max_steps, eos_id=eos_id)
 
 
 def beam_generate(decode_model, params, prompt, max_steps: int, *, beam_size: int,
-                  alpha: float = 0.6):
+                  alpha: float = 0.6, eos_id=EOS_ID):
   """Decoder-only LM beam search: prompt [b, P] -> the best [b, max_steps] continuation."""
   total = prompt.shape[1] + max_steps
   cache = init_cache(decode_model, jnp.zeros((prompt.shape[0], total), prompt.dtype))
   seqs, _ = beam_search(_lm_fn(decode_model, params), cache, prompt, max_steps,
-                        beam_size=beam_size, alpha=alpha)
+                        beam_size=beam_size, alpha=alpha, eos_id=eos_id)
   return seqs[:, 0]

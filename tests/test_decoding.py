@@ -12,7 +12,7 @@ CFG = dict(vocab_size=11, d_model=16, num_heads=2, num_encoder_layers=1,
            pre_ln=True, activation='relu', dtype='float32')
 
 
-def _naive_greedy(step_logits, prefix, steps):
+def _naive_greedy(step_logits, prefix, steps, eos_id=models.EOS_ID):
   """Re-runs the whole (uncached) model on the growing prefix: the obvious loop.
 
   The prefix is kept in a fixed-size buffer (one compilation); the model is
@@ -27,7 +27,7 @@ def _naive_greedy(step_logits, prefix, steps):
     nxt = np.asarray(jnp.argmax(logits_fn(jnp.asarray(buf))[:, t - 1], -1))
     nxt = np.where(done, models.PAD_ID, nxt)
     buf[:, t] = nxt
-    done |= nxt == models.EOS_ID
+    done |= nxt == eos_id
   return buf[:, p:]
 
 
@@ -52,6 +52,23 @@ def test_greedy_generate_with_prompt_equals_naive_loop():
   params = model.init(jax.random.key(2), prompt)['params']
   got = decoding.greedy_generate(decode_model, params, prompt, max_steps=7)
   expected = _naive_greedy(lambda p: model.apply({'params': params}, p), prompt, 7)
+  np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_greedy_generate_stops_at_the_given_end_id():
+  # A pretrained vocabulary ends texts with its own id (tokenizers.end_id):
+  # generation stops there, not at EOS_ID.
+  cfg = {**CFG, 'type': 'decoder_only'}
+  model, decode_model = models.build(cfg), models.build(cfg, decode=True)
+  prompt = jnp.array([[1, 4, 5, 6], [1, 9, 3, 3]])
+  params = model.init(jax.random.key(0), prompt)['params']
+  full = lambda p: model.apply({'params': params}, p)
+  free = _naive_greedy(full, prompt, 7, eos_id=-1)
+  end = int(free[0, 2])
+  assert end != models.EOS_ID and (free[:, -1] != models.PAD_ID).all()
+  expected = _naive_greedy(full, prompt, 7, eos_id=end)
+  assert (expected == models.PAD_ID).any(axis=1).all()  # both rows end early
+  got = decoding.greedy_generate(decode_model, params, prompt, max_steps=7, eos_id=end)
   np.testing.assert_array_equal(np.asarray(got), expected)
 
 

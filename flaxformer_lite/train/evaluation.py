@@ -116,7 +116,8 @@ class Evaluator:
     prompt = self.dataset.splits[split][None, :prompt_len]
     if ('sample', prompt.shape) not in self._compiled:
       generate = jax.jit(functools.partial(decoding.greedy_generate, self.decode_model,
-                                           max_steps=length))
+                                           max_steps=length,
+                                           eos_id=tokenizers.end_id(self.dataset.tokenizer)))
       self._compiled['sample', prompt.shape] = generate.lower(params, prompt).compile()
     return self._compiled['sample', prompt.shape], prompt
 
