@@ -71,6 +71,43 @@ def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
   return jnp.where(jnp.any(mask, -1, keepdims=True), dropped, weights)
 
 
+# Both products take heads-major operands ([b, h, L, d]; the g key/value
+# heads repeated to h). Written on [b, L, h, d] operands, or grouped in place
+# as [b, n, g, h/g, d], XLA:CPU transposes [b, h, n, m]-sized arrays around
+# the backward's matmuls, which costs more than the matmuls' own transposes
+# of [b, L, h, d] inputs (benchmarks/attention.py: ours against flax's
+# layer). A decoding step (one query) keeps the grouped form: it reads the
+# cache's g heads in place, with no copy of the cache.
+
+
+def _heads_major(x, h: int):
+  """[b, L, g, d] -> [b, h, L, d], key/value head i // (h / g) for query head i."""
+  return jnp.repeat(x, h // x.shape[2], axis=2).transpose(0, 2, 1, 3)
+
+
+def _scores(query, key):
+  """q [b, n, h, d] . k [b, m, g, d] -> [b, h, n, m], in float32 (at least)
+  as in jax.nn.dot_product_attention: bfloat16 logits lose the small
+  differences that the softmax exponentiates."""
+  b, n, h, d = query.shape
+  g, acc = key.shape[2], jnp.promote_types(query.dtype, jnp.float32)
+  if n == 1:
+    return jnp.einsum('bngrd,bmgd->bgrnm', query.reshape(b, n, g, h // g, d), key,
+                      preferred_element_type=acc).reshape(b, h, n, key.shape[1])
+  return jnp.einsum('bhnd,bhmd->bhnm', query.transpose(0, 2, 1, 3), _heads_major(key, h),
+                    preferred_element_type=acc)
+
+
+def _mix(weights, value):
+  """weights [b, h, n, m] . v [b, m, g, dv] -> [b, n, h, dv]."""
+  b, h, n, m = weights.shape
+  g = value.shape[2]
+  if n == 1:
+    return jnp.einsum('bgrnm,bmgd->bngrd', weights.reshape(b, g, h // g, n, m),
+                      value).reshape(b, n, h, value.shape[-1])
+  return jnp.einsum('bhnm,bhmd->bhnd', weights, _heads_major(value, h)).transpose(0, 2, 1, 3)
+
+
 def dot_product_attention_weights(query, key, *, mask=None, bias=None,
                                   dropout_rate=0.0, dropout_rng=None,
                                   deterministic=True, dtype=None):
@@ -86,13 +123,7 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
   """
   dtype = dtype or query.dtype
   query = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
-  b, n, h, d = query.shape
-  g = key.shape[2]
-  # Logits in float32 (at least) as in jax.nn.dot_product_attention: bfloat16
-  # logits lose the small differences that the softmax exponentiates.
-  logits = jnp.einsum('bngrd,bmgd->bgrnm', query.reshape(b, n, g, h // g, d), key.astype(dtype),
-                      preferred_element_type=jnp.promote_types(dtype, jnp.float32))
-  logits = logits.reshape(b, h, n, key.shape[1])
+  logits = _scores(query, key.astype(dtype))
   if bias is not None:
     # In float32, not `dtype`: bfloat16 keeps 8 significant bits, so a bias
     # near 100 (ALiBi's -slope*|j-i| at long range) would move by up to 0.25.
@@ -133,10 +164,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     weights = dot_product_attention_weights(
         query, key, mask=mask, bias=bias, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
-    b, h, n, m = weights.shape
-    g = value.shape[2]
-    out = jnp.einsum('bgrnm,bmgd->bngrd', weights.reshape(b, g, h // g, n, m),
-                     value.astype(dtype)).reshape(b, n, h, value.shape[-1])
+    out = _mix(weights, value.astype(dtype))
     return (out, weights) if return_weights else out
   if implementation not in ('xla', 'cudnn'):
     raise ValueError(f"implementation={implementation!r}; valid: None, "
