@@ -116,8 +116,9 @@ SHARED_OPTIONS: dict[str, str] = {
 # memory), 'auto' (choose_kernel); chunk_size: rows and columns per block of
 # the chunked kernel; dense_max_mib: 'auto' keeps the dense kernel while one
 # call's scores (b * h * n * m in the compute dtype) take at most this many
-# MiB. Above it the chunked kernel is as fast or faster on CPU and needs a
-# fraction of the memory (benchmarks/chunked_attention.py).
+# MiB. Just above it the two kernels take about the same time on CPU; from
+# a few times it, chunked is faster and needs a fraction of the memory
+# (benchmarks/chunked_attention.py).
 KERNELS = ('auto', 'dense', 'chunked')
 KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': 512, 'dense_max_mib': 16}
 
