@@ -150,9 +150,10 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
       `jax.nn.dot_product_attention`. None does not defer to
       `jax.nn.dot_product_attention`: there (JAX 0.10) None means 'xla',
       never cuDNN, and its XLA path (a vmap over head groups, logits scaled
-      after the matmul) costs 10% more time for forward+backward and a third
-      more temp memory on CPU than the same math written out here
-      (benchmarks/attention.py). Ask for 'cudnn' to get the fused GPU kernel.
+      after the matmul) costs a third more time for forward+backward and
+      two thirds more temp memory on CPU than the same math written out here
+      (benchmarks/attention.py, its jax.nn column). Ask for 'cudnn' to get
+      the fused GPU kernel.
     return_weights: also return the weights [b, h, n, m] (always computed on
       the reference path, whatever `implementation` says).
   Returns:
