@@ -85,8 +85,8 @@ def main():
         f'backend={jax.default_backend()} jax={jax.__version__}')
   print(f'{"":<28}{"ours":>10}{"flax":>10}{"jax.nn":>10}{"ours/flax":>11}{"ours/jax.nn":>13}')
   for label, ours, flax_, jax_nn in rows:
-    ratios = (f'{ours / x:.2f}' if x else '-' for x in (flax_, jax_nn))
-    print(f'{label:<28}{ours:>10.2f}{flax_:>10.2f}{jax_nn:>10.2f}{next(ratios):>11}{next(ratios):>13}')
+    to_flax, to_jax_nn = (f'{ours / x:.2f}' if x else '-' for x in (flax_, jax_nn))
+    print(f'{label:<28}{ours:>10.2f}{flax_:>10.2f}{jax_nn:>10.2f}{to_flax:>11}{to_jax_nn:>13}')
 
 
 if __name__ == '__main__':

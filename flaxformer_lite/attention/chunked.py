@@ -295,11 +295,11 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
   # A query that sees no key gets the dense path's uniform weights; that
   # output is cheap (a mean over keys) and differentiated by plain autodiff.
   # Heads of a group share their keys, so they share this output too.
-  fallback = _heads(terms.uniform(value, params, q_offset + jnp.arange(n), m), h)
+  fallback = repeat_heads(terms.uniform(value, params, q_offset + jnp.arange(n), m), h)
   return jnp.where(empty, fallback.astype(jnp.float32), out).astype(dtype)
 
 
-def _heads(x, h: int):
+def repeat_heads(x, h: int):
   """[b, L, g, d] -> [b, L, h, d]: group i's head for query heads i*h/g ..
   (i+1)*h/g - 1 (the identity when g = h)."""
   g = x.shape[2]
@@ -336,11 +336,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
   [b, h, nq*bq], -inf where a query sees no key)."""
 
   def block_logits(q, k, params, qs, ks, q_offset):
-    return terms.logits(q, _heads(k, q.shape[2]), params, q_offset + qs + jnp.arange(bq),
+    return terms.logits(q, repeat_heads(k, q.shape[2]), params, q_offset + qs + jnp.arange(bq),
                         ks + jnp.arange(bk))
 
   def block_values(p, v, params, qs, ks, q_offset):
-    return terms.values(p, _heads(v, p.shape[1]), params, q_offset + qs + jnp.arange(bq),
+    return terms.values(p, repeat_heads(v, p.shape[1]), params, q_offset + qs + jnp.arange(bq),
                         ks + jnp.arange(bk))
 
   def dropped(x, seed, qs, ks):

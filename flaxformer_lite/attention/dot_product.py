@@ -82,7 +82,7 @@ def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
 
 def _heads_major(x, h: int):
   """[b, L, g, d] -> [b, h, L, d], key/value head i // (h / g) for query head i."""
-  return jnp.repeat(x, h // x.shape[2], axis=2).transpose(0, 2, 1, 3)
+  return chunked.repeat_heads(x, h).transpose(0, 2, 1, 3)
 
 
 def _scores(query, key):
