@@ -358,6 +358,59 @@ def test_hidden_blocks_are_skipped_forward_and_backward():
       _assert_close(got[what], want[what], f'{name} q_offset={q_offset} {what}')
 
 
+@pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
+def test_all_visible_holds_exactly_for_blocks_the_dense_mask_fills(causal):
+  """chunked.all_visible, block by block, against the dense mask: True
+  exactly where every pair of the block is a real (query, key) pair the mask
+  allows; None for masks with arrays or a window (always masked)."""
+  spec = MaskSpec(causal=causal)
+  for n, m, q_offset, chunk in [(21, 29, 0, 4), (21, 29, 5, 8), (24, 24, 0, 8), (24, 24, 0, 5)]:
+    dense = spec.to_dense(n, m, q_offset)
+    dense = np.ones((n, m), bool) if dense is None else np.asarray(dense)[0, 0]
+    for qs in range(0, n, chunk):
+      for ks in range(0, m, chunk):
+        want = qs + chunk <= n and ks + chunk <= m and dense[qs:qs + chunk, ks:ks + chunk].all()
+        got = chunked.all_visible(spec, jnp.int32(qs), jnp.int32(ks), chunk, chunk,
+                                  jnp.int32(q_offset), n, m)
+        assert bool(got) == want, (n, m, q_offset, chunk, qs, ks)
+  for masked in (MaskSpec(causal=causal, key_valid=np.ones((1, 8), bool)),
+                 MaskSpec(causal=causal, window=3)):
+    assert chunked.all_visible(masked, 0, 0, 4, 4, 0, 8, 8) is None
+
+
+@pytest.mark.parametrize('name', ['dot_product', 'shaw'])
+def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(name, monkeypatch):
+  """With the unmasked path on for blocks of any size (UNMASKED_MIN_SCORES
+  = 0) and masks without arrays, the blocks all_visible picks skip the
+  select: output and every gradient still equal the dense form's. Causal
+  n = 19 queries at a traced offset 3 and m = 27 keys, and bidirectional
+  n = m = 21 (chunk 8: partial last blocks, which stay masked). The block
+  math is the variant's in both branches: dot_product and Shaw's tables
+  stand for the registry (test_output_and_every_gradient_equal_the_dense_form)."""
+  monkeypatch.setattr(chunked, 'UNMASKED_MIN_SCORES', 0)
+  index = [i for i, (v, _) in enumerate(VARIANTS) if v == name][0]
+  params = _params(index)
+  rng = np.random.default_rng(3)
+  shapes = {'causal': (19, 27, MaskSpec(causal=True)), 'bidirectional': (21, 21, MaskSpec())}
+  inputs = {c: [rng.normal(size=(2, length, H, D)).astype(np.float32) for length in (n, m, m, n)]
+            for c, (n, m, _) in shapes.items()}
+
+  def run(q_offset):
+    out = {}
+    for c, (n, m, spec) in shapes.items():
+      offset, traced = (3, q_offset) if c == 'causal' else (0, 0)
+      args = (*inputs[c][:3], params, inputs[c][3])
+      out[c] = (_out_and_grads(_chunked_fn(index, spec, traced), *args),
+                _out_and_grads(_dense_fn(index, spec, n, m, offset), *args))
+    return out
+
+  for c, (got, want) in _compile(run, 3)(3).items():
+    for what in ('out', 'dq', 'dk', 'dv'):
+      _assert_close(got[what], want[what], f'{c} {what}')
+    for table in want['dparams']:
+      _assert_close(got['dparams'][table], want['dparams'][table], f'{c} d {table}')
+
+
 def test_blocks_hidden_by_padding_or_segments_are_skipped_forward_and_backward():
   """Packed rows (three segments of 8 tokens, the same in both rows) whose
   last 4 keys are padding, chunk 4: a block whose pairs are all cross-segment
