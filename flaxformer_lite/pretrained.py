@@ -1,19 +1,21 @@
 """Pretrained checkpoints in: load(path) -> (model_config, params).
 
-PATH is a Hugging Face-style directory, config.json + model.safetensors, or
-a GGUF file.
+PATH is a Hugging Face-style directory, config.json + model.safetensors
+(or shards listed in model.safetensors.index.json), or a GGUF file.
   BERT family (config.json's model_type 'bert': BertModel, BertForMaskedLM):
     model.type=encoder_only: post-LN blocks, the exact GELU, learned
     positions, token-type and embedding norm (model.token_types,
     model.embed_norm), no embedding scaling.
-  Llama family (GGUF, general.architecture 'llama'; F32, F16, Q8_0 and Q4_1
-    tensors, dequantised to float32): model.type=decoder_only, pre-RMSNorm
-    blocks, SwiGLU, no biases, grouped-query attention, rotary with the
-    file's base in the interleaved layout (llama.cpp's converter permutes q
-    and k into it from Hugging Face's halves), tied or untied logits.
+  Llama family (a directory with model_type 'llama': LlamaForCausalLM,
+    LlamaModel; or a GGUF file, general.architecture 'llama', F32, F16, Q8_0
+    and Q4_1 tensors dequantised to float32): model.type=decoder_only,
+    pre-RMSNorm blocks, SwiGLU, no biases, grouped-query attention, tied or
+    untied logits, rotary with the checkpoint's base: in Hugging Face's
+    layout (rotary_layout='halves') from a directory, interleaved from a
+    GGUF file (llama.cpp's converter permutes q and k into it).
 Other model types are refused, by name. The tokenizer comes along
 (`tokenizer`): a GGUF file's byte-level BPE (data/tokenizers.BPETokenizer),
-a directory's tokenizer.json WordPiece (data/tokenizers.WordPieceTokenizer).
+a directory's tokenizer.json (WordPiece, or byte-level BPE).
 
 `load` builds the model of the checkpoint's config, puts every tensor it
 maps in place (shapes checked) and initialises the parameters the checkpoint
@@ -146,12 +148,28 @@ def _read(path: str, tensors: bool = True):
                           'family, or a GGUF file of the Llama family')
   with open(config_path) as f:
     hf = json.load(f)
-  if hf.get('model_type') != 'bert':
-    raise PretrainedError(f'{config_path}: model_type={hf.get("model_type")!r}; readable: bert')
-  weights = os.path.join(path, 'model.safetensors')
-  if not os.path.exists(weights):
-    raise PretrainedError(f'{path}: no model.safetensors')
-  return _bert(hf, read_safetensors(weights) if tensors else {})
+  readers = {'bert': _bert, 'llama': _hf_llama}
+  if hf.get('model_type') not in readers:
+    raise PretrainedError(f'{config_path}: model_type={hf.get("model_type")!r}; readable: '
+                          + ', '.join(readers))
+  return readers[hf['model_type']](hf, _directory_tensors(path) if tensors else {})
+
+
+def _directory_tensors(path: str) -> dict[str, np.ndarray]:
+  """A checkpoint directory's tensors: model.safetensors, or the shards
+  model.safetensors.index.json lists."""
+  single, index = (os.path.join(path, f) for f in ('model.safetensors',
+                                                    'model.safetensors.index.json'))
+  if os.path.exists(single):
+    return read_safetensors(single)
+  if not os.path.exists(index):
+    raise PretrainedError(f'{path}: no model.safetensors (nor model.safetensors.index.json)')
+  with open(index) as f:
+    shards = sorted(set(json.load(f)['weight_map'].values()))
+  out = {}
+  for shard in shards:
+    out.update(read_safetensors(os.path.join(path, shard)))
+  return out
 
 
 def _bert(hf: dict, tensors: dict):
@@ -290,10 +308,49 @@ def tokenizer(path: str):
   spec = os.path.join(path, 'tokenizer.json')
   if not os.path.exists(spec):
     raise PretrainedError(f'{path} has no tokenizer.json')
+  with open(spec, encoding='utf-8') as f:
+    kind = json.load(f)['model'].get('type')
   try:
+    if kind == 'BPE':
+      return _bpe_tokenizer(path, spec)
     return tokenizers.WordPieceTokenizer.from_json(spec)
   except ValueError as e:
     raise PretrainedError(str(e)) from None
+
+
+def _bpe_tokenizer(path: str, spec: str):
+  """A tokenizer.json's byte-level BPE: its vocabulary and added tokens by
+  id, its merges, and digits alone where its pre-tokenizer says so; the end
+  id is config.json's eos_token_id. Pre-tokenizers other than ByteLevel
+  (with or without Digits) split text otherwise and are refused, by name."""
+  from flaxformer_lite.data import tokenizers
+  with open(spec, encoding='utf-8') as f:
+    tok = json.load(f)
+  if tok.get('normalizer'):
+    raise ValueError(f'{spec}: normalizer {tok["normalizer"].get("type")!r}; readable: none')
+  pre = tok.get('pre_tokenizer') or {}
+  steps = pre.get('pretokenizers', [pre]) if pre.get('type') == 'Sequence' else [pre]
+  kinds = [step.get('type') for step in steps]
+
+  def readable(step):
+    if step.get('type') == 'Digits':
+      return step.get('individual_digits') is True
+    return (step.get('type') == 'ByteLevel' and not step.get('add_prefix_space')
+            and step.get('use_regex', True))
+  if kinds[-1:] != ['ByteLevel'] or not all(readable(step) for step in steps):
+    raise ValueError(f'{spec}: pre_tokenizer {steps}; readable: ByteLevel (GPT-2 split, no '
+                     'prefix space), after Digits(individual_digits=True) or alone')
+  ids = dict(tok['model']['vocab'])
+  ids.update({t['content']: t['id'] for t in tok.get('added_tokens', [])})
+  tokens = [''] * (max(ids.values()) + 1)
+  for token, i in ids.items():
+    tokens[i] = token
+  merges = [m if isinstance(m, str) else ' '.join(m) for m in tok['model'].get('merges', [])]
+  with open(os.path.join(path, 'config.json')) as f:
+    eos = json.load(f).get('eos_token_id')
+  eos = eos[0] if isinstance(eos, list) else eos
+  return tokenizers.BPETokenizer(tokens, merges, split_digits='Digits' in kinds,
+                                 eos_id=tokenizers.EOS_ID if eos is None else int(eos))
 
 
 def gguf_tokenizer(path: str):
@@ -389,6 +446,68 @@ def _llama(meta: dict, tensors: dict, read: bool = True):
         out[p + f'mlp/{dense}/kernel'] = read().T
       else:
         unknown.append(name)
+    else:
+      unknown.append(name)
+  _refuse(unknown, m.type)
+  return m, out
+
+
+def _hf_llama(hf: dict, tensors: dict):
+  """config.json + tensors of a Hugging Face Llama -> (model config, {our
+  path: array}). Its q and k rotate halves of each head (rotate_half):
+  rotary_layout='halves', so the weights go in as they are."""
+  from flaxformer_lite import config as config_lib
+  d, h = hf['hidden_size'], hf['num_attention_heads']
+  kv, dh = hf.get('num_key_value_heads') or h, d // h
+  refused = {'hidden_act': (hf.get('hidden_act', 'silu'), 'silu'),
+             'head_dim': (hf.get('head_dim') or dh, dh),
+             'attention_bias': (bool(hf.get('attention_bias')), False),
+             'mlp_bias': (bool(hf.get('mlp_bias')), False),
+             'rope_scaling': (hf.get('rope_scaling'), None)}
+  for key, (value, readable) in refused.items():
+    if value != readable:
+      raise PretrainedError(f'config.json {key}={value!r}; readable: {readable!r}'
+                            + (' (scale RoPE with model.attention_kwargs.rope_scaling instead)'
+                               if key == 'rope_scaling' else ''))
+  tied = bool(hf.get('tie_word_embeddings', False))
+  m = config_lib.base_config().model
+  m.update(type='decoder_only', vocab_size=hf['vocab_size'], d_model=d, num_heads=h,
+           num_kv_heads=kv, num_encoder_layers=0, num_decoder_layers=hf['num_hidden_layers'],
+           mlp_dim=hf['intermediate_size'], positions='none',
+           max_len=hf.get('max_position_embeddings', 2048), pre_ln=True, activation='swiglu',
+           norm='rmsnorm', norm_eps=float(hf.get('rms_norm_eps', 1e-6)), use_bias=False,
+           tie_embeddings=tied, embed_scale=1.0, token_types=0, embed_norm=False,
+           dropout_rate=0.0, attention='rotary')
+  m.attention_kwargs.max_wavelength = float(hf.get('rope_theta', 10000.0))
+  m.attention_kwargs.rotary_layout = 'halves'
+  if tensors and not tied and not any(n.endswith('lm_head.weight') for n in tensors):
+    raise PretrainedError('tie_word_embeddings is false and there is no lm_head.weight')
+  out, unknown = {}, []
+  heads = {'q_proj': ('query', h), 'k_proj': ('key', kv), 'v_proj': ('value', kv)}
+  parts = {'mlp.gate_proj': 'mlp/wi_gate/kernel', 'mlp.up_proj': 'mlp/wi/kernel',
+           'mlp.down_proj': 'mlp/wo/kernel', 'input_layernorm': 'self_attention_block/norm/scale',
+           'post_attention_layernorm': 'mlp_block/norm/scale'}
+  for name, array in tensors.items():
+    short = name.removeprefix('model.')  # LlamaForCausalLM's names; LlamaModel's lack it
+    layer = re.fullmatch(r'layers\.(\d+)\.(.+)\.weight', short)
+    if short == 'embed_tokens.weight':
+      out['embed/embedding'] = array
+    elif short == 'norm.weight':
+      out['decoder/final_norm/scale'] = array
+    elif name == 'lm_head.weight':
+      if not tied:
+        out['decoder/logits/kernel'] = array.T
+    elif re.fullmatch(r'layers\.\d+\.self_attn\.rotary_emb\.inv_freq', short):
+      pass  # a buffer older checkpoints saved: computed from rope_theta
+    elif layer and layer.group(2).removeprefix('self_attn.') in heads:
+      which, count = heads[layer.group(2).removeprefix('self_attn.')]
+      out[f'decoder/layer_{layer.group(1)}/self_attention/{which}/kernel'] = (
+          array.T.reshape(d, count, dh))  # torch [heads * dh, d] -> [d, heads, dh]
+    elif layer and layer.group(2) == 'self_attn.o_proj':
+      out[f'decoder/layer_{layer.group(1)}/self_attention/out/kernel'] = array.T.reshape(h, dh, d)
+    elif layer and layer.group(2) in parts:
+      leaf = parts[layer.group(2)]
+      out[f'decoder/layer_{layer.group(1)}/{leaf}'] = array if leaf.endswith('scale') else array.T
     else:
       unknown.append(name)
   _refuse(unknown, m.type)

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -353,6 +354,123 @@ def test_a_llama_gguf_gives_the_llama_forward(tmp_path, untied):
   np.testing.assert_allclose(got, llama_forward(values, meta, ids), rtol=1e-4, atol=1e-4)
 
 
+def llama_cpp_permute(w, heads):
+  """llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute): Hugging Face's
+  q or k rows, rotating halves of each head, reordered into the adjacent
+  pairs GGUF files rotate."""
+  return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+      w.shape)
+
+
+def tiny_hf_llama(path, *, d=8, h=2, kv=1, layers=2, ffn=12, vocab=20, untied=False,
+                  shards=1, prefix='model.'):
+  """A random Llama as Hugging Face saves one (config.json + safetensors, in
+  `shards` files with an index when more than one) -> (the same tensors under
+  GGUF names, q and k permuted as llama.cpp converts them; llama_forward's meta)."""
+  rng = np.random.default_rng(2)
+  dh = d // h
+  shapes = {'embed_tokens.weight': (vocab, d), 'norm.weight': (d,)}
+  for i in range(layers):
+    p = f'layers.{i}.'
+    shapes.update({p + 'input_layernorm.weight': (d,), p + 'post_attention_layernorm.weight': (d,),
+                   p + 'self_attn.q_proj.weight': (h * dh, d),
+                   p + 'self_attn.k_proj.weight': (kv * dh, d),
+                   p + 'self_attn.v_proj.weight': (kv * dh, d),
+                   p + 'self_attn.o_proj.weight': (d, h * dh), p + 'mlp.gate_proj.weight': (ffn, d),
+                   p + 'mlp.up_proj.weight': (ffn, d), p + 'mlp.down_proj.weight': (d, ffn)})
+  hf = {prefix + name: rng.normal(size=shape).astype(np.float32) * 0.5 + (
+      1.0 if name.endswith('norm.weight') else 0.0) for name, shape in shapes.items()}
+  if untied:
+    hf['lm_head.weight'] = rng.normal(size=(vocab, d)).astype(np.float32) * 0.5
+  hf[prefix + 'layers.0.self_attn.rotary_emb.inv_freq'] = np.ones(dh // 2, np.float32)
+  os.makedirs(path, exist_ok=True)
+  names = sorted(hf)
+  if shards == 1:
+    write_safetensors(os.path.join(path, 'model.safetensors'), hf)
+  else:
+    weight_map = {}
+    for k in range(shards):
+      file = f'model-{k + 1:05d}-of-{shards:05d}.safetensors'
+      write_safetensors(os.path.join(path, file), {n: hf[n] for n in names[k::shards]})
+      weight_map.update({n: file for n in names[k::shards]})
+    with open(os.path.join(path, 'model.safetensors.index.json'), 'w') as f:
+      json.dump({'metadata': {}, 'weight_map': weight_map}, f)
+  config = {'model_type': 'llama', 'hidden_size': d, 'num_attention_heads': h,
+            'num_key_value_heads': kv, 'num_hidden_layers': layers, 'intermediate_size': ffn,
+            'vocab_size': vocab, 'max_position_embeddings': 64, 'rms_norm_eps': 1e-5,
+            'rope_theta': 100.0, 'hidden_act': 'silu', 'tie_word_embeddings': not untied,
+            'rope_scaling': None, 'attention_bias': False}
+  with open(os.path.join(path, 'config.json'), 'w') as f:
+    json.dump(config, f)
+  gguf = {'token_embd.weight': hf[prefix + 'embed_tokens.weight'],
+          'output_norm.weight': hf[prefix + 'norm.weight']}
+  if untied:
+    gguf['output.weight'] = hf['lm_head.weight']
+  names = {'input_layernorm': 'attn_norm', 'post_attention_layernorm': 'ffn_norm',
+           'self_attn.q_proj': 'attn_q', 'self_attn.k_proj': 'attn_k',
+           'self_attn.v_proj': 'attn_v', 'self_attn.o_proj': 'attn_output',
+           'mlp.gate_proj': 'ffn_gate', 'mlp.up_proj': 'ffn_up', 'mlp.down_proj': 'ffn_down'}
+  for i in range(layers):
+    for theirs, ours in names.items():
+      w = hf[f'{prefix}layers.{i}.{theirs}.weight']
+      if ours in ('attn_q', 'attn_k'):
+        w = llama_cpp_permute(w, h if ours == 'attn_q' else kv)
+      gguf[f'blk.{i}.{ours}.weight'] = w
+  meta = {'llama.embedding_length': d, 'llama.attention.head_count': h,
+          'llama.attention.head_count_kv': kv, 'llama.attention.layer_norm_rms_epsilon': 1e-5,
+          'llama.rope.freq_base': 100.0, 'llama.block_count': layers}
+  return gguf, meta
+
+
+@pytest.mark.parametrize('untied,shards,prefix', [(False, 1, 'model.'), (True, 3, 'model.'),
+                                                  (False, 1, '')],
+                         ids=['tied', 'untied-3-shards', 'llamamodel-names'])
+def test_a_hugging_face_llama_directory_gives_the_llama_forward(tmp_path, untied, shards,
+                                                                prefix):
+  """A Llama directory as Hugging Face writes it: the forward of the same
+  weights converted as llama.cpp converts them (its q/k permutation, RoPE on
+  adjacent pairs: llama_forward), so Hugging Face's halves layout is read
+  as such, without the permutation."""
+  path = str(tmp_path / 'llama')
+  gguf, meta = tiny_hf_llama(path, untied=untied, shards=shards, prefix=prefix)
+  ids = np.array([3, 7, 1, 19, 4, 4, 11])
+  model_config, got = _logits(path, ids)
+  assert (model_config.type, model_config.num_kv_heads, model_config.tie_embeddings,
+          model_config.attention_kwargs.rotary_layout) == ('decoder_only', 1, not untied, 'halves')
+  np.testing.assert_allclose(got, llama_forward(gguf, meta, ids), rtol=1e-4, atol=1e-4)
+  # model.init_from on the training path takes the same architecture
+  from flaxformer_lite import config as config_lib, main
+  c = config_lib.base_config()
+  c.model.init_from = path
+  main.from_checkpoint(c)
+  assert (c.model.type, c.model.num_decoder_layers, c.model.attention,
+          c.model.attention_kwargs.rotary_layout, c.model.attention_kwargs.max_wavelength) == (
+              'decoder_only', 2, 'rotary', 'halves', 100.0)
+
+
+def test_what_a_llama_directory_cannot_give_is_named(tmp_path):
+  path = str(tmp_path / 'llama')
+  tiny_hf_llama(path)
+  with open(os.path.join(path, 'config.json')) as f:
+    config = json.load(f)
+  for key, value, message in (
+      ('rope_scaling', {'rope_type': 'llama3'}, "rope_scaling={'rope_type': 'llama3'}"),
+      ('attention_bias', True, 'attention_bias=True; readable: False'),
+      ('hidden_act', 'gelu', "hidden_act='gelu'; readable: 'silu'"),
+      ('model_type', 'qwen2', "model_type='qwen2'; readable: bert, llama")):
+    with open(os.path.join(path, 'config.json'), 'w') as f:
+      json.dump({**config, key: value}, f)
+    with pytest.raises(pretrained.PretrainedError, match=re.escape(message)):
+      pretrained.load(path)
+  with open(os.path.join(path, 'config.json'), 'w') as f:
+    json.dump(config, f)
+  tensors = pretrained.read_safetensors(os.path.join(path, 'model.safetensors'))
+  write_safetensors(os.path.join(path, 'model.safetensors'),
+                    {**tensors, 'model.layers.0.self_attn.q_norm.weight': np.ones(4, np.float32)})
+  with pytest.raises(pretrained.PretrainedError, match='model.layers.0.self_attn.q_norm.weight'):
+    pretrained.load(path)
+
+
 def _golden(name):
   with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'golden',
                          f'{name}.json')) as f:
@@ -402,6 +520,46 @@ def test_smollm2_matches_transformers():
   assert tokens == golden['greedy']
   _close(np.stack(step_logits), golden['greedy_logits'])
   assert tokenizer.decode(tokens)  # text, not nothing
+
+
+def test_a_directorys_byte_level_bpe_tokenizer_json_gives_the_reference_ids(tmp_path):
+  """SmolLM2's vocabulary and merges (from its GGUF) as a Hugging Face
+  directory's tokenizer.json (BPE; Digits, then ByteLevel): the ids that
+  transformers' tokenizer gave for the golden texts, and config.json's
+  eos_token_id as the end id. A pre-tokenizer that splits text otherwise is
+  refused, naming it."""
+  meta, _ = pretrained.read_gguf(_fetched('smollm2'))
+  tokens = meta['tokenizer.ggml.tokens']
+  spec = {'normalizer': None,
+          'pre_tokenizer': {'type': 'Sequence', 'pretokenizers': [
+              {'type': 'Digits', 'individual_digits': True},
+              {'type': 'ByteLevel', 'add_prefix_space': False, 'trim_offsets': True,
+               'use_regex': True}]},
+          'added_tokens': [{'id': 0, 'content': tokens[0], 'special': True}],
+          'model': {'type': 'BPE', 'vocab': {t: i for i, t in enumerate(tokens) if i},
+                    'merges': [m.split(' ', 1) for m in meta['tokenizer.ggml.merges']]}}
+  path = tmp_path / 'smollm2'
+  path.mkdir()
+  (path / 'config.json').write_text(json.dumps({'model_type': 'llama', 'eos_token_id': 2}))
+  (path / 'tokenizer.json').write_text(json.dumps(spec))
+  tokenizer = pretrained.tokenizer(str(path))
+  golden = _golden('smollm2')
+  for text, ids in zip(golden['texts'], golden['ids']):
+    assert tokenizer.encode(text).tolist() == ids, text
+  assert tokenizer.eos_id == 2
+  spec['pre_tokenizer'] = {'type': 'Metaspace', 'replacement': '\u2581'}
+  (path / 'tokenizer.json').write_text(json.dumps(spec))
+  with pytest.raises(pretrained.PretrainedError, match='Metaspace'):
+    pretrained.tokenizer(str(path))
+  # By hand: with a merge '1 2', Digits keeps '12' as two tokens; ByteLevel alone merges it.
+  byte_level = {'type': 'ByteLevel', 'add_prefix_space': False}
+  spec['model'] = {'type': 'BPE', 'vocab': {'1': 0, '2': 1, '12': 2}, 'merges': ['1 2']}
+  spec['added_tokens'] = []
+  for steps, want in (([{'type': 'Digits', 'individual_digits': True}, byte_level], [0, 1]),
+                      ([byte_level], [2])):
+    spec['pre_tokenizer'] = {'type': 'Sequence', 'pretokenizers': steps}
+    (path / 'tokenizer.json').write_text(json.dumps(spec))
+    assert pretrained.tokenizer(str(path)).encode('12').tolist() == want, steps
 
 
 def test_minilm_matches_transformers_bertmodel_and_its_bert_forward():
