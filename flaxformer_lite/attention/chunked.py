@@ -327,10 +327,10 @@ def _unless_hidden(mask: MaskSpec, visible, compute, carry):
 
 # Blocks of at least this many scores (b * h * bq * bk) skip the mask where
 # every pair of the block is visible (all_visible): a pass of the mask's
-# select over the block saved, forward and backward, 0.91x the time of
-# causal fwd+bwd at n = 2048, b = 4, chunk 512 on CPU. Smaller blocks always
-# mask: a lax.cond costs about what the select saves there, and it compiles
-# the block's math twice.
+# select over the block saved, forward and backward (most of a long causal
+# call's blocks; benchmarks/chunked_attention.py). Smaller blocks always
+# mask: there a lax.cond costs about what the select saves, and the cond
+# compiles the block's math twice.
 UNMASKED_MIN_SCORES = 2**17
 
 
