@@ -45,12 +45,12 @@ Blocks that the causal or window parts hide are outside the loops' bounds;
 blocks that key padding, query padding or segments hide for every row of
 the batch are skipped by a `lax.cond` (packed rows do no cross-example work
 where a whole block is cross-example). Large blocks that every pair sees
-(below the causal diagonal) skip the mask's select (`all_visible`).
+(below the causal diagonal) run in a loop of their own without the mask's
+select (`unmasked_key_blocks`, `unmasked_query_blocks`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -326,37 +326,62 @@ def _unless_hidden(mask: MaskSpec, visible, compute, carry):
 
 
 # Blocks of at least this many scores (b * h * bq * bk) skip the mask where
-# every pair of the block is visible (all_visible): a pass of the mask's
-# select over the block saved, forward and backward (most of a long causal
-# call's blocks; benchmarks/chunked_attention.py). Smaller blocks always
-# mask: there a lax.cond costs about what the select saves, and the cond
-# compiles the block's math twice.
+# every pair of the block is visible: a pass of the mask's select over the
+# block saved, forward and backward (most of a long causal call's blocks;
+# benchmarks/chunked_attention.py). Those blocks run in a loop of their own,
+# so the block's math is compiled twice; small blocks, where the select
+# costs little, keep one loop.
 UNMASKED_MIN_SCORES = 2**17
 
 
-def all_visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m):
-  """Whether every pair of the block (queries qs.., keys ks..) may attend:
-  real queries (< n) and keys (< m), below the causal diagonal if causal.
-  A bool scalar, or None where the mask has arrays (padding, segments) or a
-  window, whose blocks are always masked."""
-  if mask.has_arrays() or mask.window is not None:
+def _may_skip_mask(mask: MaskSpec, scores: int) -> bool:
+  """Whether some blocks may need no mask: none of padding, segments or a
+  window, and blocks of at least UNMASKED_MIN_SCORES scores."""
+  return not mask.has_arrays() and mask.window is None and scores >= UNMASKED_MIN_SCORES
+
+
+def unmasked_key_blocks(mask: MaskSpec, qs, bq, bk, lo, hi, q_offset, n, m, scores: int):
+  """(first, last): the key blocks [first, last) of [lo, hi) that every
+  query of the block at qs sees whole (below the causal diagonal, real
+  queries < n and keys < m): a prefix of [lo, hi), int32 scalars; None
+  where _may_skip_mask says no."""
+  if not _may_skip_mask(mask, scores):
     return None
-  ok = (qs + bq <= n) & (ks + bk <= m)
-  if mask.causal:
-    ok &= ks + bk - 1 <= q_offset + qs
-  return ok
+  last = jnp.int32(m // bk)
+  if mask.causal:  # key block kb ends at or before the block's first query
+    last = jnp.minimum(last, (q_offset + qs + 1) // bk)
+  return lo, jnp.where(qs + bq <= n, jnp.clip(last, lo, hi), lo)
 
 
-def _masked_unless_all_visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m, compute,
-                               carry, scores: int):
-  """compute(carry, masked=False) where all_visible, else compute(carry,
-  masked=True); always masked when `scores` (the block's b * h * bq * bk)
-  is under UNMASKED_MIN_SCORES."""
-  ok = all_visible(mask, qs, ks, bq, bk, q_offset, n, m)
-  if ok is None or scores < UNMASKED_MIN_SCORES:
-    return compute(carry, masked=True)
-  return jax.lax.cond(ok, functools.partial(compute, masked=False),
-                      functools.partial(compute, masked=True), carry)
+def unmasked_query_blocks(mask: MaskSpec, ks, bq, bk, lo, hi, q_offset, n, m, scores: int):
+  """(first, last): the query blocks [first, last) of [lo, hi) that see the
+  whole key block at ks (unmasked_key_blocks' rule, from the keys' side),
+  int32 scalars; None where _may_skip_mask says no."""
+  if not _may_skip_mask(mask, scores):
+    return None
+  first = lo
+  if mask.causal:  # query block qb starts at or after the key block's last key
+    first = jnp.maximum(lo, -((q_offset - ks - bk + 1) // bq))
+  first = jnp.minimum(first, hi)
+  last = jnp.clip(n // bq, first, hi)
+  real = ks + bk <= m
+  return jnp.where(real, first, hi), jnp.where(real, last, hi)
+
+
+def _loops(lo, hi, unmasked, body, carry):
+  """body(i, carry, masked) for i in [lo, hi): masked=False for i in
+  unmasked = [first, last) (lo <= first <= last <= hi), masked=True for the
+  rest, those first (in order: [lo, first), then [last, hi)). unmasked None:
+  one loop, every block masked."""
+  if unmasked is None:
+    return jax.lax.fori_loop(lo, hi, lambda i, c: body(i, c, True), carry)
+  first, last = unmasked
+  before = first - lo
+
+  def masked(t, carry):
+    return body(jnp.where(t < before, lo + t, last + t - before), carry, True)
+  carry = jax.lax.fori_loop(0, before + hi - last, masked, carry)
+  return jax.lax.fori_loop(first, last, lambda i, c: body(i, c, False), carry)
 
 
 def _unblock(x, axis: int):
@@ -395,11 +420,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
       q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
       lo, hi = mask.key_block_range(q_offset + qs, q_offset + qs + bq - 1, bk, nk)
 
-      def key_block(kb, carry):
+      def key_block(kb, carry, masked):
         ks = kb * bk
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
 
-        def compute(carry, masked):
+        def compute(carry):
           row_max, row_sum, acc = carry
           k_blk = jax.lax.dynamic_slice_in_dim(k, ks, bk, axis=1)
           v_blk = jax.lax.dynamic_slice_in_dim(v, ks, bk, axis=1)
@@ -414,13 +439,12 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
           acc = acc * scale[..., None] + block_values(dropped(p, seed, qs, ks), v_blk, params,
                                                       qs, ks, q_offset)
           return new_max, row_sum, acc
-        return _unless_hidden(mask, visible, functools.partial(
-            _masked_unless_all_visible, mask, qs, ks, bq, bk, q_offset, n, m, compute,
-            scores=b * h * bq * bk), carry)
+        return _unless_hidden(mask, visible, compute, carry) if masked else compute(carry)
 
       init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
               jnp.zeros((b, h, bq, dv), jnp.float32))
-      row_max, row_sum, acc = jax.lax.fori_loop(lo, hi, key_block, init)
+      unmasked = unmasked_key_blocks(mask, qs, bq, bk, lo, hi, q_offset, n, m, b * h * bq * bk)
+      row_max, row_sum, acc = _loops(lo, hi, unmasked, key_block, init)
       seen = row_sum > 0
       out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
       lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
@@ -457,11 +481,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
       v_blk = jax.lax.dynamic_slice_in_dim(v_dv, ks, bk, axis=1)
       lo, hi = mask.query_block_range(ks, ks + bk - 1, bq, nq, q_offset)
 
-      def query_block(qb, carry):
+      def query_block(qb, carry, masked):
         qs = qb * bq
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
 
-        def compute(carry, masked):
+        def compute(carry):
           dq, dk_blk, dv_blk, dparams = carry
           q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
           s, pull_s = jax.vjp(lambda q_, k_, p_: block_logits(q_, k_, p_, qs, ks, q_offset),
@@ -483,12 +507,12 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
               lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
               dparams, dparams_v, dparams_s)
           return dq, dk_blk + dk_part, dv_blk + dv_part, dparams
-        return _unless_hidden(mask, visible, functools.partial(
-            _masked_unless_all_visible, mask, qs, ks, bq, bk, q_offset, n, m, compute,
-            scores=q.shape[0] * q.shape[2] * bq * bk), carry)
+        return _unless_hidden(mask, visible, compute, carry) if masked else compute(carry)
 
-      dq, dk_blk, dv_blk, dparams = jax.lax.fori_loop(
-          lo, hi, query_block, (dq, zeros(k_blk), zeros(v_blk), dparams))
+      unmasked = unmasked_query_blocks(mask, ks, bq, bk, lo, hi, q_offset, n, m,
+                                       q.shape[0] * q.shape[2] * bq * bk)
+      dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, query_block,
+                                           (dq, zeros(k_blk), zeros(v_blk), dparams))
       k_dk = jax.lax.dynamic_update_slice_in_dim(k_dk, dk_blk.astype(k.dtype), ks, axis=1)
       v_dv = jax.lax.dynamic_update_slice_in_dim(v_dv, dv_blk.astype(v.dtype), ks, axis=1)
       return dq, k_dk, v_dv, dparams

@@ -359,30 +359,46 @@ def test_hidden_blocks_are_skipped_forward_and_backward():
 
 
 @pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
-def test_all_visible_holds_exactly_for_blocks_the_dense_mask_fills(causal):
-  """chunked.all_visible, block by block, against the dense mask: True
-  exactly where every pair of the block is a real (query, key) pair the mask
-  allows; None for masks with arrays or a window (always masked)."""
+def test_the_unmasked_blocks_are_exactly_those_the_dense_mask_fills(causal):
+  """unmasked_key_blocks (per query block) and unmasked_query_blocks (per
+  key block), within the loops' bounds, against the dense mask: exactly the
+  blocks of real queries and keys whose every pair it allows. None where
+  the mask has arrays or a window, or the blocks are small."""
   spec = MaskSpec(causal=causal)
-  for n, m, q_offset, chunk in [(21, 29, 0, 4), (21, 29, 5, 8), (24, 24, 0, 8), (24, 24, 0, 5)]:
+  big = chunked.UNMASKED_MIN_SCORES
+  configs = [(21, 29, 0, 4), (21, 29, 5, 8), (24, 24, 0, 8), (24, 24, 0, 5), (7, 30, 23, 4)]
+  for n, m, q_offset, chunk in configs + [(9, 30, offset, 4) for offset in range(4, 8)]:
     dense = spec.to_dense(n, m, q_offset)
     dense = np.ones((n, m), bool) if dense is None else np.asarray(dense)[0, 0]
-    for qs in range(0, n, chunk):
-      for ks in range(0, m, chunk):
-        want = qs + chunk <= n and ks + chunk <= m and dense[qs:qs + chunk, ks:ks + chunk].all()
-        got = chunked.all_visible(spec, jnp.int32(qs), jnp.int32(ks), chunk, chunk,
-                                  jnp.int32(q_offset), n, m)
-        assert bool(got) == want, (n, m, q_offset, chunk, qs, ks)
-  for masked in (MaskSpec(causal=causal, key_valid=np.ones((1, 8), bool)),
-                 MaskSpec(causal=causal, window=3)):
-    assert chunked.all_visible(masked, 0, 0, 4, 4, 0, 8, 8) is None
+    nq, nk = -(-n // chunk), -(-m // chunk)
+
+    def filled(qb, kb):
+      qs, ks = qb * chunk, kb * chunk
+      return qs + chunk <= n and ks + chunk <= m and dense[qs:qs + chunk, ks:ks + chunk].all()
+    for qb in range(nq):
+      qs = jnp.int32(qb * chunk)
+      lo, hi = spec.key_block_range(q_offset + qs, q_offset + qs + chunk - 1, chunk, nk)
+      first, last = chunked.unmasked_key_blocks(spec, qs, chunk, chunk, lo, hi, q_offset, n, m, big)
+      assert set(range(int(first), int(last))) == {
+          kb for kb in range(int(lo), int(hi)) if filled(qb, kb)}, (n, m, q_offset, chunk, qb)
+    for kb in range(nk):
+      ks = jnp.int32(kb * chunk)
+      lo, hi = spec.query_block_range(ks, ks + chunk - 1, chunk, nq, q_offset)
+      first, last = chunked.unmasked_query_blocks(spec, ks, chunk, chunk, lo, hi, q_offset, n, m,
+                                                  big)
+      assert set(range(int(first), int(last))) == {
+          qb for qb in range(int(lo), int(hi)) if filled(qb, kb)}, (n, m, q_offset, chunk, kb)
+  for masked, scores in ((MaskSpec(causal=causal, key_valid=np.ones((1, 8), bool)), big),
+                         (MaskSpec(causal=causal, window=3), big), (spec, big - 1)):
+    assert chunked.unmasked_key_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
+    assert chunked.unmasked_query_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
 
 
 @pytest.mark.parametrize('name', ['dot_product', 'shaw'])
 def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(name, monkeypatch):
   """With the unmasked path on for blocks of any size (UNMASKED_MIN_SCORES
-  = 0) and masks without arrays, the blocks all_visible picks skip the
-  select: output and every gradient still equal the dense form's. Causal
+  = 0) and masks without arrays, the blocks every pair sees run without
+  the select: output and every gradient still equal the dense form's. Causal
   n = 19 queries at a traced offset 3 and m = 27 keys, and bidirectional
   n = m = 21 (chunk 8: partial last blocks, which stay masked). The block
   math is the variant's in both branches: dot_product and Shaw's tables
