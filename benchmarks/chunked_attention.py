@@ -19,6 +19,10 @@ skipped ('-') where its [b, h, n, n] float32 scores alone would pass
 --forward_only times the layer's forward pass alone (deterministic), as
 evaluation and a prompt's prefill run it.
 
+--masked_blocks adds the chunked kernel masking every block (its blocks
+below the causal diagonal too: chunked.UNMASKED_MIN_SCORES out of reach),
+timed interleaved, and the chunked time over it (c/mask).
+
 --dropout RATE runs the layer with attention dropout (dropout_rate, not
 deterministic, a fixed 'dropout' key) in both kernels, and adds the chunked
 time and memory over the chunked kernel's without dropout (c/c0). A
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 
@@ -38,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
-from flaxformer_lite.attention import registry  # noqa: E402
+from flaxformer_lite.attention import chunked as chunked_lib, registry  # noqa: E402
 from flaxformer_lite.attention.masks import MaskSpec  # noqa: E402
 from flaxformer_lite.layers import MultiHeadAttention  # noqa: E402
 
@@ -67,6 +72,34 @@ def _step(variant, implementation, chunk_size, dropout, args, x):
   return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x, d_y, jax.random.key(2))
 
 
+class _EveryBlockMasked:
+  """A jitted step traced with chunked.UNMASKED_MIN_SCORES out of reach, so
+  that its kernel masks every block (--masked_blocks)."""
+
+  def __init__(self, fn):
+    self.fn = fn
+
+  def _traced(self, method, *args):
+    saved, chunked_lib.UNMASKED_MIN_SCORES = chunked_lib.UNMASKED_MIN_SCORES, math.inf
+    try:
+      return method(*args)
+    finally:
+      chunked_lib.UNMASKED_MIN_SCORES = saved
+
+  def __call__(self, *args):
+    return self._traced(self.fn, *args)
+
+  def lower(self, *args):
+    return self._traced(self.fn.lower, *args)
+
+
+def _masked(build):
+  def masked_build():
+    fn, fn_args = build()
+    return _EveryBlockMasked(fn), fn_args
+  return masked_build
+
+
 def _chunked(variant, dropout, args, x):
   """{'chunked C': build of its step, for C in --chunk_sizes} (timing.compile_all)."""
   return {f'chunked {c}': functools.partial(_step, variant, 'chunked', c, dropout, args, x)
@@ -86,6 +119,10 @@ def _measure(variant, n, b, args, x, dot):
   if args.dropout:
     builds.update({f'no dropout {c}': functools.partial(_step, variant, 'chunked', c, 0.0,
                                                         args, x) for c in args.chunk_sizes})
+  if args.masked_blocks:
+    builds.update({f'masked {c}': _masked(functools.partial(_step, variant, 'chunked', c,
+                                                            args.dropout, args, x))
+                   for c in args.chunk_sizes})
   fns, temps, failed = timing.compile_all(builds)
   dot_fns, dot_temps, dot_failed = dot
   if variant == 'dot_product':
@@ -109,6 +146,8 @@ def _rows(variant, n, b, args, x, dot):
     if args.dropout:
       row += [(timing.ratio(t, times.get(f'no dropout {c}')), '9.2f'),
               (timing.ratio(m, temps.get(f'no dropout {c}')), '8.2f')]
+    if args.masked_blocks:
+      row += [(timing.ratio(t, times.get(f'masked {c}')), '6.2f')]
     print(f'{variant:14s} {n:6d} {b:2d} {c:5d}', *(timing.cell(v, spec) for v, spec in row),
           flush=True)
   for name, why in failed.items():
@@ -128,6 +167,8 @@ def main(argv=None):
                       help='time the forward pass alone (evaluation, prefill)')
   parser.add_argument('--dropout', type=float, default=0.0,
                       help='attention dropout rate in both kernels (0: none)')
+  parser.add_argument('--masked_blocks', action='store_true',
+                      help='also time the chunked kernel masking every block (c/mask)')
   parser.add_argument('--dtype', choices=sorted(DTYPES), default='float32')
   parser.add_argument('--causal', action=argparse.BooleanOptionalAction, default=True)
   parser.add_argument('--repeats', type=int, default=3)
@@ -142,7 +183,8 @@ def main(argv=None):
         f'{args.dropout}, {jax.devices()[0].device_kind}, {os.cpu_count()} cores')
   print(f'{"variant":14s} {"n":>6s} {"b":>2s} {"chunk":>5s} {"dense ms":>9s} {"chunk ms":>9s} '
         f'{"time c/d":>8s} {"dense MiB":>9s} {"chunk MiB":>9s} {"mem c/d":>7s} {"c/dot_c":>7s}'
-        + (f' {"time c/c0":>9s} {"mem c/c0":>8s}' if args.dropout else ''), flush=True)
+        + (f' {"time c/c0":>9s} {"mem c/c0":>8s}' if args.dropout else '')
+        + (f' {"c/mask":>6s}' if args.masked_blocks else ''), flush=True)
   for n in args.lengths:
     b = batch_at.get(n, 1)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, args.d_model)),
