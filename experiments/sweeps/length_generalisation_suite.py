@@ -18,8 +18,8 @@ Workdirs in workdirs/length_generalisation_suite/; results.csv, tables.md
 per task) and the figures (accuracy against test length per task group) in
 --results, without it in the workdirs' root; the committed ones, in
 benchmarks/results/length_generalisation_suite/, come from the command above.
-Its 396 runs take about 21 hours of run time (1-4 minutes each), about 11
-hours at --jobs=2 on 2 CPU cores; a second invocation finishes at once.
+A run takes 25 s-5 min (median 76 s; mqar's the longest), so the 396 take
+about 4 hours at --jobs=2 on 2 CPU cores; a second invocation finishes at once.
 """
 
 RANDOMIZED_L = 2048  # Ruoss et al.: L well beyond the longest test length
