@@ -309,23 +309,22 @@ def tokenizer(path: str):
   if not os.path.exists(spec):
     raise PretrainedError(f'{path} has no tokenizer.json')
   with open(spec, encoding='utf-8') as f:
-    kind = json.load(f)['model'].get('type')
+    tok = json.load(f)
   try:
-    if kind == 'BPE':
-      return _bpe_tokenizer(path, spec)
+    if tok['model'].get('type') == 'BPE':
+      return _bpe_tokenizer(path, spec, tok)
     return tokenizers.WordPieceTokenizer.from_json(spec)
   except ValueError as e:
     raise PretrainedError(str(e)) from None
 
 
-def _bpe_tokenizer(path: str, spec: str):
-  """A tokenizer.json's byte-level BPE: its vocabulary and added tokens by
-  id, its merges, and digits alone where its pre-tokenizer says so; the end
-  id is config.json's eos_token_id. Pre-tokenizers other than ByteLevel
-  (with or without Digits) split text otherwise and are refused, by name."""
+def _bpe_tokenizer(path: str, spec: str, tok: dict):
+  """A tokenizer.json's byte-level BPE (`tok`, the parsed file `spec`): its
+  vocabulary and added tokens by id, its merges, and digits alone where its
+  pre-tokenizer says so; the end id is config.json's eos_token_id.
+  Pre-tokenizers other than ByteLevel (with or without Digits) split text
+  otherwise and are refused, by name."""
   from flaxformer_lite.data import tokenizers
-  with open(spec, encoding='utf-8') as f:
-    tok = json.load(f)
   if tok.get('normalizer'):
     raise ValueError(f'{spec}: normalizer {tok["normalizer"].get("type")!r}; readable: none')
   pre = tok.get('pre_tokenizer') or {}
@@ -399,7 +398,6 @@ def _dequantise(path: str, info) -> np.ndarray:
 def _llama(meta: dict, tensors: dict, read: bool = True):
   """GGUF metadata + {name: () -> array} of a Llama -> (model config,
   {our path: array}; nothing read without `read`)."""
-  from flaxformer_lite import config as config_lib
   arch = meta.get('general.architecture')
   if arch != 'llama':
     raise PretrainedError(f'general.architecture={arch!r}; readable: llama')
@@ -410,16 +408,12 @@ def _llama(meta: dict, tensors: dict, read: bool = True):
     raise PretrainedError(f'llama.rope.dimension_count={meta["llama.rope.dimension_count"]} '
                           f'rotates part of a head of {dh}; readable: the whole head')
   vocab = meta.get('llama.vocab_size') or len(meta['tokenizer.ggml.tokens'])
-  m = config_lib.base_config().model
-  m.update(type='decoder_only', vocab_size=vocab, d_model=d, num_heads=h, num_kv_heads=kv,
-           num_encoder_layers=0, num_decoder_layers=meta['llama.block_count'],
-           mlp_dim=meta['llama.feed_forward_length'], positions='none',
-           max_len=meta.get('llama.context_length', 2048), pre_ln=True, activation='swiglu',
-           norm='rmsnorm', norm_eps=float(meta['llama.attention.layer_norm_rms_epsilon']),
-           use_bias=False, tie_embeddings='output.weight' not in tensors, embed_scale=1.0,
-           token_types=0, embed_norm=False, dropout_rate=0.0, attention='rotary')
-  m.attention_kwargs.max_wavelength = float(meta.get('llama.rope.freq_base', 10000.0))
-  m.attention_kwargs.rotary_layout = 'interleaved'
+  m = _llama_model(vocab=vocab, d=d, h=h, kv=kv, layers=meta['llama.block_count'],
+                   mlp=meta['llama.feed_forward_length'],
+                   max_len=meta.get('llama.context_length', 2048),
+                   eps=meta['llama.attention.layer_norm_rms_epsilon'],
+                   tied='output.weight' not in tensors,
+                   base=meta.get('llama.rope.freq_base', 10000.0), layout='interleaved')
   out, unknown = {}, []
   for name, read in (tensors if read else {}).items():
     layer = re.fullmatch(r'blk\.(\d+)\.(\w+)\.weight', name)
@@ -452,11 +446,26 @@ def _llama(meta: dict, tensors: dict, read: bool = True):
   return m, out
 
 
+def _llama_model(*, vocab, d, h, kv, layers, mlp, max_len, eps, tied, base, layout):
+  """config.model of a Llama: pre-RMSNorm decoder-only blocks, SwiGLU, no
+  biases, grouped-query rotary attention (base, layout) without absolute
+  positions, tied or untied logits."""
+  from flaxformer_lite import config as config_lib
+  m = config_lib.base_config().model
+  m.update(type='decoder_only', vocab_size=vocab, d_model=d, num_heads=h, num_kv_heads=kv,
+           num_encoder_layers=0, num_decoder_layers=layers, mlp_dim=mlp, positions='none',
+           max_len=max_len, pre_ln=True, activation='swiglu', norm='rmsnorm',
+           norm_eps=float(eps), use_bias=False, tie_embeddings=tied, embed_scale=1.0,
+           token_types=0, embed_norm=False, dropout_rate=0.0, attention='rotary')
+  m.attention_kwargs.max_wavelength = float(base)
+  m.attention_kwargs.rotary_layout = layout
+  return m
+
+
 def _hf_llama(hf: dict, tensors: dict):
   """config.json + tensors of a Hugging Face Llama -> (model config, {our
   path: array}). Its q and k rotate halves of each head (rotate_half):
   rotary_layout='halves', so the weights go in as they are."""
-  from flaxformer_lite import config as config_lib
   d, h = hf['hidden_size'], hf['num_attention_heads']
   kv, dh = hf.get('num_key_value_heads') or h, d // h
   refused = {'hidden_act': (hf.get('hidden_act', 'silu'), 'silu'),
@@ -470,17 +479,11 @@ def _hf_llama(hf: dict, tensors: dict):
                             + (' (scale RoPE with model.attention_kwargs.rope_scaling instead)'
                                if key == 'rope_scaling' else ''))
   tied = bool(hf.get('tie_word_embeddings', False))
-  m = config_lib.base_config().model
-  m.update(type='decoder_only', vocab_size=hf['vocab_size'], d_model=d, num_heads=h,
-           num_kv_heads=kv, num_encoder_layers=0, num_decoder_layers=hf['num_hidden_layers'],
-           mlp_dim=hf['intermediate_size'], positions='none',
-           max_len=hf.get('max_position_embeddings', 2048), pre_ln=True, activation='swiglu',
-           norm='rmsnorm', norm_eps=float(hf.get('rms_norm_eps', 1e-6)), use_bias=False,
-           tie_embeddings=tied, embed_scale=1.0, token_types=0, embed_norm=False,
-           dropout_rate=0.0, attention='rotary')
-  m.attention_kwargs.max_wavelength = float(hf.get('rope_theta', 10000.0))
-  m.attention_kwargs.rotary_layout = 'halves'
-  if tensors and not tied and not any(n.endswith('lm_head.weight') for n in tensors):
+  m = _llama_model(vocab=hf['vocab_size'], d=d, h=h, kv=kv, layers=hf['num_hidden_layers'],
+                   mlp=hf['intermediate_size'], max_len=hf.get('max_position_embeddings', 2048),
+                   eps=hf.get('rms_norm_eps', 1e-6), tied=tied,
+                   base=hf.get('rope_theta', 10000.0), layout='halves')
+  if tensors and not tied and 'lm_head.weight' not in tensors:
     raise PretrainedError('tie_word_embeddings is false and there is no lm_head.weight')
   out, unknown = {}, []
   heads = {'q_proj': ('query', h), 'k_proj': ('key', kv), 'v_proj': ('value', kv)}
