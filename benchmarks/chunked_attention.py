@@ -19,6 +19,10 @@ skipped ('-') where its [b, h, n, n] float32 scores alone would pass
 --forward_only times the layer's forward pass alone (deterministic), as
 evaluation and a prompt's prefill run it.
 
+--cudnn adds dot_product's layer on implementation='cudnn' (jax.nn's fused
+cuDNN attention; an NVIDIA GPU and --dtype bfloat16), timed interleaved, and
+the chunked time over it (c/cudnn) in dot_product's rows.
+
 --masked_blocks adds the chunked kernel masking every block (its blocks
 below the causal diagonal too: chunked.UNMASKED_MIN_SCORES out of reach),
 timed interleaved, and the chunked time over it (c/mask).
@@ -119,6 +123,8 @@ def _measure(variant, n, b, args, x, dot):
   if args.dropout:
     builds.update({f'no dropout {c}': functools.partial(_step, variant, 'chunked', c, 0.0,
                                                         args, x) for c in args.chunk_sizes})
+  if args.cudnn and variant == 'dot_product':
+    builds['cudnn'] = functools.partial(_step, variant, 'cudnn', args.chunk_sizes[0], 0.0, args, x)
   if args.masked_blocks:
     builds.update({f'masked {c}': _masked(functools.partial(_step, variant, 'chunked', c,
                                                             args.dropout, args, x))
@@ -140,7 +146,7 @@ def _rows(variant, n, b, args, x, dot):
   for c in args.chunk_sizes:
     chunked, dot_name = f'chunked {c}', f'dot_product chunked {c}'
     t, m = times.get(chunked), temps.get(chunked)
-    row = [(times.get('dense'), '9.0f'), (t, '9.0f'), (timing.ratio(t, times.get('dense')), '8.2f'),
+    row = [(times.get('dense'), '9.2f'), (t, '9.2f'), (timing.ratio(t, times.get('dense')), '8.2f'),
            (temps.get('dense'), '9.0f'), (m, '9.0f'), (timing.ratio(m, temps.get('dense')), '7.2f'),
            (timing.ratio(t, times.get(dot_name, times.get(chunked))), '7.2f')]
     if args.dropout:
@@ -148,6 +154,8 @@ def _rows(variant, n, b, args, x, dot):
               (timing.ratio(m, temps.get(f'no dropout {c}')), '8.2f')]
     if args.masked_blocks:
       row += [(timing.ratio(t, times.get(f'masked {c}')), '6.2f')]
+    if args.cudnn:
+      row += [(times.get('cudnn'), '9.1f'), (timing.ratio(t, times.get('cudnn')), '7.2f')]
     print(f'{variant:14s} {n:6d} {b:2d} {c:5d}', *(timing.cell(v, spec) for v, spec in row),
           flush=True)
   for name, why in failed.items():
@@ -167,6 +175,8 @@ def main(argv=None):
                       help='time the forward pass alone (evaluation, prefill)')
   parser.add_argument('--dropout', type=float, default=0.0,
                       help='attention dropout rate in both kernels (0: none)')
+  parser.add_argument('--cudnn', action='store_true',
+                      help="add dot_product on implementation='cudnn' (NVIDIA GPU, bfloat16)")
   parser.add_argument('--masked_blocks', action='store_true',
                       help='also time the chunked kernel masking every block (c/mask)')
   parser.add_argument('--dtype', choices=sorted(DTYPES), default='float32')
@@ -184,7 +194,8 @@ def main(argv=None):
   print(f'{"variant":14s} {"n":>6s} {"b":>2s} {"chunk":>5s} {"dense ms":>9s} {"chunk ms":>9s} '
         f'{"time c/d":>8s} {"dense MiB":>9s} {"chunk MiB":>9s} {"mem c/d":>7s} {"c/dot_c":>7s}'
         + (f' {"time c/c0":>9s} {"mem c/c0":>8s}' if args.dropout else '')
-        + (f' {"c/mask":>6s}' if args.masked_blocks else ''), flush=True)
+        + (f' {"c/mask":>6s}' if args.masked_blocks else '')
+        + (f' {"cudnn ms":>9s} {"c/cudnn":>7s}' if args.cudnn else ''), flush=True)
   for n in args.lengths:
     b = batch_at.get(n, 1)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, args.d_model)),

@@ -94,14 +94,17 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
                 num_heads: int, head_dim: int, seed: int = 0) -> None:
   """Raises TypeError unless terms.values is linear in the weights:
   values(a p1 + c p2) = a values(p1) + c values(p2) on random inputs (a
-  block of 3 queries at positions 5..7 against 4 keys at 0..3)."""
+  block of 3 queries at positions 5..7 against 4 keys at 0..3), computed at
+  float32 matmul precision whatever the backend's default."""
   r = np.random.default_rng(seed)
   p1, p2 = (np.float32(r.uniform(size=(1, num_heads, 3, 4))) for _ in range(2))
   v = np.float32(r.normal(size=(1, 4, num_heads, head_dim)))
   q_pos, k_pos = np.arange(5, 8), np.arange(4)
   a, c = 0.7, -1.9
-  # Eagerly even when the first lookup happens while a model is traced.
-  with jax.ensure_compile_time_eval():
+  # Eagerly even when the first lookup happens while a model is traced; at
+  # float32 matmul precision, since a GPU's default (TF32) or a TPU's (bf16
+  # passes) rounds a linear term by more than the tolerance.
+  with jax.ensure_compile_time_eval(), jax.default_matmul_precision('highest'):
     values = lambda p: np.asarray(terms.values(jnp.asarray(p), jnp.asarray(v), params,
                                                jnp.asarray(q_pos), jnp.asarray(k_pos)),
                                   np.float64)

@@ -162,6 +162,26 @@ def test_a_values_term_that_is_not_linear_in_the_weights_is_refused_at_its_first
   assert 'squared_weights_test' not in registry.names()
 
 
+def test_a_linear_values_term_passes_the_check_under_a_reduced_default_matmul_precision(
+    monkeypatch):
+  """A GPU's default float32 matmul (TF32) and a TPU's (bf16 passes) round a
+  linear term by ~1e-3, past the check's tolerance: the check must run at
+  float32 precision whatever the default. XLA:CPU ignores the setting, so
+  this term rounds its operands as those backends would."""
+  def rounded(p, v, params, q_pos, k_pos):
+    if jax.config.jax_default_matmul_precision not in ('highest', 'float32'):
+      p, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (p, v))
+    return chunked.dot_values(p, v, params, q_pos, k_pos)
+
+  def terms(num_heads):
+    return chunked.BlockTerms(values=rounded, uniform=chunked.mean_values)
+
+  monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))  # pylint: disable=protected-access
+  registry.register(registry.AttentionVariant(name='rounded_values_test', terms=terms))
+  with jax.default_matmul_precision('bfloat16'):
+    assert registry.get('rounded_values_test').name == 'rounded_values_test'
+
+
 def test_importing_the_registry_runs_no_jax_computation():
   """A multi-host process must initialise jax.distributed before any JAX
   computation, and it imports the registry first."""
