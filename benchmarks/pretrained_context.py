@@ -116,8 +116,9 @@ def parse_rows(specs) -> list[Row]:
   return rows
 
 
-def row_config(model_config, row: Row, original_max_len: int):
-  """The checkpoint's `model` section with this row's rope_scaling, on 'auto' kernels."""
+def row_config(model_config, row: Row, original_max_len: int, chunk_size: int = 0):
+  """The checkpoint's `model` section with this row's rope_scaling, on 'auto' kernels
+  (chunk_size: the chunked kernel's blocks; 0 keeps the default)."""
   c = model_config.copy_and_resolve_references()
   if c.attention != 'rotary':
     raise ValueError(f'{c.attention!r} attention: the rows change rotary attention '
@@ -126,6 +127,8 @@ def row_config(model_config, row: Row, original_max_len: int):
   kwargs.rope_scaling, kwargs.rope_factor = row.scaling, row.factor
   kwargs.rope_original_max_len = original_max_len if row.scaling == 'yarn' else 0
   kwargs.implementation = 'auto'
+  if chunk_size:
+    kwargs.chunk_size = chunk_size
   models.validate(c)
   return c
 
@@ -329,6 +332,10 @@ def main(argv=None) -> int:
                            'window)')
   parser.add_argument('--original_max_len', type=int, default=8192,
                       help="yarn's rope_original_max_len: the trained context")
+  parser.add_argument('--chunk_size', type=int, default=0,
+                      help="the chunked kernel's block size (default: the kernel's); the "
+                           'results do not depend on it, the time does (a GPU runs faster '
+                           'with larger blocks)')
   parser.add_argument('--map_tokens', type=int, default=64)
   parser.add_argument('--heads', default='auto', help="maps: 'auto' or LAYER:HEAD,...")
   parser.add_argument('--model', default=None, help='a Llama GGUF (default: smollm2, fetched)')
@@ -377,7 +384,8 @@ def main(argv=None) -> int:
     for row in rows:
       if not todo[n, row.name]:
         continue
-      score = scorer(models.build(row_config(base, row, args.original_max_len)))
+      score = scorer(models.build(row_config(base, row, args.original_max_len,
+                                                           args.chunk_size)))
       for task in todo[n, row.name]:
         began = time.time()
         try:
@@ -391,7 +399,8 @@ def main(argv=None) -> int:
           print(f'# {task} {row.name} {n}: {e}', flush=True)
           continue
         record = {'task': task, 'row': row.name, 'length': n, 'settings': settings(task, n),
-                  **out, 'seconds': round(time.time() - began, 1)}
+                  **out, 'seconds': round(time.time() - began, 1),
+                  'device': jax.devices()[0].device_kind}
         records.append(record)
         with open(results, 'a') as f:
           f.write(json.dumps(record) + '\n')
