@@ -384,6 +384,21 @@ def _loops(lo, hi, unmasked, body, carry):
   return jax.lax.fori_loop(first, last, lambda i, c: body(i, c, False), carry)
 
 
+def _heads_first(x):
+  """[b, L, h, d] <-> [b, h, L, d]. The forward pass keeps keys and values
+  heads first, so that the key block that every query block slices again is
+  one contiguous piece a head, which the block's einsums read as they are
+  (the terms' [b, bk, h, d] view of it, _block, is a transpose that XLA folds
+  into them): on CPU the forward at n = 8192 took 0.9x the time. The
+  backward keeps [b, L, h, d], where heads first measured slower."""
+  return x.transpose(0, 2, 1, 3)
+
+
+def _block(x_t, start, size: int):
+  """x_t [b, h, L, d] (heads first) -> rows [start, start + size) as [b, size, h, d]."""
+  return _heads_first(jax.lax.dynamic_slice_in_dim(x_t, start, size, axis=2))
+
+
 def _unblock(x, axis: int):
   """Blocks stacked first, [nb, ..., block (at axis), ...] -> [..., nb * block, ...]."""
   x = jnp.moveaxis(x, 0, axis)
@@ -414,6 +429,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
   def forward(q, k, v, params, mask, q_offset, seed):
     b, _, h, _ = q.shape
     dv = v.shape[-1]
+    if nq > 1:  # each key block is read by every query block: heads first once
+      k_src, v_src, rows = _heads_first(k), _heads_first(v), _block
+    else:  # one query block (a decoding step): no O(m) copy of the cache
+      k_src, v_src = k, v
+      rows = lambda x, start, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)  # noqa: E731
 
     def query_block(qb):
       qs = qb * bq
@@ -426,8 +446,7 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
 
         def compute(carry):
           row_max, row_sum, acc = carry
-          k_blk = jax.lax.dynamic_slice_in_dim(k, ks, bk, axis=1)
-          v_blk = jax.lax.dynamic_slice_in_dim(v, ks, bk, axis=1)
+          k_blk, v_blk = rows(k_src, ks, bk), rows(v_src, ks, bk)
           s = block_logits(q_blk, k_blk, params, qs, ks, q_offset)
           if masked:
             s = jnp.where(visible, s, -jnp.inf)
