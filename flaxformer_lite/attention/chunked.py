@@ -385,12 +385,12 @@ def _loops(lo, hi, unmasked, body, carry):
 
 
 def _heads_first(x):
-  """[b, L, h, d] <-> [b, h, L, d]. The forward pass keeps keys and values
-  heads first, so that the key block that every query block slices again is
-  one contiguous piece a head, which the block's einsums read as they are
-  (the terms' [b, bk, h, d] view of it, _block, is a transpose that XLA folds
-  into them): on CPU the forward at n = 8192 took 0.9x the time. The
-  backward keeps [b, L, h, d], where heads first measured slower."""
+  """[b, L, h, d] <-> [b, h, L, d]. Heads first, the key block that every
+  query block slices again is one contiguous piece a head, which the block's
+  einsums read as it is (the terms' [b, bk, h, d] view of it, _block, is a
+  transpose that XLA folds into them): on CPU the forward pass at n = 8192
+  took 0.9-0.95x the time, at the cost of a copy of the keys and values.
+  The backward keeps [b, L, h, d], where heads first measured slower."""
   return x.transpose(0, 2, 1, 3)
 
 
@@ -426,10 +426,10 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
     return dropout.drop(x, seed, rate, (qs + jnp.arange(bq))[:, None],
                         (ks + jnp.arange(bk))[None, :])
 
-  def forward(q, k, v, params, mask, q_offset, seed):
+  def forward(q, k, v, params, mask, q_offset, seed, heads_first=False):
     b, _, h, _ = q.shape
     dv = v.shape[-1]
-    if nq > 1:  # each key block is read by every query block: heads first once
+    if heads_first:  # each key block is read by every query block: heads first once
       k_src, v_src, rows = _heads_first(k), _heads_first(v), _block
     else:  # one query block (a decoding step): no O(m) copy of the cache
       k_src, v_src = k, v
@@ -474,7 +474,10 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
 
   @jax.custom_vjp
   def kernel(q, k, v, params, mask, q_offset, seed):
-    return forward(q, k, v, params, mask, q_offset, seed)
+    # Without a gradient (evaluation, prefill) the keys and values go heads
+    # first (_heads_first); under a gradient not, where the two copies would
+    # add to the training step's peak memory for no gain in its time.
+    return forward(q, k, v, params, mask, q_offset, seed, heads_first=nq > 1)
 
   def kernel_fwd(q, k, v, params, mask, q_offset, seed):
     out, lse = forward(q, k, v, params, mask, q_offset, seed)
