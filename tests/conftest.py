@@ -207,16 +207,3 @@ def _loop_keep(seed: int, rate: float, b: int, h: int, n: int, m: int):
 def loop_keep():
   """loop_keep(seed, rate, b, h, n, m) -> bool [b, h, n, m]: dropout's keep mask."""
   return _loop_keep
-
-
-# The files that hold the suite's longest tests (end-to-end runs in
-# subprocesses, on several simulated devices) are collected first.
-# pytest-xdist hands tests out in collection order, and a long test picked up
-# last keeps one worker busy after the others have finished.
-_LONGEST_FIRST = ('tests/train/test_parallel.py', 'tests/train/test_multihost.py',
-                  'tests/train/test_faults.py', 'tests/test_real_data.py', 'tests/test_main.py',
-                  'tests/test_sweep.py')
-
-
-def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: not item.nodeid.startswith(_LONGEST_FIRST))  # stable
