@@ -15,8 +15,8 @@ after the validation split's first 14,000 and writes it to
 WORKDIR/sample.txt. A step that would not fit in memory stops the run before
 training (exit 2).
 Expected: validation loss 2.053 nats per character at 4096, 2.051 at 16384
-(ALiBi extrapolates) after 200 steps of 4 x 4096 characters; 21.5 minutes
-on 2 CPU cores (16 training, 5 evaluating and sampling), peak RSS 4.3 GiB.
+(ALiBi extrapolates) after 200 steps of 4 x 4096 characters; 20 minutes
+on 2 CPU cores (16 training, 4 evaluating and sampling), peak RSS 4.2 GiB.
 The greedy continuation of a model this short-trained falls into a loop
 ("the the the ..."): greedy decoding, not a kernel's fault (the test of
 cached decoding against full passes, tests/train/test_evaluation.py).
