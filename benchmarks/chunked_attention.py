@@ -155,7 +155,7 @@ def _rows(variant, n, b, args, x, dot):
     if args.masked_blocks:
       row += [(timing.ratio(t, times.get(f'masked {c}')), '6.2f')]
     if args.cudnn:
-      row += [(times.get('cudnn'), '9.1f'), (timing.ratio(t, times.get('cudnn')), '7.2f')]
+      row += [(times.get('cudnn'), '9.2f'), (timing.ratio(t, times.get('cudnn')), '7.2f')]
     print(f'{variant:14s} {n:6d} {b:2d} {c:5d}', *(timing.cell(v, spec) for v, spec in row),
           flush=True)
   for name, why in failed.items():

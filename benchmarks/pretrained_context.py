@@ -384,8 +384,7 @@ def main(argv=None) -> int:
     for row in rows:
       if not todo[n, row.name]:
         continue
-      score = scorer(models.build(row_config(base, row, args.original_max_len,
-                                                           args.chunk_size)))
+      score = scorer(models.build(row_config(base, row, args.original_max_len, args.chunk_size)))
       for task in todo[n, row.name]:
         began = time.time()
         try:

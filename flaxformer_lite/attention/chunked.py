@@ -51,6 +51,7 @@ select (`unmasked_key_blocks`, `unmasked_query_blocks`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -431,9 +432,8 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
     dv = v.shape[-1]
     if heads_first:  # each key block is read by every query block: heads first once
       k_src, v_src, rows = _heads_first(k), _heads_first(v), _block
-    else:  # one query block (a decoding step): no O(m) copy of the cache
-      k_src, v_src = k, v
-      rows = lambda x, start, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)  # noqa: E731
+    else:  # under a gradient, or one query block (a decode step: no cache copy)
+      k_src, v_src, rows = k, v, functools.partial(jax.lax.dynamic_slice_in_dim, axis=1)
 
     def query_block(qb):
       qs = qb * bq
