@@ -22,7 +22,14 @@ A variant describes its block with `BlockTerms`:
       -> float32 [b, h, bq, dv], what the block adds to the output (linear in p);
   uniform(value [b, m, h, dv], params, q_pos [n], m) -> [b, n, h, dv], the
       output of a query that sees no key (the dense path's rule: uniform
-      weights, see dot_product.py).
+      weights, see dot_product.py);
+  rotate(x [b, L, h, d], pos [L]) -> [b, L, h, d], or None: a map of each
+      query and key by its own position (rotary's rotation), which `logits`
+      receives applied. Under a gradient it is applied to each block as it
+      is read (rotated copies of q and k would be two more [b, n, h, d]
+      arrays in the forward and two, their gradients, in the backward);
+      without one (evaluation, prefill) once to all queries and keys, beside
+      the copies the forward keeps there anyway (_heads_first).
 The backward pass differentiates `logits` and `values` one block at a time
 (`jax.vjp`), so a variant writes its forward math only. Gradients of
 `params` (position tables) are summed over the blocks in a fixed order:
@@ -240,6 +247,7 @@ class BlockTerms:
   logits: Callable[..., Any] = dot_logits
   values: Callable[..., Any] = dot_values
   uniform: Callable[..., Any] | None = None  # None: mean_values, for dot_values only
+  rotate: Callable[..., Any] | None = None
 
   def __post_init__(self):
     if self.uniform is None:
@@ -412,9 +420,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
   mask, q_offset, seed) -> (out float32 [b, nq*bq, h, dv], lse float32
   [b, h, nq*bq], -inf where a query sees no key)."""
 
-  def block_logits(q, k, params, qs, ks, q_offset):
-    return terms.logits(q, repeat_heads(k, q.shape[2]), params, q_offset + qs + jnp.arange(bq),
-                        ks + jnp.arange(bk))
+  def block_logits(q, k, params, qs, ks, q_offset, rotated=False):
+    q_pos, k_pos = q_offset + qs + jnp.arange(bq), ks + jnp.arange(bk)
+    if terms.rotate is not None and not rotated:  # k's g heads, before repeat_heads
+      q, k = terms.rotate(q, q_pos), terms.rotate(k, k_pos)
+    return terms.logits(q, repeat_heads(k, q.shape[2]), params, q_pos, k_pos)
 
   def block_values(p, v, params, qs, ks, q_offset):
     return terms.values(p, repeat_heads(v, p.shape[1]), params, q_offset + qs + jnp.arange(bq),
@@ -430,6 +440,10 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
   def forward(q, k, v, params, mask, q_offset, seed, heads_first=False):
     b, _, h, _ = q.shape
     dv = v.shape[-1]
+    rotated = heads_first and terms.rotate is not None
+    if rotated:  # each query and key once, not once a block (BlockTerms.rotate)
+      q = terms.rotate(q, q_offset + jnp.arange(q.shape[1]))
+      k = terms.rotate(k, jnp.arange(k.shape[1]))
     if heads_first:  # each key block is read by every query block: heads first once
       k_src, v_src, rows = _heads_first(k), _heads_first(v), _block
     else:  # under a gradient, or one query block (a decode step: no cache copy)
@@ -447,7 +461,7 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
         def compute(carry):
           row_max, row_sum, acc = carry
           k_blk, v_blk = rows(k_src, ks, bk), rows(v_src, ks, bk)
-          s = block_logits(q_blk, k_blk, params, qs, ks, q_offset)
+          s = block_logits(q_blk, k_blk, params, qs, ks, q_offset, rotated)
           if masked:
             s = jnp.where(visible, s, -jnp.inf)
           new_max = jnp.maximum(row_max, jnp.max(s, -1))

@@ -50,7 +50,10 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   b, n, h, d = query.shape
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
   q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
-  logits = terms.logits(scaled, key.astype(dtype), params, q_pos, k_pos)  # [b, h, n, m]
+  key = key.astype(dtype)
+  if terms.rotate is not None:
+    scaled, key = terms.rotate(scaled, q_pos), terms.rotate(key, k_pos)
+  logits = terms.logits(scaled, key, params, q_pos, k_pos)  # [b, h, n, m]
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

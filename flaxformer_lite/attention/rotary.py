@@ -126,21 +126,12 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
   return dot_product_attention(query, key, value, **common)
 
 
-def _block_logits(rope, q, k, params, q_pos, k_pos):
-  """q_rot . k_rot for one block, each rotated by its absolute positions."""
-  q = apply_rotary(q, q_pos, **rope)
-  k = apply_rotary(k, k_pos, **rope)
-  return chunked.dot_logits(q, k, params, q_pos, k_pos)
-
-
 def _terms(num_heads, **rope):
-  """The block terms (from_terms.py), the reference for rotary_attention.
-  On the chunked kernel the rotation is applied to each block as it is read
-  (O(block * d) beside the block's O(block^2 * d) dot): rotated copies of q
-  and k would be two more [b, n, h, d] arrays in the forward pass and two
-  more, their gradients, in the backward."""
+  """The block terms (from_terms.py), the reference for rotary_attention:
+  q_rot . k_rot, each rotated by its absolute position (BlockTerms.rotate:
+  once for the whole call without a gradient, block by block under one)."""
   del num_heads
-  return chunked.BlockTerms(logits=functools.partial(_block_logits, rope))
+  return chunked.BlockTerms(rotate=functools.partial(apply_rotary, **rope))
 
 
 def _check_head_dim(head_dim):
