@@ -27,6 +27,10 @@ the chunked time over it (c/cudnn) in dot_product's rows.
 below the causal diagonal too: chunked.UNMASKED_MIN_SCORES out of reach),
 timed interleaved, and the chunked time over it (c/mask).
 
+--no_staircase adds the chunked kernel computing the blocks on the causal
+diagonal whole (chunked.STAIRCASE_ROWS out of reach), timed interleaved, and
+the chunked time over it (c/flat).
+
 --dropout RATE runs the layer with attention dropout (dropout_rate, not
 deterministic, a fixed 'dropout' key) in both kernels, and adds the chunked
 time and memory over the chunked kernel's without dropout (c/c0). A
@@ -76,19 +80,20 @@ def _step(variant, implementation, chunk_size, dropout, args, x):
   return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x, d_y, jax.random.key(2))
 
 
-class _EveryBlockMasked:
-  """A jitted step traced with chunked.UNMASKED_MIN_SCORES out of reach, so
-  that its kernel masks every block (--masked_blocks)."""
+class _TracedWith:
+  """A jitted step traced with a module constant of chunked.py set to
+  another value (--masked_blocks, --no_staircase)."""
 
-  def __init__(self, fn):
-    self.fn = fn
+  def __init__(self, fn, name, value):
+    self.fn, self.name, self.value = fn, name, value
 
   def _traced(self, method, *args):
-    saved, chunked_lib.UNMASKED_MIN_SCORES = chunked_lib.UNMASKED_MIN_SCORES, math.inf
+    saved = getattr(chunked_lib, self.name)
+    setattr(chunked_lib, self.name, self.value)
     try:
       return method(*args)
     finally:
-      chunked_lib.UNMASKED_MIN_SCORES = saved
+      setattr(chunked_lib, self.name, saved)
 
   def __call__(self, *args):
     return self._traced(self.fn, *args)
@@ -97,11 +102,11 @@ class _EveryBlockMasked:
     return self._traced(self.fn.lower, *args)
 
 
-def _masked(build):
-  def masked_build():
+def _traced_with(build, name, value):
+  def traced_build():
     fn, fn_args = build()
-    return _EveryBlockMasked(fn), fn_args
-  return masked_build
+    return _TracedWith(fn, name, value), fn_args
+  return traced_build
 
 
 def _chunked(variant, dropout, args, x):
@@ -126,8 +131,12 @@ def _measure(variant, n, b, args, x, dot):
   if args.cudnn and variant == 'dot_product':
     builds['cudnn'] = functools.partial(_step, variant, 'cudnn', args.chunk_sizes[0], 0.0, args, x)
   if args.masked_blocks:
-    builds.update({f'masked {c}': _masked(functools.partial(_step, variant, 'chunked', c,
-                                                            args.dropout, args, x))
+    builds.update({f'masked {c}': _traced_with(functools.partial(
+        _step, variant, 'chunked', c, args.dropout, args, x), 'UNMASKED_MIN_SCORES', math.inf)
+                   for c in args.chunk_sizes})
+  if args.no_staircase:
+    builds.update({f'flat {c}': _traced_with(functools.partial(
+        _step, variant, 'chunked', c, args.dropout, args, x), 'STAIRCASE_ROWS', math.inf)
                    for c in args.chunk_sizes})
   fns, temps, failed = timing.compile_all(builds)
   dot_fns, dot_temps, dot_failed = dot
@@ -154,6 +163,8 @@ def _rows(variant, n, b, args, x, dot):
               (timing.ratio(m, temps.get(f'no dropout {c}')), '8.2f')]
     if args.masked_blocks:
       row += [(timing.ratio(t, times.get(f'masked {c}')), '6.2f')]
+    if args.no_staircase:
+      row += [(timing.ratio(t, times.get(f'flat {c}')), '6.2f')]
     if args.cudnn:
       row += [(times.get('cudnn'), '9.2f'), (timing.ratio(t, times.get('cudnn')), '7.2f')]
     print(f'{variant:14s} {n:6d} {b:2d} {c:5d}', *(timing.cell(v, spec) for v, spec in row),
@@ -179,6 +190,8 @@ def main(argv=None):
                       help="add dot_product on implementation='cudnn' (NVIDIA GPU, bfloat16)")
   parser.add_argument('--masked_blocks', action='store_true',
                       help='also time the chunked kernel masking every block (c/mask)')
+  parser.add_argument('--no_staircase', action='store_true',
+                      help='also time the chunked kernel with whole diagonal blocks (c/flat)')
   parser.add_argument('--dtype', choices=sorted(DTYPES), default='float32')
   parser.add_argument('--causal', action=argparse.BooleanOptionalAction, default=True)
   parser.add_argument('--repeats', type=int, default=3)
@@ -195,6 +208,7 @@ def main(argv=None):
         f'{"time c/d":>8s} {"dense MiB":>9s} {"chunk MiB":>9s} {"mem c/d":>7s} {"c/dot_c":>7s}'
         + (f' {"time c/c0":>9s} {"mem c/c0":>8s}' if args.dropout else '')
         + (f' {"c/mask":>6s}' if args.masked_blocks else '')
+        + (f' {"c/flat":>6s}' if args.no_staircase else '')
         + (f' {"cudnn ms":>9s} {"c/cudnn":>7s}' if args.cudnn else ''), flush=True)
   for n in args.lengths:
     b = batch_at.get(n, 1)

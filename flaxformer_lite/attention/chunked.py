@@ -294,9 +294,10 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
   nq, nk = -(-n // bq), -(-m // bk)
   mask = mask if mask is not None else MaskSpec()
   may_hide_rows = mask.may_hide_rows(n, m, q_offset)
+  rise = _staircase(mask, q_offset, n, m, bq, bk, b * h * bq * bk)
   mask = mask.padded(nq * bq, nk * bk)
   q_offset = jnp.asarray(q_offset, jnp.int32)
-  kernel = _kernel(terms, n, m, bq, bk, nq, nk, rate)
+  kernel = _kernel(terms, n, m, bq, bk, nq, nk, rate, rise)
   out, lse = kernel(pad_to(query, 1, nq * bq), pad_to(key, 1, nk * bk),
                     pad_to(value, 1, nk * bk), params, mask, q_offset, seed)
   out = out[:, :n]
@@ -393,6 +394,34 @@ def _loops(lo, hi, unmasked, body, carry):
   return jax.lax.fori_loop(first, last, lambda i, c: body(i, c, False), carry)
 
 
+# The blocks on the causal diagonal have their upper half hidden. Where the
+# diagonal blocks are a call's only masked ones (_staircase), each runs as a
+# staircase: rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's first
+# r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only: with
+# blocks of 512, (1 + 4) / 8 of the block's pairs, in 4 products 128 rows
+# tall (benchmarks/chunked_attention.py --no_staircase).
+STAIRCASE_ROWS = 128
+
+
+def _staircase(mask: MaskSpec, q_offset, n: int, m: int, bq: int, bk: int, scores: int):
+  """The rows a step of the diagonal blocks' staircase (STAIRCASE_ROWS), or
+  None: the blocks a call masks must be exactly the whole blocks on the
+  causal diagonal, so the mask is causal alone (_may_skip_mask), q_offset a
+  Python 0 (training, evaluation), bq = bk dividing n <= m, and the block
+  more than one step tall."""
+  if not (mask.causal and _may_skip_mask(mask, scores) and type(q_offset) is int
+          and q_offset == 0 and bq == bk and n <= m and not n % bq and not m % bk):
+    return None
+  rise = STAIRCASE_ROWS
+  return rise if bq > rise and not bq % rise else None
+
+
+def _step_visible(r0: int, rise: int):
+  """bool [rise, r0 + rise]: rows r0 .. r0 + rise - 1 of a diagonal block
+  against its keys 0 .. r0 + rise - 1, key j seen by row i where j <= i."""
+  return jnp.arange(r0 + rise)[None, :] <= (r0 + jnp.arange(rise))[:, None]
+
+
 def _heads_first(x):
   """[b, L, h, d] <-> [b, h, L, d]. Heads first, the key block that every
   query block slices again is one contiguous piece a head, which the block's
@@ -414,28 +443,29 @@ def _unblock(x, axis: int):
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
+def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise):
   """The custom_vjp function for these static sizes and dropout rate:
   (q [b, nq*bq, h, d], k [b, nk*bk, g, d], v [b, nk*bk, g, dv], params,
   mask, q_offset, seed) -> (out float32 [b, nq*bq, h, dv], lse float32
-  [b, h, nq*bq], -inf where a query sees no key)."""
+  [b, h, nq*bq], -inf where a query sees no key). rise: _staircase's rows
+  a step, or None."""
 
-  def block_logits(q, k, params, qs, ks, q_offset, rotated=False):
-    q_pos, k_pos = q_offset + qs + jnp.arange(bq), ks + jnp.arange(bk)
+  def block_logits(q, k, params, q_idx, k_idx, q_offset, rotated=False):
+    """Scores of queries q_idx [rows] against keys k_idx [cols] (indices into
+    the call; query i sits at q_offset + i)."""
+    q_pos = q_offset + q_idx
     if terms.rotate is not None and not rotated:  # k's g heads, before repeat_heads
-      q, k = terms.rotate(q, q_pos), terms.rotate(k, k_pos)
-    return terms.logits(q, repeat_heads(k, q.shape[2]), params, q_pos, k_pos)
+      q, k = terms.rotate(q, q_pos), terms.rotate(k, k_idx)
+    return terms.logits(q, repeat_heads(k, q.shape[2]), params, q_pos, k_idx)
 
-  def block_values(p, v, params, qs, ks, q_offset):
-    return terms.values(p, repeat_heads(v, p.shape[1]), params, q_offset + qs + jnp.arange(bq),
-                        ks + jnp.arange(bk))
+  def block_values(p, v, params, q_idx, k_idx, q_offset):
+    return terms.values(p, repeat_heads(v, p.shape[1]), params, q_offset + q_idx, k_idx)
 
-  def dropped(x, seed, qs, ks):
-    """x [b, h, bq, bk] with dropout applied: keep / (1 - rate), else 0."""
+  def dropped(x, seed, q_idx, k_idx):
+    """x [b, h, rows, cols] with dropout applied: keep / (1 - rate), else 0."""
     if not rate:
       return x
-    return dropout.drop(x, seed, rate, (qs + jnp.arange(bq))[:, None],
-                        (ks + jnp.arange(bk))[None, :])
+    return dropout.drop(x, seed, rate, q_idx[:, None], k_idx[None, :])
 
   def forward(q, k, v, params, mask, q_offset, seed, heads_first=False):
     b, _, h, _ = q.shape
@@ -449,29 +479,50 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
     else:  # under a gradient, or one query block (a decode step: no cache copy)
       k_src, v_src, rows = k, v, functools.partial(jax.lax.dynamic_slice_in_dim, axis=1)
 
+    def update(carry, s, v_blk, q_idx, k_idx, visible):
+      """The online softmax carried over one more block of scores s [b, h, rows, cols]."""
+      row_max, row_sum, acc = carry
+      if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+      new_max = jnp.maximum(row_max, jnp.max(s, -1))
+      shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: any value
+      p = jnp.exp(s - shift[..., None])  # hidden pairs: exp(-inf) = 0
+      scale = jnp.exp(row_max - shift)
+      row_sum = row_sum * scale + jnp.sum(p, -1)
+      acc = acc * scale[..., None] + block_values(dropped(p, seed, q_idx, k_idx), v_blk, params,
+                                                  q_idx, k_idx, q_offset)
+      return new_max, row_sum, acc
+
     def query_block(qb):
       qs = qb * bq
+      q_idx = qs + jnp.arange(bq)
       q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
       lo, hi = mask.key_block_range(q_offset + qs, q_offset + qs + bq - 1, bk, nk)
 
+      def diagonal(carry, ks):
+        """The block on the causal diagonal (ks = qs, _staircase): its rows
+        r0 .. r0 + rise - 1 against its first r0 + rise keys, step by step."""
+        k_blk, v_blk = rows(k_src, ks, bk), rows(v_src, ks, bk)
+        steps = []
+        for r0 in range(0, bq, rise):
+          r1 = r0 + rise
+          i_idx, j_idx = q_idx[r0:r1], ks + jnp.arange(r1)
+          s = block_logits(q_blk[:, r0:r1], k_blk[:, :r1], params, i_idx, j_idx, q_offset, rotated)
+          steps.append(update(tuple(x[:, :, r0:r1] for x in carry), s, v_blk[:, :r1], i_idx,
+                              j_idx, _step_visible(r0, rise)))
+        return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*steps))
+
       def key_block(kb, carry, masked):
         ks = kb * bk
+        if masked and rise:
+          return diagonal(carry, ks)
+        k_idx = ks + jnp.arange(bk)
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
 
         def compute(carry):
-          row_max, row_sum, acc = carry
           k_blk, v_blk = rows(k_src, ks, bk), rows(v_src, ks, bk)
-          s = block_logits(q_blk, k_blk, params, qs, ks, q_offset, rotated)
-          if masked:
-            s = jnp.where(visible, s, -jnp.inf)
-          new_max = jnp.maximum(row_max, jnp.max(s, -1))
-          shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: any value
-          p = jnp.exp(s - shift[..., None])  # hidden pairs: exp(-inf) = 0
-          scale = jnp.exp(row_max - shift)
-          row_sum = row_sum * scale + jnp.sum(p, -1)
-          acc = acc * scale[..., None] + block_values(dropped(p, seed, qs, ks), v_blk, params,
-                                                      qs, ks, q_offset)
-          return new_max, row_sum, acc
+          s = block_logits(q_blk, k_blk, params, q_idx, k_idx, q_offset, rotated)
+          return update(carry, s, v_blk, q_idx, k_idx, visible if masked else None)
         return _unless_hidden(mask, visible, compute, carry) if masked else compute(carry)
 
       init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
@@ -517,32 +568,47 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate):
       v_blk = jax.lax.dynamic_slice_in_dim(v_dv, ks, bk, axis=1)
       lo, hi = mask.query_block_range(ks, ks + bk - 1, bq, nq, q_offset)
 
+      def pair(carry, qs, rows_, k_part, v_part, k_idx, visible):
+        """carry with the gradients of queries qs .. qs + rows_ - 1 against the
+        keys k_idx (k_part, v_part: the key block's first len(k_idx)) added."""
+        dq, dk_blk, dv_blk, dparams = carry
+        q_idx, cols = qs + jnp.arange(rows_), k_part.shape[1]
+        q_blk = jax.lax.dynamic_slice_in_dim(q, qs, rows_, axis=1)
+        s, pull_s = jax.vjp(lambda q_, k_, p_: block_logits(q_, k_, p_, q_idx, k_idx, q_offset),
+                            q_blk, k_part, params)
+        lse_blk = jax.lax.dynamic_slice_in_dim(lse, qs, rows_, axis=2)
+        p = jnp.exp(s - lse_blk[..., None])
+        if visible is not None:
+          p = jnp.where(visible, p, 0.0)
+        _, pull_v = jax.vjp(lambda p_, v_, pr_: block_values(p_, v_, pr_, q_idx, k_idx, q_offset),
+                            dropped(p, seed, q_idx, k_idx), v_part, params)
+        d_out_blk = jax.lax.dynamic_slice_in_dim(d_out, qs, rows_, axis=1).transpose(0, 2, 1, 3)
+        dp, dv_part, dparams_v = pull_v(d_out_blk)
+        dp = dropped(dp, seed, q_idx, k_idx)
+        ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, qs, rows_, axis=2)[..., None])
+        dq_part, dk_part, dparams_s = pull_s(ds)
+        dq = jax.lax.dynamic_update_slice_in_dim(
+            dq, jax.lax.dynamic_slice_in_dim(dq, qs, rows_, axis=1) + dq_part, qs, axis=1)
+        dparams = jax.tree.map(
+            lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
+            dparams, dparams_v, dparams_s)
+        if cols < bk:
+          return dq, dk_blk.at[:, :cols].add(dk_part), dv_blk.at[:, :cols].add(dv_part), dparams
+        return dq, dk_blk + dk_part, dv_blk + dv_part, dparams
+
       def query_block(qb, carry, masked):
         qs = qb * bq
+        if masked and rise:  # the block on the causal diagonal (qs = ks), _staircase
+          for r0 in range(0, bq, rise):
+            r1 = r0 + rise
+            carry = pair(carry, qs + r0, rise, k_blk[:, :r1], v_blk[:, :r1], ks + jnp.arange(r1),
+                         _step_visible(r0, rise))
+          return carry
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
 
         def compute(carry):
-          dq, dk_blk, dv_blk, dparams = carry
-          q_blk = jax.lax.dynamic_slice_in_dim(q, qs, bq, axis=1)
-          s, pull_s = jax.vjp(lambda q_, k_, p_: block_logits(q_, k_, p_, qs, ks, q_offset),
-                              q_blk, k_blk, params)
-          lse_blk = jax.lax.dynamic_slice_in_dim(lse, qs, bq, axis=2)
-          p = jnp.exp(s - lse_blk[..., None])
-          if masked:
-            p = jnp.where(visible, p, 0.0)
-          _, pull_v = jax.vjp(lambda p_, v_, pr_: block_values(p_, v_, pr_, qs, ks, q_offset),
-                              dropped(p, seed, qs, ks), v_blk, params)
-          d_out_blk = jax.lax.dynamic_slice_in_dim(d_out, qs, bq, axis=1).transpose(0, 2, 1, 3)
-          dp, dv_part, dparams_v = pull_v(d_out_blk)
-          dp = dropped(dp, seed, qs, ks)
-          ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, qs, bq, axis=2)[..., None])
-          dq_part, dk_part, dparams_s = pull_s(ds)
-          dq = jax.lax.dynamic_update_slice_in_dim(
-              dq, jax.lax.dynamic_slice_in_dim(dq, qs, bq, axis=1) + dq_part, qs, axis=1)
-          dparams = jax.tree.map(
-              lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
-              dparams, dparams_v, dparams_s)
-          return dq, dk_blk + dk_part, dv_blk + dv_part, dparams
+          return pair(carry, qs, bq, k_blk, v_blk, ks + jnp.arange(bk),
+                      visible if masked else None)
         return _unless_hidden(mask, visible, compute, carry) if masked else compute(carry)
 
       unmasked = unmasked_query_blocks(mask, ks, bq, bk, lo, hi, q_offset, n, m,

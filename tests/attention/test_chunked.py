@@ -427,6 +427,50 @@ def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
       _assert_close(got['dparams'][table], want['dparams'][table], f'{c} d {table}')
 
 
+def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch):
+  """The blocks on the causal diagonal as a staircase (chunked._staircase),
+  turned on for small blocks: causal, q_offset 0, n = m = 24 in blocks of 12,
+  steps of 4 rows (against 4, 8, 12 keys). Every chunked variant's output,
+  its q, k, v and table gradients equal the dense form's, and dot_product's
+  with attention dropout equal dense dropout with the same keep bits. The
+  staircase must have run: the diagonal's step masks were built."""
+  monkeypatch.setattr(chunked, 'UNMASKED_MIN_SCORES', 0)
+  monkeypatch.setattr(chunked, 'STAIRCASE_ROWS', 4)
+  steps = []
+  step_visible = chunked._step_visible
+  monkeypatch.setattr(chunked, '_step_visible', lambda r0, rise: steps.append(r0) or
+                      step_visible(r0, rise))
+  n, chunk, spec = 24, 12, MaskSpec(causal=True)
+  rng = np.random.default_rng(11)
+  q, k, v, g = (rng.normal(size=(B, n, H, D)).astype(np.float32) for _ in range(4))
+  drop_rng = jax.random.PRNGKey(5)
+
+  def run():
+    out = {}
+    for index, (name, _) in enumerate(VARIANTS):
+      params = _params(index)
+      out[VARIANT_IDS[index]] = (
+          _out_and_grads(_chunked_fn(index, spec, 0, chunk_size=chunk), q, k, v, params, g),
+          _out_and_grads(_dense_fn(index, spec, n, n, 0), q, k, v, params, g))
+    scale = 1 / math.sqrt(D)
+    out['dot_product with dropout'] = (
+        _out_and_grads(lambda q, k, v, p: chunked.attend(
+            q * scale, k, v, mask=spec, chunk_size=chunk, dropout_rate=0.3,
+            dropout_rng=drop_rng), q, k, v, {}, g),
+        _out_and_grads(lambda q, k, v, p: dot_product_attention(
+            q, k, v, mask=spec.to_dense(n, n), dropout_rate=0.3, dropout_rng=drop_rng,
+            deterministic=False), q, k, v, {}, g))
+    return out
+
+  results = _compile(run)()
+  assert sorted(set(steps)) == [0, 4, 8]  # the three steps of a diagonal block
+  for what, (got, want) in results.items():
+    for part in ('out', 'dq', 'dk', 'dv'):
+      _assert_close(got[part], want[part], f'{what} {part}')
+    for table in want['dparams']:
+      _assert_close(got['dparams'][table], want['dparams'][table], f'{what} d {table}')
+
+
 def test_blocks_hidden_by_padding_or_segments_are_skipped_forward_and_backward():
   """Packed rows (three segments of 8 tokens, the same in both rows) whose
   last 4 keys are padding, chunk 4: a block whose pairs are all cross-segment
