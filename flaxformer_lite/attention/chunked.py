@@ -53,7 +53,9 @@ blocks that key padding, query padding or segments hide for every row of
 the batch are skipped by a `lax.cond` (packed rows do no cross-example work
 where a whole block is cross-example). Large blocks that every pair sees
 (below the causal diagonal) run in a loop of their own without the mask's
-select (`unmasked_key_blocks`, `unmasked_query_blocks`).
+select (`unmasked_key_blocks`, `unmasked_query_blocks`), and the blocks on
+the causal diagonal as a staircase of row steps (`_staircase`) that leaves
+out most of their hidden half.
 """
 from __future__ import annotations
 

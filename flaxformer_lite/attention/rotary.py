@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -67,6 +68,17 @@ def temperature(scaling='none', factor=1.0) -> float:
   return 0.1 * math.log(factor) + 1.0 if scaling == 'yarn' and factor > 1 else 1.0
 
 
+def _cos_sin(angle):
+  """(cos, sin) of angle [n, r/2], computed once. Fused into the rotation,
+  XLA:CPU evaluates them again for every element of the rotated [b, n, h, r]
+  (a rotation of q at [4, 512, 8, 64] took 3.2 ms against 0.4 ms); a
+  conditional is not fused into its users, so its outputs are computed once.
+  Both branches are the same: the predicate only has to be one XLA cannot
+  fold."""
+  same = lambda a: (jnp.cos(a), jnp.sin(a))  # noqa: E731
+  return jax.lax.cond(angle[0, 0] >= 0, same, same, angle) if angle.size else same(angle)
+
+
 def apply_rotary(x, positions, *, max_wavelength=10000.0, rope_scaling='none', rope_factor=1.0,
                  rope_original_max_len=0, rotary_fraction=1.0, rotary_layout='interleaved'):
   """Rotates each feature pair of the first r = rotated_dims(d,
@@ -88,8 +100,9 @@ def apply_rotary(x, positions, *, max_wavelength=10000.0, rope_scaling='none', r
                       original_max_len=rope_original_max_len)  # [r/2]
   angle = jnp.asarray(positions, jnp.float32)[:, None] * theta[None, :]  # [n, r/2]
   scale = temperature(rope_scaling, rope_factor)
-  cos = scale * jnp.cos(angle)[None, :, None, :]  # [1, n, 1, r/2]
-  sin = scale * jnp.sin(angle)[None, :, None, :]
+  cos, sin = _cos_sin(angle)
+  cos = scale * cos[None, :, None, :]  # [1, n, 1, r/2]
+  sin = scale * sin[None, :, None, :]
   pair_axis = -1 if rotary_layout == 'interleaved' else -2
   pairs = x[..., :r].astype(jnp.float32).reshape(
       (b, n, h, r // 2, 2) if pair_axis == -1 else (b, n, h, 2, r // 2))
