@@ -430,10 +430,11 @@ def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
 def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch):
   """The blocks on the causal diagonal as a staircase (chunked._staircase),
   turned on for small blocks: causal, q_offset 0, n = m = 24 in blocks of 12,
-  steps of 4 rows (against 4, 8, 12 keys). Every chunked variant's output,
-  its q, k, v and table gradients equal the dense form's, and dot_product's
-  with attention dropout equal dense dropout with the same keep bits. The
-  staircase must have run: the diagonal's step masks were built."""
+  steps of 4 rows (against 4, 8, 12 keys). Every chunked variant's output
+  (with a gradient, and without one: that forward reads the keys heads
+  first), its q, k, v and table gradients equal the dense form's, and
+  dot_product's with attention dropout equal dense dropout with the same
+  keep bits. The staircase must have run: its step masks were built."""
   monkeypatch.setattr(chunked, 'UNMASKED_MIN_SCORES', 0)
   monkeypatch.setattr(chunked, 'STAIRCASE_ROWS', 4)
   steps = []
@@ -449,9 +450,13 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
     out = {}
     for index, (name, _) in enumerate(VARIANTS):
       params = _params(index)
-      out[VARIANT_IDS[index]] = (
-          _out_and_grads(_chunked_fn(index, spec, 0, chunk_size=chunk), q, k, v, params, g),
-          _out_and_grads(_dense_fn(index, spec, n, n, 0), q, k, v, params, g))
+      chunked_fn = _chunked_fn(index, spec, 0, chunk_size=chunk)
+      got = _out_and_grads(chunked_fn, q, k, v, params, g)
+      # without a gradient: the forward that reads keys heads first
+      got['out without a gradient'] = chunked_fn(q, k, v, params)
+      want = _out_and_grads(_dense_fn(index, spec, n, n, 0), q, k, v, params, g)
+      want['out without a gradient'] = want['out']
+      out[VARIANT_IDS[index]] = got, want
     scale = 1 / math.sqrt(D)
     out['dot_product with dropout'] = (
         _out_and_grads(lambda q, k, v, p: chunked.attend(
@@ -465,8 +470,9 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
   results = _compile(run)()
   assert sorted(set(steps)) == [0, 4, 8]  # the three steps of a diagonal block
   for what, (got, want) in results.items():
-    for part in ('out', 'dq', 'dk', 'dv'):
-      _assert_close(got[part], want[part], f'{what} {part}')
+    for part in ('out', 'dq', 'dk', 'dv', 'out without a gradient'):
+      if part in want:
+        _assert_close(got[part], want[part], f'{what} {part}')
     for table in want['dparams']:
       _assert_close(got['dparams'][table], want['dparams'][table], f'{what} d {table}')
 
