@@ -188,7 +188,7 @@ def test_banded_gradients_equal_naive_with_mask_bias_and_offset(n, m, k, q_offse
       out = relative.shaw_attention(q, kk, v, tk, tv, mask=jnp.asarray(mask), bias=bias,
                                     q_offset=q_offset, form=form)
       return jnp.sum(out * r)
-    return jax.grad(f, argnums=(0, 1, 2, 3, 4, 5))(q, kk, v, tk, tv, bias)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))(q, kk, v, tk, tv, bias)
   for name, got, want in zip('q k v tk tv bias'.split(), grads('banded'), grads('naive')):
     if want is None:
       continue
@@ -205,7 +205,7 @@ def test_banded_dropout_equals_naive_with_the_same_keep_mask():
       out = relative.shaw_attention(q, kk, v, tk, tv, mask=causal, form=form, dropout_rate=0.3,
                                     dropout_rng=jax.random.key(7), deterministic=False)
       return jnp.sum(jnp.sin(out)), out
-    return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, tk, tv)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, tk, tv)
   (g_banded, out_banded), (g_naive, out_naive) = run('banded'), run('naive')
   np.testing.assert_allclose(np.asarray(out_banded), np.asarray(out_naive), atol=2e-5)
   for a, b in zip(g_banded, g_naive):
@@ -266,8 +266,8 @@ def test_banded_bfloat16_close_to_float32_forward_and_gradient():
       out = relative.shaw_attention(*(jnp.asarray(x, dtype) for x in (q, kk, v)), tk, tv,
                                     mask=causal, form='banded', dtype=dtype)
       return jnp.sum(out.astype(jnp.float32) ** 2), out
-    return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(jnp.asarray(q), jnp.asarray(tk),
-                                                          jnp.asarray(tv))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(
+        jnp.asarray(q), jnp.asarray(tk), jnp.asarray(tv))
   (g16, out16), (g32, out32) = run(jnp.bfloat16), run(jnp.float32)
   assert out16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out16, np.float32), np.asarray(out32), atol=0.05, rtol=0.05)
