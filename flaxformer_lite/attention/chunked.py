@@ -439,6 +439,15 @@ def _block(x_t, start, size: int):
   return _heads_first(jax.lax.dynamic_slice_in_dim(x_t, start, size, axis=2))
 
 
+def _add_at(x, part, start):
+  """x with `part` added to rows start .. start + len(part) - 1 (axis 1): a
+  slice and an update in place, not `.at[].add`'s scatter; where `part` is
+  all of x, XLA makes it a plain add."""
+  rows = part.shape[1]
+  return jax.lax.dynamic_update_slice_in_dim(
+      x, jax.lax.dynamic_slice_in_dim(x, start, rows, axis=1) + part, start, axis=1)
+
+
 def _unblock(x, axis: int):
   """Blocks stacked first, [nb, ..., block (at axis), ...] -> [..., nb * block, ...]."""
   x = jnp.moveaxis(x, 0, axis)
@@ -574,7 +583,7 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise):
         """carry with the gradients of queries qs .. qs + rows_ - 1 against the
         keys k_idx (k_part, v_part: the key block's first len(k_idx)) added."""
         dq, dk_blk, dv_blk, dparams = carry
-        q_idx, cols = qs + jnp.arange(rows_), k_part.shape[1]
+        q_idx = qs + jnp.arange(rows_)
         q_blk = jax.lax.dynamic_slice_in_dim(q, qs, rows_, axis=1)
         s, pull_s = jax.vjp(lambda q_, k_, p_: block_logits(q_, k_, p_, q_idx, k_idx, q_offset),
                             q_blk, k_part, params)
@@ -589,14 +598,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise):
         dp = dropped(dp, seed, q_idx, k_idx)
         ds = p * (dp - jax.lax.dynamic_slice_in_dim(delta, qs, rows_, axis=2)[..., None])
         dq_part, dk_part, dparams_s = pull_s(ds)
-        dq = jax.lax.dynamic_update_slice_in_dim(
-            dq, jax.lax.dynamic_slice_in_dim(dq, qs, rows_, axis=1) + dq_part, qs, axis=1)
         dparams = jax.tree.map(
             lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
             dparams, dparams_v, dparams_s)
-        if cols < bk:
-          return dq, dk_blk.at[:, :cols].add(dk_part), dv_blk.at[:, :cols].add(dv_part), dparams
-        return dq, dk_blk + dk_part, dv_blk + dv_part, dparams
+        return (_add_at(dq, dq_part, qs), _add_at(dk_blk, dk_part, 0),
+                _add_at(dv_blk, dv_part, 0), dparams)
 
       def query_block(qb, carry, masked):
         qs = qb * bq
