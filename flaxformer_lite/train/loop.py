@@ -187,8 +187,8 @@ def _check_memory(config, dataset, parallel, state, compiled_train, train_batch,
                   limit) -> None:
   """The memory guard: with the compiled train step, compiles every eval
   step (and the greedy sample's generation) this run will call, each once, and stops the
-  run (ConfigError, exit 2) if the largest would not fit in `limit` = (bytes
-  or None, where from); else logs each step's peak.
+  run (ConfigError, exit 2) if its peak (memory.peak) would not fit in
+  `limit` = (bytes or None, where from); else logs each step's peak.
 
   A step's peak is what XLA assigns it (memory.step_bytes): the train step's
   arguments hold the whole state; an eval step is passed the parameters, and
@@ -199,43 +199,55 @@ def _check_memory(config, dataset, parallel, state, compiled_train, train_batch,
     log.info('Memory: no estimate on this backend (%s)', jax.default_backend())
     return
   shape = 'x'.join(map(str, train_batch['inputs'].shape))
-  needs = {f'train step, batch {shape}': memory.step_bytes(train)}
-  needs.update(_eval_needs(config, dataset, evaluate, parallel.unplace_state(state).params,
-                           _opt_state_bytes(parallel, state)))
-  _check_needs(config, needs, limit)
+  name = f'train step, batch {shape}'
+  needs, kept = {name: memory.step_bytes(train)}, {name: train.temp_size_in_bytes}
+  eval_needs, eval_kept = _eval_needs(config, dataset, evaluate,
+                                      parallel.unplace_state(state).params,
+                                      _opt_state_bytes(parallel, state))
+  _check_needs(config, {**needs, **eval_needs}, {**kept, **eval_kept}, limit)
 
 
-def _eval_needs(config, dataset, evaluate, params, held: int) -> dict:
-  """{step: peak bytes} of every eval step (and the greedy sample's
-  generation) the run will call, each compiled once; `held`: the bytes that
-  stay allocated beside them (the optimizer state)."""
-  needs = {}
+def _eval_needs(config, dataset, evaluate, params, held: int) -> tuple[dict, dict]:
+  """({step: peak bytes}, {step: its temp buffer's bytes}) of every eval step
+  (and the greedy sample's generation) the run will call, each compiled
+  once; `held`: the bytes that stay allocated beside them (the optimizer
+  state)."""
+  needs, kept = {}, {}
+
+  def add(name, stats):
+    if name not in needs:
+      needs[name], kept[name] = memory.step_bytes(stats) + held, stats.temp_size_in_bytes
+
   for split in _eval_splits(config, dataset):
     for context in evaluate.contexts():
       arrays = evaluate.arrays(split, context)
       shape = f'{evaluate.batch_rows(arrays)[1]}x{arrays["inputs"].shape[1]}'
-      step = evaluate.compiled_step(params, split, context).memory_analysis()
-      needs.setdefault(f'eval step, batch {shape}', memory.step_bytes(step) + held)
+      add(f'eval step, batch {shape}',
+          evaluate.compiled_step(params, split, context).memory_analysis())
   if evaluate.objective == 'lm' and config.eval.num_examples_to_log:
     generate, prompt = evaluate.sample_step(params, 'validation')
-    needs[f'greedy sample after {prompt.shape[1]} tokens'] = (
-        memory.step_bytes(generate.memory_analysis()) + held)
-  return needs
+    add(f'greedy sample after {prompt.shape[1]} tokens', generate.memory_analysis())
+  return needs, kept
 
 
-def _check_needs(config, needs: dict, limit) -> None:
-  """ConfigError (exit 2) if the largest of `needs` would not fit in
-  `limit`; else logs them. On CPU the local devices share the host's memory,
-  so their peaks add up."""
+def _check_needs(config, needs: dict, kept: dict, limit) -> None:
+  """ConfigError (exit 2) if the run's peak (memory.peak of the steps'
+  `needs`, with the temp buffers `kept` where the host's heap keeps them)
+  would not fit in `limit`; else logs them. On CPU the local devices share
+  the host's memory, so their peaks add up."""
   if jax.default_backend() == 'cpu':
-    needs = {k: v * jax.local_device_count() for k, v in needs.items()}
+    devices = jax.local_device_count()
+    needs = {k: v * devices for k, v in needs.items()}
+    kept = {k: v * devices for k, v in kept.items()} if memory.heap_keeps_temps() else None
+  else:
+    kept = None
   e = config.eval
   lower = {'train.batch_size': config.train.batch_size,
            **({'eval.batch_tokens': e.batch_tokens} if e.batch_tokens
               else {'eval.batch_size': e.batch_size}),
            'data.max_len': config.data.max_len}
   limit_bytes, source = limit
-  log.info(memory.check(needs, limit_bytes, source, lower, config.model.remat))
+  log.info(memory.check(needs, limit_bytes, source, lower, config.model.remat, kept))
 
 
 def _log_setup(config, parallel, evaluate, num_params, start, row_multiple):
@@ -366,7 +378,7 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
   log.info('Model %s, %s parameters, attention=%s: evaluated without training '
            '(train.num_steps=0)', config.model.type,
            f'{sum(x.size for x in jax.tree.leaves(params)):,}', config.model.attention)
-  _check_needs(config, _eval_needs(config, dataset, evaluate, params, 0), limit)
+  _check_needs(config, *_eval_needs(config, dataset, evaluate, params, 0), limit)
   results, start = {}, time.time()
   with contextlib.closing(metrics_lib.MetricWriter(workdir, 0)) as writer:
     results['eval'], _ = _validate(evaluate, params, 0, writer, config.eval.num_examples_to_log)

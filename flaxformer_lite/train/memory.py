@@ -2,8 +2,10 @@
 
 train/loop.py compiles the train step and the eval steps before the first
 step and reads XLA's buffer assignment of each (`compiled.memory_analysis()`);
-a run whose largest step would not fit stops there (ConfigError, exit 2)
-instead of being killed for memory after hours of training. The memory
+a run whose peak would not fit stops there (ConfigError, exit 2) instead
+of being killed for memory after hours of training. The peak is the largest
+step's, plus the other steps' temp buffers on a host whose heap keeps them
+(`heap_keeps_temps`: under launch.sh's malloc settings). The memory
 available is the device's on an accelerator (its allocator's `bytes_limit`),
 the host's on CPU (/proc/meminfo MemAvailable, or the cgroup's limit if
 lower), or FFL_MEMORY_LIMIT (`2GiB`, `500MiB`, bytes) where it is set.
@@ -96,6 +98,24 @@ def available(device, environ=None):
   return host_available()
 
 
+# glibc's malloc serves a block below its mmap threshold from its heap, and
+# keeps it there once freed for a later request that fits. launch.sh raises
+# the threshold (XLA:CPU's temp buffers are then not faulted in afresh at
+# every call), so each step's temp buffer stays in the process after the
+# step, and a larger step cannot reuse a smaller one's while a later block
+# sits above it: the process grows past its largest step, by as much as the
+# other steps' temp buffers (tests/train/test_memory.py measures it). glibc's own threshold rises to at
+# most 32 MiB on 64-bit systems; above that the setting is someone's choice.
+GLIBC_MAX_MMAP_THRESHOLD = 32 * 2**20
+
+
+def heap_keeps_temps(environ=None) -> bool:
+  """Whether the steps' temp buffers stay in this process after each step
+  (above): MALLOC_MMAP_THRESHOLD_ set above glibc's own largest."""
+  value = (os.environ if environ is None else environ).get('MALLOC_MMAP_THRESHOLD_', '')
+  return value.isdigit() and int(value) > GLIBC_MAX_MMAP_THRESHOLD
+
+
 def step_bytes(stats) -> int:
   """Bytes one call of a compiled step holds at its peak, from
   `compiled.memory_analysis()`: its temporaries, arguments and outputs, an
@@ -104,15 +124,29 @@ def step_bytes(stats) -> int:
           + stats.output_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def message(needs: dict[str, int], limit: int, source: str, lower: dict, remat: str) -> str:
-  """The error of a run that cannot fit: needs {step: bytes at its peak},
-  the limit and where it comes from, lower {config key: value} the settings
-  that shrink the steps, remat the model.remat setting."""
+def peak(needs: dict[str, int], kept: dict[str, int] | None = None) -> tuple[int, str]:
+  """(bytes, what they are) of the run's peak: the largest of `needs` {step:
+  bytes at its peak}, plus the other steps' temp buffers `kept` {step:
+  bytes}, which the caller passes where the heap keeps them
+  (heap_keeps_temps) and leaves None elsewhere."""
   name = max(needs, key=needs.get)
+  others = sum(n for step, n in (kept or {}).items() if step != name)
+  if not others:
+    return needs[name], name
+  return needs[name] + others, (f"{name}, plus {fmt_bytes(others)} of the other steps' temp "
+                                'buffers, which the heap keeps (MALLOC_MMAP_THRESHOLD_)')
+
+
+def message(needs: dict[str, int], limit: int, source: str, lower: dict, remat: str,
+            kept: dict[str, int] | None = None) -> str:
+  """The error of a run that cannot fit: needs {step: bytes at its peak},
+  kept (`peak`), the limit and where it comes from, lower {config key:
+  value} the settings that shrink the steps, remat the model.remat setting."""
+  total, what = peak(needs, kept)
   keys = ', '.join(f'{k} (now {v!r})' for k, v in lower.items())
   recompute = '' if remat == 'block' else (
       f", or set model.remat='block' (now {remat!r}: recomputes activations in the backward)")
-  return (f'this run needs about {fmt_bytes(needs[name])} at its peak ({name}) but '
+  return (f'this run needs about {fmt_bytes(total)} at its peak ({what}) but '
           f'{fmt_bytes(limit)} is available ({source}); it would be killed for memory '
           f'before it ends. Steps: {summary(needs)}. Lower {keys}{recompute}, or set '
           f'{LIMIT_ENV} to the memory this run may really use. Nothing was trained and no '
@@ -125,12 +159,12 @@ def summary(needs: dict[str, int]) -> str:
 
 
 def check(needs: dict[str, int], limit: int | None, source: str, lower: dict,
-          remat: str) -> str:
-  """The start-up line (the largest step's peak against the limit); raises
+          remat: str, kept: dict[str, int] | None = None) -> str:
+  """The start-up line (the run's `peak` against the limit); raises
   ConfigError (`message`) when that peak is above a known limit."""
-  if limit is not None and max(needs.values()) > limit:
-    raise ConfigError(message(needs, limit, source, lower, remat))
-  peak = max(needs.values())
+  total, _ = peak(needs, kept)
+  if limit is not None and total > limit:
+    raise ConfigError(message(needs, limit, source, lower, remat, kept))
   where = f' of {fmt_bytes(limit)} available ({source})' if limit is not None else \
       ' (memory available unknown)'
-  return f'Memory: peak about {fmt_bytes(peak)}{where}; {summary(needs)}'
+  return f'Memory: peak about {fmt_bytes(total)}{where}; {summary(needs)}'

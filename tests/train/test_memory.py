@@ -1,5 +1,8 @@
-"""The memory guard: its arithmetic on hand-computed cases, and a run that
-cannot fit stopping with exit 2 before its first step, its checkpoints untouched."""
+"""The memory guard: its arithmetic on hand-computed cases, the host's
+memory measured as steps of different sizes run under each malloc setting,
+and a run that cannot fit stopping with exit 2 before its first step, its
+checkpoints untouched."""
+import json
 import os
 import subprocess
 import sys
@@ -103,6 +106,78 @@ def test_check_logs_a_run_that_fits_and_refuses_one_that_does_not():
                  'data.max_len (now 16)', "model.remat='block' (now 'none'"):
     assert option in text
   assert 'model.remat' not in memory.message(needs, 4 * MiB, '', lower, 'block')
+
+
+def test_the_peak_adds_the_other_steps_kept_temp_buffers():
+  needs = {'train step': 3 * MiB, 'eval step': 5 * MiB, 'sample': 1 * MiB}
+  kept = {'train step': 2 * MiB, 'eval step': 4 * MiB, 'sample': MiB // 2}
+  assert memory.peak(needs) == (5 * MiB, 'eval step')
+  total, what = memory.peak(needs, kept)  # 5 + 2 + 0.5: the eval step's own buffer once
+  assert total == 7.5 * MiB and what.startswith('eval step, plus 2.5 MiB of the other steps')
+  lower, remat = {'train.batch_size': 8}, 'block'
+  assert memory.check(needs, 8 * MiB, 'here', lower, remat, kept).startswith(
+      'Memory: peak about 7.5 MiB of 8.0 MiB available (here)')
+  with pytest.raises(config_lib.ConfigError, match=r'about 7\.5 MiB at its peak \(eval step, '
+                     r'plus 2\.5 MiB'):
+    memory.check(needs, 7 * MiB, 'here', lower, remat, kept)
+  assert memory.heap_keeps_temps({'MALLOC_MMAP_THRESHOLD_': str(4 * GiB)})
+  for environ in ({}, {'MALLOC_MMAP_THRESHOLD_': str(1 * MiB)}, {'MALLOC_MMAP_THRESHOLD_': 'x'}):
+    assert not memory.heap_keeps_temps(environ)
+
+
+# A child process compiles three steps whose temp buffers are their only
+# large allocations (a sort of a cumulative sum: XLA assigns both), runs
+# each once, smallest first, keeping their outputs (1 MiB each) as a run
+# keeps its state and metrics, and reports the growth of its peak resident
+# memory (VmHWM) over the three calls.
+_STEPS = """
+import json, sys, jax, jax.numpy as jnp
+from flaxformer_lite.train import memory
+def hwm():
+  return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
+def step(rows):
+  def f(seed):
+    x = jnp.sin(seed + jnp.arange(rows * 1024, dtype=jnp.float32)).reshape(rows, 1024)
+    y = jnp.sort(jnp.cumsum(x, axis=0), axis=1)
+    return y[::2][:256] * y[1::2][:256]
+  return jax.jit(f).lower(jnp.float32(0)).compile()
+steps = {f'{rows} rows': step(rows) for rows in (4096, 8192, 12288)}
+stats = {name: c.memory_analysis() for name, c in steps.items()}
+start = hwm()
+outputs = [jax.block_until_ready(c(jnp.float32(1))) for c in steps.values()]
+print(json.dumps({'growth': hwm() - start,
+                  'needs': {k: memory.step_bytes(s) for k, s in stats.items()},
+                  'kept': {k: s.temp_size_in_bytes for k, s in stats.items()}}))
+"""
+
+
+OTHER_ALLOCATIONS = 16 * MiB  # the runtime's own, beside the steps' buffers
+
+
+def test_the_peak_bounds_the_measured_growth_under_each_malloc_setting():
+  """Under launch.sh's malloc settings a step's freed buffer stays in the
+  process, and a larger step cannot reuse it while a later allocation sits
+  above it: the process outgrows its largest step (by one, two or all of the
+  smaller buffers, from run to run), and memory.peak, which adds them all,
+  bounds it. Under glibc's defaults each buffer is mapped and returned: the
+  largest step is the peak."""
+  # XLA's default optimisation (the suite's -O0 makes the sorts 3x slower)
+  plain = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  keeps = dict(plain, MALLOC_ARENA_MAX='1', MALLOC_MMAP_THRESHOLD_=str(4 * GiB),
+               MALLOC_TRIM_THRESHOLD_=str(8 * GiB))
+  returns = {k: v for k, v in plain.items() if not k.startswith('MALLOC_')}
+  for environ in (keeps, returns):
+    done = subprocess.run([sys.executable, '-c', _STEPS], cwd=REPO, env=environ,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    largest = max(got['needs'].values())
+    assert min(got['kept'].values()) > 2 * OTHER_ALLOCATIONS, got  # the buffers dominate
+    if memory.heap_keeps_temps(environ):
+      estimate = memory.peak(got['needs'], got['kept'])[0]
+      assert largest + OTHER_ALLOCATIONS < got['growth'] <= estimate + OTHER_ALLOCATIONS, got
+    else:
+      assert got['growth'] <= largest + OTHER_ALLOCATIONS, got
 
 
 def test_a_run_that_cannot_fit_exits_2_before_training_and_keeps_its_checkpoints(
