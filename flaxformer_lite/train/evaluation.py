@@ -63,7 +63,7 @@ class Evaluator:
     self.model, self.decode_model = model, None
     if self.objective in ('seq2seq', 'lm'):
       self.decode_model = models.build(config.model, decode=True)
-    self._decoders, self._arrays, self._compiled = {}, {}, {}
+    self._decoders, self._arrays, self._compiled, self._lowered = {}, {}, {}, {}
 
   def contexts(self) -> tuple:
     """The window lengths a token stream is scored at (data.max_len, then
@@ -104,8 +104,8 @@ class Evaluator:
     batch = self.place_batch(next(self._batches(split, context)))
     shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if shape not in self._compiled:
-      self._compiled[shape] = self.metrics_step.lower(params, batch,
-                                                      jax.random.key(0)).compile()
+      self._lowered[shape] = self.metrics_step.lower(params, batch, jax.random.key(0))
+      self._compiled[shape] = self._lowered[shape].compile()
     return self._compiled[shape]
 
   def sample_step(self, params, split):
@@ -118,8 +118,14 @@ class Evaluator:
       generate = jax.jit(functools.partial(decoding.greedy_generate, self.decode_model,
                                            max_steps=length,
                                            eos_id=tokenizers.end_id(self.dataset.tokenizer)))
-      self._compiled['sample', prompt.shape] = generate.lower(params, prompt).compile()
+      self._lowered['sample', prompt.shape] = generate.lower(params, prompt)
+      self._compiled['sample', prompt.shape] = self._lowered['sample', prompt.shape].compile()
     return self._compiled['sample', prompt.shape], prompt
+
+  def lowered(self, compiled):
+    """The jax Lowered that `compiled` (compiled_step's or sample_step's) was
+    compiled from: the memory guard compiles it again to read its buffers."""
+    return next(self._lowered[key] for key, c in self._compiled.items() if c is compiled)
 
   def _decoder(self, max_len, beam_size):
     key = (max_len, beam_size)

@@ -180,6 +180,39 @@ def test_the_peak_bounds_the_measured_growth_under_each_malloc_setting():
       assert got['growth'] <= largest + OTHER_ALLOCATIONS, got
 
 
+# A step whose intermediates XLA:CPU hands to a library fusion (two products
+# with a tanh between them): the child reports what its buffer assignment
+# says, what the guard's analysis says, and how far the one call grows the
+# process (VmHWM; its argument is allocated before).
+_FUSED = """
+import json, jax, jax.numpy as jnp
+from flaxformer_lite.train import loop, memory
+def hwm():
+  return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
+x = jnp.full((4096, 4096), 1e-3, jnp.float32)
+lowered = jax.jit(lambda x: jnp.sum(jnp.tanh(jnp.tanh(x @ x) @ x))).lower(x)
+compiled = lowered.compile()
+temp = lambda s: s.temp_size_in_bytes + s.output_size_in_bytes
+assigned, guarded = temp(compiled.memory_analysis()), temp(loop._analysis(lowered, compiled, 1))
+start = hwm()
+jax.block_until_ready(compiled(x))
+print(json.dumps({'assigned': assigned, 'guarded': guarded, 'growth': hwm() - start}))
+"""
+
+
+def test_the_guard_counts_the_buffers_of_library_fusions():
+  """XLA's assignment of the default compilation leaves out the library
+  fusions' buffers (the process grows past it); the guard's analysis,
+  which also reads the step compiled without them, bounds the growth."""
+  environ = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  done = subprocess.run([sys.executable, '-c', _FUSED], cwd=REPO, env=environ,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  got = json.loads(done.stdout.strip().splitlines()[-1])
+  assert got['growth'] > got['assigned'] + OTHER_ALLOCATIONS, got
+  assert got['growth'] <= got['guarded'] + OTHER_ALLOCATIONS, got
+
+
 def test_a_run_that_cannot_fit_exits_2_before_training_and_keeps_its_checkpoints(
     tiny_config, tmp_path):
   """A run to step 10, then the same experiment resumed to step 20 under a
