@@ -107,8 +107,9 @@ def available(device, environ=None):
 # every call), so each step's temp buffer stays in the process after the
 # step, and a larger step cannot reuse a smaller one's while a later block
 # sits above it: the process grows past its largest step, by as much as the
-# other steps' temp buffers (tests/train/test_memory.py measures it). glibc's own threshold rises to at
-# most 32 MiB on 64-bit systems; above that the setting is someone's choice.
+# other steps' temp buffers (tests/train/test_memory.py measures it).
+# glibc's own threshold rises to at most 32 MiB on 64-bit systems; above that
+# the setting is someone's choice.
 GLIBC_MAX_MMAP_THRESHOLD = 32 * 2**20
 
 

@@ -125,16 +125,36 @@ def test_the_peak_adds_the_other_steps_kept_temp_buffers():
     assert not memory.heap_keeps_temps(environ)
 
 
+# What the child processes below share: their peak resident memory (VmHWM).
+_HWM = """
+import json, jax, jax.numpy as jnp
+from flaxformer_lite.train import loop, memory
+def hwm():
+  return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
+"""
+OTHER_ALLOCATIONS = 16 * MiB  # the runtime's own, beside the steps' buffers
+LAUNCH_MALLOC = dict(MALLOC_ARENA_MAX='1', MALLOC_MMAP_THRESHOLD_=str(4 * GiB),
+                     MALLOC_TRIM_THRESHOLD_=str(8 * GiB))  # launch.sh's settings
+
+
+def _child(script, **malloc):
+  """The JSON that `script` (after _HWM) prints last, run in a fresh process
+  with XLA's default optimisation (the suite's -O0 makes its work several
+  times slower) and glibc's malloc settings `malloc` alone."""
+  environ = {k: v for k, v in os.environ.items()
+             if k != 'XLA_FLAGS' and not k.startswith('MALLOC_')}
+  done = subprocess.run([sys.executable, '-c', _HWM + script], cwd=REPO,
+                        env=dict(environ, **malloc), capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # A child process compiles three steps whose temp buffers are their only
 # large allocations (a sort of a cumulative sum: XLA assigns both), runs
 # each once, smallest first, keeping their outputs (1 MiB each) as a run
 # keeps its state and metrics, and reports the growth of its peak resident
 # memory (VmHWM) over the three calls.
 _STEPS = """
-import json, sys, jax, jax.numpy as jnp
-from flaxformer_lite.train import memory
-def hwm():
-  return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
 def step(rows):
   def f(seed):
     x = jnp.sin(seed + jnp.arange(rows * 1024, dtype=jnp.float32)).reshape(rows, 1024)
@@ -151,9 +171,6 @@ print(json.dumps({'growth': hwm() - start,
 """
 
 
-OTHER_ALLOCATIONS = 16 * MiB  # the runtime's own, beside the steps' buffers
-
-
 def test_the_peak_bounds_the_measured_growth_under_each_malloc_setting():
   """Under launch.sh's malloc settings a step's freed buffer stays in the
   process, and a larger step cannot reuse it while a later allocation sits
@@ -161,19 +178,11 @@ def test_the_peak_bounds_the_measured_growth_under_each_malloc_setting():
   smaller buffers, from run to run), and memory.peak, which adds them all,
   bounds it. Under glibc's defaults each buffer is mapped and returned: the
   largest step is the peak."""
-  # XLA's default optimisation (the suite's -O0 makes the sorts 3x slower)
-  plain = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  keeps = dict(plain, MALLOC_ARENA_MAX='1', MALLOC_MMAP_THRESHOLD_=str(4 * GiB),
-               MALLOC_TRIM_THRESHOLD_=str(8 * GiB))
-  returns = {k: v for k, v in plain.items() if not k.startswith('MALLOC_')}
-  for environ in (keeps, returns):
-    done = subprocess.run([sys.executable, '-c', _STEPS], cwd=REPO, env=environ,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+  for malloc in (LAUNCH_MALLOC, {}):
+    got = _child(_STEPS, **malloc)
     largest = max(got['needs'].values())
     assert min(got['kept'].values()) > 2 * OTHER_ALLOCATIONS, got  # the buffers dominate
-    if memory.heap_keeps_temps(environ):
+    if memory.heap_keeps_temps(malloc):
       estimate = memory.peak(got['needs'], got['kept'])[0]
       assert largest + OTHER_ALLOCATIONS < got['growth'] <= estimate + OTHER_ALLOCATIONS, got
     else:
@@ -185,10 +194,6 @@ def test_the_peak_bounds_the_measured_growth_under_each_malloc_setting():
 # says, what the guard's analysis says, and how far the one call grows the
 # process (VmHWM; its argument is allocated before).
 _FUSED = """
-import json, jax, jax.numpy as jnp
-from flaxformer_lite.train import loop, memory
-def hwm():
-  return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
 x = jnp.full((4096, 4096), 1e-3, jnp.float32)
 lowered = jax.jit(lambda x: jnp.sum(jnp.tanh(jnp.tanh(x @ x) @ x))).lower(x)
 compiled = lowered.compile()
@@ -204,11 +209,7 @@ def test_the_guard_counts_the_buffers_of_library_fusions():
   """XLA's assignment of the default compilation leaves out the library
   fusions' buffers (the process grows past it); the guard's analysis,
   which also reads the step compiled without them, bounds the growth."""
-  environ = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  done = subprocess.run([sys.executable, '-c', _FUSED], cwd=REPO, env=environ,
-                        capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  got = json.loads(done.stdout.strip().splitlines()[-1])
+  got = _child(_FUSED, **LAUNCH_MALLOC)
   assert got['growth'] > got['assigned'] + OTHER_ALLOCATIONS, got
   assert got['growth'] <= got['guarded'] + OTHER_ALLOCATIONS, got
 
