@@ -262,7 +262,8 @@ class BlockTerms:
 
 def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
            mask: MaskSpec | None = None, q_offset=0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-           dtype=None, dropout_rate: float = 0.0, dropout_rng=None):
+           dtype=None, dropout_rate: float = 0.0, dropout_rng=None, return_lse: bool = False,
+           dropout_first_query: int = 0):
   """Attention over blocks, never holding an [n, m] array.
 
   Args:
@@ -276,8 +277,15 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
     chunk_size: rows and columns per block; lengths need not divide it.
     dropout_rate, dropout_rng: attention dropout (dropout.py's keep mask);
       off when the rate is 0 or the key None.
+    return_lse: also return each row's log-sum-exp of its scores, so that
+      attention over another set of keys can be merged with this one
+      (`merge`); it is differentiable, and a row that sees no key has -inf.
+    dropout_first_query: the index dropout's hash gives query 0, for a call
+      on the queries [s, s + n) of a longer sequence that must drop what
+      the whole sequence's call drops.
   Returns:
-    [b, n, h, dv] in `dtype` (default: query's dtype).
+    [b, n, h, dv] in `dtype` (default: query's dtype); with return_lse,
+    (that, lse float32 [b, h, n]).
   """
   dtype = dtype or query.dtype
   query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -299,18 +307,32 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
   rise = _staircase(mask, q_offset, n, m, bq, bk, b * h * bq * bk)
   mask = mask.padded(nq * bq, nk * bk)
   q_offset = jnp.asarray(q_offset, jnp.int32)
-  kernel = _kernel(terms, n, m, bq, bk, nq, nk, rate, rise)
+  kernel = _kernel(terms, n, m, bq, bk, nq, nk, rate, rise, dropout_first_query)
   out, lse = kernel(pad_to(query, 1, nq * bq), pad_to(key, 1, nk * bk),
                     pad_to(value, 1, nk * bk), params, mask, q_offset, seed)
-  out = out[:, :n]
+  out, lse = out[:, :n], lse[:, :, :n]
+  if return_lse:  # merge() weighs a row that sees no key by exp(-inf) = 0
+    return out.astype(dtype), lse
   if not may_hide_rows:
     return out.astype(dtype)
-  empty = jnp.isneginf(lse[:, :, :n]).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
+  empty = jnp.isneginf(lse).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
   # A query that sees no key gets the dense path's uniform weights; that
   # output is cheap (a mean over keys) and differentiated by plain autodiff.
   # Heads of a group share their keys, so they share this output too.
   fallback = repeat_heads(terms.uniform(value, params, q_offset + jnp.arange(n), m), h)
   return jnp.where(empty, fallback.astype(jnp.float32), out).astype(dtype)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+  """Attention over two disjoint sets of keys, merged into attention over
+  both: out_a, out_b [b, n, h, dv], each normalised over its own keys, with
+  their rows' log-sum-exps lse_a, lse_b float32 [b, h, n] (-inf: the row
+  sees none of that set's keys; not both) -> float32 [b, n, h, dv]. The
+  weights are exp(lse - lse_all), each set's share of the row's sum."""
+  top = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))  # any value: the shares do not move
+  wa, wb = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+  share = lambda w: (w / (wa + wb)).transpose(0, 2, 1)[..., None]  # noqa: E731
+  return out_a.astype(jnp.float32) * share(wa) + out_b.astype(jnp.float32) * share(wb)
 
 
 def repeat_heads(x, h: int):
@@ -454,7 +476,7 @@ def _unblock(x, axis: int):
   return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise):
+def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
   """The custom_vjp function for these static sizes and dropout rate:
   (q [b, nq*bq, h, d], k [b, nk*bk, g, d], v [b, nk*bk, g, dv], params,
   mask, q_offset, seed) -> (out float32 [b, nq*bq, h, dv], lse float32
@@ -476,7 +498,7 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise):
     """x [b, h, rows, cols] with dropout applied: keep / (1 - rate), else 0."""
     if not rate:
       return x
-    return dropout.drop(x, seed, rate, q_idx[:, None], k_idx[None, :])
+    return dropout.drop(x, seed, rate, first_query + q_idx[:, None], k_idx[None, :])
 
   def forward(q, k, v, params, mask, q_offset, seed, heads_first=False):
     b, _, h, _ = q.shape
@@ -561,10 +583,12 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise):
 
   def kernel_bwd(res, cotangents):
     q, k, v, params, mask, q_offset, seed, out, lse = res
-    d_out = cotangents[0].astype(jnp.float32)  # lse only marks empty rows: no cotangent
+    d_out, d_lse = (x.astype(jnp.float32) for x in cotangents)
     # D_i = dO_i . O_i = sum_j p_ij dp_ij, dropout included (dp_ij is then
-    # keep_ij / (1 - rate) times the gradient of the dropped weight).
-    delta = jnp.einsum('bnhd,bnhd->bhn', d_out, out)  # [b, h, nq*bq]
+    # keep_ij / (1 - rate) times the gradient of the dropped weight). The
+    # lse's own gradient (return_lse) is d lse_i / d s_ij = p_ij, so
+    # ds_ij = p_ij (dp_ij - D_i + dlse_i): it joins D.
+    delta = jnp.einsum('bnhd,bnhd->bhn', d_out, out) - d_lse  # [b, h, nq*bq]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
 

@@ -20,7 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import chunked, masks, registry
+from flaxformer_lite.attention import dropout as dropout_lib
+from flaxformer_lite.attention.causal_band import causal_band
 from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_weights
 from flaxformer_lite.attention.relative_banded import (_banded_attention, band_indices,
                                                        bucket_spread, bucket_sum)
@@ -245,18 +247,59 @@ def _uniform(k, value, params, q_pos, m):
 
 
 def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
-                 mask=None, q_offset=0, chunk_size=None, dtype=None, **dropout):
-  """shaw_attention block by block (chunked.attend), keys and values terms
-  both: per block, q meets the 2k+1 key-table rows and the weights are summed
-  per clipped distance, so no [n, m] or [n, m, d] array exists; both tables'
-  gradients are summed over the blocks."""
+                 mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
+                 dropout_rng=None, max_distance=None, relative_keys=True, relative_values=True,
+                 form='auto'):
+  """shaw_attention in O(n) memory (chunked.attend), keys and values terms
+  both; both tables' gradients are summed over the blocks.
+
+  Self-attention under a causal mask alone (training and evaluation of a
+  decoder) splits the pairs by lag i - j: at lag >= k every pair has table
+  row 0, so those run as dot_product's kernel on k_j + a^K_0 and v_j + a^V_0
+  (the queries moved k rows up, so that its causal diagonal is lag k), and
+  the k nearest keys of each query as causal_band.py's O(n k) band; the two
+  are merged by their log-sum-exps (chunked.merge). Other calls (padding,
+  segments, no mask, decoding) run the block terms (_shaw_terms), which
+  place the table rows in each block by bucket_spread / bucket_sum.
+  """
+  del max_distance, relative_keys, relative_values, form  # carried by the tables
   tables = {name: t for name, t in (('rel_key_table', rel_key_table),
                                     ('rel_value_table', rel_value_table)) if t is not None}
   k = (next(iter(tables.values())).shape[0] - 1) // 2
-  terms = _shaw_terms(query.shape[2], max_distance=k, relative_keys=True,
-                      relative_values=True, form='banded')
-  return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype, **dropout)
+  b, n, h, d = query.shape
+  dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  if not _splits_by_lag(mask, q_offset, k, n, key.shape[1]):
+    terms = _shaw_terms(h, max_distance=k, relative_keys=True, relative_values=True,
+                        form='banded')
+    return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
+                               chunk_size=chunk_size, dtype=dtype, **dropout)
+  dtype = dtype or query.dtype
+  q = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
+  key, value = key.astype(dtype), value.astype(dtype)
+  row0 = lambda x, t: x if t is None else x + t[0].astype(dtype)  # noqa: E731
+  # Query i + k in row i: the kernel's causal diagonal is then lag k. The
+  # last k rows are zeros whose outputs are dropped.
+  moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
+  far, far_lse = chunked.attend(moved, row0(key, rel_key_table), row0(value, rel_value_table),
+                                mask=masks.MaskSpec(causal=True), chunk_size=chunk_size,
+                                dtype=dtype, return_lse=True, dropout_first_query=k, **dropout)
+  far = jnp.concatenate([jnp.zeros_like(far[:, :k]), far[:, :n - k]], axis=1)
+  far_lse = jnp.concatenate([jnp.full_like(far_lse[:, :, :k], -jnp.inf), far_lse[:, :, :n - k]],
+                            axis=2)
+  rate = dropout_rate if dropout_rng is not None else 0.0
+  rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
+  near, near_lse = causal_band(
+      q, chunked.repeat_heads(key, h), chunked.repeat_heads(value, h), k,
+      rows(rel_key_table), rows(rel_value_table),
+      seed=dropout_lib.seed(dropout_rng) if rate else None, rate=rate)
+  return chunked.merge(far, far_lse, near, near_lse).astype(dtype)
+
+
+def _splits_by_lag(mask, q_offset, k: int, n: int, m: int) -> bool:
+  """Whether shaw_chunked splits the call by lag: self-attention (n = m, the
+  queries at 0..n-1) under a causal mask alone, with keys beyond lag k."""
+  return (mask is not None and mask.causal and mask.window is None and not mask.has_arrays()
+          and type(q_offset) is int and q_offset == 0 and n == m and 0 < k < n)
 
 
 def _shaw_params(num_heads, head_dim, kwargs):
@@ -298,6 +341,7 @@ registry.register(registry.AttentionVariant(
     models=registry.TRANSFORMER_MODELS,
     fn=_shaw,
     terms=_shaw_terms,
+    chunked=shaw_chunked,
     kwargs={'max_distance': 16, 'relative_keys': True, 'relative_values': True,
             'form': 'auto'},
     params=_shaw_params,
