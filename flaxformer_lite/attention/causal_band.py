@@ -7,10 +7,10 @@ kernel (relative.shaw_chunked) runs its causal calls as this band, where the
 table rows differ pair by pair, merged (chunked.merge) with the chunked
 kernel over the keys at lag >= k, where every pair has the same row.
 
-The lagged weighted sums are one sum of k shifted slices each (one fused
-pass on CPU), the lagged dot products small matmuls over windows of keys,
-and their gradients are written out as the same two: autodiff would
-transpose each slice into a padded copy, k arrays of [b, n, h, d].
+Both lagged products (scores, and the weighted sum of values) are small
+matmuls over windows of B + k - 1 keys for B queries, and their gradients
+are written out as the same products (custom VJPs), not autodiff's
+transposes of the windows' pads and slices.
 """
 from __future__ import annotations
 
@@ -22,73 +22,94 @@ import jax.numpy as jnp
 from flaxformer_lite.attention import dropout
 
 
-def _lagged(x, k: int):
-  """[b, n, ...] -> k views of it, the t-th row i holding x[i - t] (0 for i < t)."""
-  n = x.shape[1]
-  x = jax.lax.optimization_barrier(x)
-  padded = jnp.pad(x, [(0, 0), (k - 1, 0)] + [(0, 0)] * (x.ndim - 2))
-  return [padded[:, k - 1 - t:k - 1 - t + n] for t in range(k)]
-
-
-def _led(x, k: int):
-  """[b, n, ...] -> k views of it, the t-th row i holding x[i + t] (0 for i >= n - t)."""
-  n = x.shape[1]
-  x = jax.lax.optimization_barrier(x)
-  padded = jnp.pad(x, [(0, 0), (0, k - 1)] + [(0, 0)] * (x.ndim - 2))
-  return [padded[:, t:t + n] for t in range(k)]
-
-
-def _lagged_sum(p, x):
-  """out[i] = sum_t p[i, t] x[i - t]: p [b, n, h, k], x [b, n, h, d] -> [b, n, h, d]."""
-  return sum(p[..., t, None] * x_t for t, x_t in enumerate(_lagged(x, p.shape[-1])))
-
-
-def _led_sum(p, x):
-  """out[j] = sum_t p[j + t, t] x[j + t], the transpose of _lagged_sum in x:
-  p [b, n, h, k], x [b, n, h, d] -> [b, n, h, d]."""
-  k = p.shape[-1]
-  return sum(p_t[..., t, None] * x_t for t, (p_t, x_t) in enumerate(zip(_led(p, k), _led(x, k))))
-
-
-# lagged_dots' rows per product: queries rB .. rB + B - 1 meet the B + k - 1
-# keys from rB - k + 1 in one small matmul, of which each row keeps its k
-# lags. On CPU this takes half the time of k multiply-and-reduce passes,
-# which XLA gives a copy each.
+# Rows per window: queries rB .. rB + B - 1 meet the B + k - 1 keys from
+# rB - k + 1 in one small matmul, of which each row keeps its k lags. On CPU
+# a sum of k shifted slices is no faster, and XLA:CPU hands such sums to a
+# library fusion that keeps the k slices as k arrays of [b, n, h, d].
 _ROWS = 16
 
 
-def _diagonals(x, k: int):
-  """x [..., B, W] -> [..., B, k]: out[i, c] = x[i, i + c] (k <= W)."""
-  rows, width = x.shape[-2:]
-  lead = x.shape[:-2]
-  flat = jnp.pad(x.reshape(lead + (rows * width,)), [(0, 0)] * len(lead) + [(0, rows)])
-  return flat.reshape(lead + (rows, width + 1))[..., :k]
+def _sizes(n: int, k: int):
+  """(rows B, blocks, length = blocks * B) for n queries and k lags."""
+  rows = max(k, _ROWS)
+  blocks = -(-n // rows)
+  return rows, blocks, blocks * rows
+
+
+def _windows(x, k: int):
+  """x [b, n, h, d] -> [b, blocks, B + k - 1, h, d]: window r holds rows
+  rB - k + 1 .. rB + B - 1 of x (zeros outside 0..n-1)."""
+  b, n, h, d = x.shape
+  rows, blocks, length = _sizes(n, k)
+  padded = jnp.pad(x, [(0, 0), (k - 1, length - n + rows), (0, 0), (0, 0)])
+  ahead = padded[:, rows:rows + length].reshape(b, blocks, rows, h, d)[:, :, :k - 1]
+  return jnp.concatenate([padded[:, :length].reshape(b, blocks, rows, h, d), ahead], axis=2)
+
+
+def _blocks(x, k: int):
+  """x [b, n, h, d] -> [b, blocks, B, h, d], zero rows after n."""
+  b, n, h, d = x.shape
+  _, blocks, length = _sizes(n, k)
+  return jnp.pad(x, [(0, 0), (0, length - n), (0, 0), (0, 0)]).reshape(b, blocks, -1, h, d)
+
+
+def _by_lag(s, n: int):
+  """Window scores [b, blocks, h, B, B + k - 1] -> [b, n, h, k] by lag: window
+  column c holds key rB - k + 1 + c, at lag i + k - 1 - c from query rB + i."""
+  b, blocks, h, rows, width = s.shape
+  k = width - rows + 1
+  flat = jnp.pad(s.reshape(b, blocks, h, rows * width), [(0, 0)] * 3 + [(0, rows)])
+  s = flat.reshape(b, blocks, h, rows, width + 1)[..., k - 1::-1]  # [.., i, t] = s[.., i, i + k - 1 - t]
+  return s.transpose(0, 1, 3, 2, 4).reshape(b, blocks * rows, h, k)[:, :n]
+
+
+def _in_windows(p):
+  """p [b, n, h, k] by lag -> [b, blocks, h, B, B + k - 1] by window column
+  (_by_lag's transpose: zeros off the band)."""
+  b, n, h, k = p.shape
+  rows, blocks, length = _sizes(n, k)
+  width = rows + k - 1
+  p = jnp.pad(p, [(0, 0), (0, length - n), (0, 0), (0, 0)])[..., ::-1]
+  p = p.reshape(b, blocks, rows, h, k).transpose(0, 1, 3, 2, 4)
+  p = jnp.pad(p, [(0, 0)] * 4 + [(0, width + 1 - k)]).reshape(b, blocks, h, rows * (width + 1))
+  return p[..., :rows * width].reshape(b, blocks, h, rows, width)
+
+
+def _lagged_dots(q, x, k: int):
+  s = jnp.einsum('brqhd,brchd->brhqc', _blocks(q, k), _windows(x, k),
+                 preferred_element_type=jnp.float32)
+  return _by_lag(s, q.shape[1])
+
+
+def _lagged_sum(p, x):
+  out = jnp.einsum('brhqc,brchd->brqhd', _in_windows(p), _windows(x, p.shape[-1]),
+                   preferred_element_type=jnp.float32)
+  return out.reshape((x.shape[0], -1) + x.shape[2:])[:, :x.shape[1]]
+
+
+def _led_sum(p, y):
+  """out[j] = sum_t p[j + t, t] y[j + t], the transpose of _lagged_sum in x:
+  p [b, n, h, k], y [b, n, h, d] -> [b, n, h, d]."""
+  k = p.shape[-1]
+  per_window = jnp.einsum('brhqc,brqhd->brchd', _in_windows(p), _blocks(y, k),
+                          preferred_element_type=jnp.float32)
+  fold, = jax.linear_transpose(lambda x: _windows(x, k), y.astype(jnp.float32))(per_window)
+  return fold
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def lagged_dots(q, x, k: int):
   """s[i, t] = q[i] . x[i - t] (0 for i < t): q, x [b, n, h, d] -> float32 [b, n, h, k]."""
-  b, n, h, d = q.shape
-  rows = max(k, _ROWS)
-  blocks = -(-n // rows)
-  length = blocks * rows
-  padded = jnp.pad(x, [(0, 0), (k - 1, length - n + rows), (0, 0), (0, 0)])
-  ahead = padded[:, rows:rows + length].reshape(b, blocks, rows, h, d)[:, :, :k - 1]
-  window = jnp.concatenate([padded[:, :length].reshape(b, blocks, rows, h, d), ahead], axis=2)
-  q = jnp.pad(q, [(0, 0), (0, length - n), (0, 0), (0, 0)]).reshape(b, blocks, rows, h, d)
-  s = jnp.einsum('brqhd,brchd->brhqc', q, window, preferred_element_type=jnp.float32)
-  # window column c holds key rB - k + 1 + c, at lag i + k - 1 - c from query rB + i
-  s = _diagonals(s, k)[..., ::-1]  # [b, blocks, h, rows, k]
-  return s.transpose(0, 1, 3, 2, 4).reshape(b, length, h, k)[:, :n]
+  return _lagged_dots(q, x, k)
 
 
 def _lagged_dots_fwd(q, x, k):
-  return lagged_dots(q, x, k), (q, x)
+  return _lagged_dots(q, x, k), (q, x)
 
 
 def _lagged_dots_bwd(k, res, ds):
   q, x = res
-  return _lagged_sum(ds, x), _led_sum(ds, q)
+  return _lagged_sum(ds, x).astype(q.dtype), _led_sum(ds, q).astype(x.dtype)
 
 
 lagged_dots.defvjp(_lagged_dots_fwd, _lagged_dots_bwd)
@@ -96,7 +117,7 @@ lagged_dots.defvjp(_lagged_dots_fwd, _lagged_dots_bwd)
 
 @jax.custom_vjp
 def lagged_sum(p, x):
-  """out[i] = sum_t p[i, t] x[i - t]: p [b, n, h, k], x [b, n, h, d] -> [b, n, h, d]."""
+  """out[i] = sum_t p[i, t] x[i - t]: p [b, n, h, k], x [b, n, h, d] -> float32 [b, n, h, d]."""
   return _lagged_sum(p, x)
 
 
@@ -106,7 +127,7 @@ def _lagged_sum_fwd(p, x):
 
 def _lagged_sum_bwd(res, d_out):
   p, x = res
-  return lagged_dots(d_out, x, p.shape[-1]), _led_sum(p, d_out)
+  return _lagged_dots(d_out, x, p.shape[-1]).astype(p.dtype), _led_sum(p, d_out).astype(x.dtype)
 
 
 lagged_sum.defvjp(_lagged_sum_fwd, _lagged_sum_bwd)

@@ -255,8 +255,9 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
 
   Self-attention under a causal mask alone (training and evaluation of a
   decoder) splits the pairs by lag i - j: at lag >= k every pair has table
-  row 0, so those run as dot_product's kernel on k_j + a^K_0 and v_j + a^V_0
-  (the queries moved k rows up, so that its causal diagonal is lag k), and
+  row 0, so those run as dot_product's kernel, row 0 added to its rows'
+  log-sum-exps and outputs (the queries moved k rows up, so that its causal
+  diagonal is lag k), and
   the k nearest keys of each query as causal_band.py's O(n k) band; the two
   are merged by their log-sum-exps (chunked.merge). Other calls (padding,
   segments, no mask, decoding) run the block terms (_shaw_terms), which
@@ -276,17 +277,28 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
   dtype = dtype or query.dtype
   q = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
   key, value = key.astype(dtype), value.astype(dtype)
-  row0 = lambda x, t: x if t is None else x + t[0].astype(dtype)  # noqa: E731
+  rate = dropout_rate if dropout_rng is not None else 0.0
+  # Row 0 on every far pair. q_i . a^K_0 is the same for all of a row's far
+  # keys: it moves their log-sum-exp only. Their weights sum to one, so
+  # they add a^V_0, except under dropout, where the kept weights' sum is
+  # the kernel's to take: then a^V_0 rides on the values.
+  v_row0 = rel_value_table is not None and bool(rate)
+  far_value = value + rel_value_table[0].astype(dtype) if v_row0 else value
   # Query i + k in row i: the kernel's causal diagonal is then lag k. The
   # last k rows are zeros whose outputs are dropped.
   moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
-  far, far_lse = chunked.attend(moved, row0(key, rel_key_table), row0(value, rel_value_table),
-                                mask=masks.MaskSpec(causal=True), chunk_size=chunk_size,
-                                dtype=dtype, return_lse=True, dropout_first_query=k, **dropout)
+  far, far_lse = chunked.attend(moved, key, far_value, mask=masks.MaskSpec(causal=True),
+                                chunk_size=chunk_size, dtype=dtype, return_lse=True,
+                                dropout_first_query=k, **dropout)
+  far = far.astype(jnp.float32)
+  if rel_value_table is not None and not v_row0:
+    far = far + rel_value_table[0].astype(jnp.float32)
+  if rel_key_table is not None:
+    far_lse = far_lse + jnp.einsum('bnhd,d->bhn', moved.astype(jnp.float32),
+                                   rel_key_table[0].astype(jnp.float32))
   far = jnp.concatenate([jnp.zeros_like(far[:, :k]), far[:, :n - k]], axis=1)
   far_lse = jnp.concatenate([jnp.full_like(far_lse[:, :, :k], -jnp.inf), far_lse[:, :, :n - k]],
                             axis=2)
-  rate = dropout_rate if dropout_rng is not None else 0.0
   rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
   near, near_lse = causal_band(
       q, chunked.repeat_heads(key, h), chunked.repeat_heads(value, h), k,
