@@ -75,6 +75,13 @@ def _in_windows(p):
   return p[..., :rows * width].reshape(b, blocks, h, rows, width)
 
 
+def _lags(valid, k: int):
+  """bool [b, n] -> k arrays [b, n], the t-th holding valid[i - t] (False for i < t)."""
+  n = valid.shape[1]
+  padded = jnp.pad(valid.astype(bool), [(0, 0), (k - 1, 0)])
+  return [padded[:, k - 1 - t:k - 1 - t + n] for t in range(k)]
+
+
 def _lagged_dots(q, x, k: int):
   s = jnp.einsum('brqhd,brchd->brhqc', _blocks(q, k), _windows(x, k),
                  preferred_element_type=jnp.float32)
@@ -133,8 +140,8 @@ def _lagged_sum_bwd(res, d_out):
 lagged_sum.defvjp(_lagged_sum_fwd, _lagged_sum_bwd)
 
 
-def causal_band(q, key, value, k: int, key_rows=None, value_rows=None, *, seed=None,
-                rate: float = 0.0):
+def causal_band(q, key, value, k: int, key_rows=None, value_rows=None, *, key_valid=None,
+                query_valid=None, seed=None, rate: float = 0.0):
   """Attention of query i to keys i-k+1 .. i, each pair's score and value
   given its lag's table row, normalised over those keys alone.
 
@@ -144,10 +151,12 @@ def causal_band(q, key, value, k: int, key_rows=None, value_rows=None, *, seed=N
     k: keys per query (lags 0 .. k-1), 1 <= k.
     key_rows, value_rows: [k, d] and [k, dv], or None: row k - 1 - t is added
       to the key (value) at lag t, so row k - 1 is lag 0's.
+    key_valid, query_valid: bool [b, n] or None: padding, hidden.
     seed, rate: attention dropout by dropout.py's hash of (row, head, query
       i, key i - t), the bits every kernel draws for that pair.
   Returns:
-    (out float32 [b, n, h, dv], lse float32 [b, h, n]) for chunked.merge.
+    (out float32 [b, n, h, dv], lse float32 [b, h, n]) for chunked.merge;
+    a row that sees none of its keys has out 0 and lse -inf.
   """
   n = q.shape[1]
   q, key, value = (x.astype(jnp.float32) for x in (q, key, value))
@@ -156,9 +165,17 @@ def causal_band(q, key, value, k: int, key_rows=None, value_rows=None, *, seed=N
     s = s + jnp.einsum('bnhd,td->bnht', q, key_rows[::-1].astype(jnp.float32))
   lag = jnp.arange(k)[None, :]
   i = jnp.arange(n)[:, None]
-  s = jnp.where((lag <= i)[None, :, None, :], s, -jnp.inf)
-  lse = jax.nn.logsumexp(s, -1)  # lag 0 is always seen
-  p = jnp.exp(s - lse[..., None])
+  seen = (lag <= i)[None, :, None, :]  # [1 | b, n, 1, k]
+  if key_valid is not None:  # key i - t of row i
+    seen = seen & jnp.stack(_lags(key_valid, k), -1)[:, :, None, :]
+  if query_valid is not None:
+    seen = seen & query_valid[:, :, None, None]
+  # A row that sees no key (padding) is given finite scores, and then lse
+  # -inf: logsumexp over nothing has a NaN gradient.
+  some = jnp.any(seen, -1)
+  lse = jax.nn.logsumexp(jnp.where(seen, s, jnp.where(some[..., None], -jnp.inf, 0.0)), -1)
+  p = jnp.where(seen, jnp.exp(s - lse[..., None]), 0.0)
+  lse = jnp.where(some, lse, -jnp.inf)
   if rate:
     kept = dropout.keep(seed, rate, (p.shape[0], p.shape[2]), i, i - lag)  # [b, h, n, k]
     p = jnp.where(kept.transpose(0, 2, 1, 3), p / (1.0 - rate), 0.0)

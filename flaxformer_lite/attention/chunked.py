@@ -327,11 +327,14 @@ def merge(out_a, lse_a, out_b, lse_b):
   """Attention over two disjoint sets of keys, merged into attention over
   both: out_a, out_b [b, n, h, dv], each normalised over its own keys, with
   their rows' log-sum-exps lse_a, lse_b float32 [b, h, n] (-inf: the row
-  sees none of that set's keys; not both) -> float32 [b, n, h, dv]. The
-  weights are exp(lse - lse_all), each set's share of the row's sum."""
+  sees none of that set's keys) -> float32 [b, n, h, dv]. The
+  weights are exp(lse - lse_all), each set's share of the row's sum; a row
+  that sees neither set gets 0."""
   top = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))  # any value: the shares do not move
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
   wa, wb = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
-  share = lambda w: (w / (wa + wb)).transpose(0, 2, 1)[..., None]  # noqa: E731
+  total = jnp.where(wa + wb > 0, wa + wb, 1.0)
+  share = lambda w: (w / total).transpose(0, 2, 1)[..., None]  # noqa: E731
   return out_a.astype(jnp.float32) * share(wa) + out_b.astype(jnp.float32) * share(wb)
 
 

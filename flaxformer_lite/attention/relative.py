@@ -259,7 +259,7 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
   log-sum-exps and outputs (the queries moved k rows up, so that its causal
   diagonal is lag k), and
   the k nearest keys of each query as causal_band.py's O(n k) band; the two
-  are merged by their log-sum-exps (chunked.merge). Other calls (padding,
+  are merged by their log-sum-exps (chunked.merge). Other calls (packed
   segments, no mask, decoding) run the block terms (_shaw_terms), which
   place the table rows in each block by bucket_spread / bucket_sum.
   """
@@ -287,7 +287,9 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
   # Query i + k in row i: the kernel's causal diagonal is then lag k. The
   # last k rows are zeros whose outputs are dropped.
   moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
-  far, far_lse = chunked.attend(moved, key, far_value, mask=masks.MaskSpec(causal=True),
+  far_mask = masks.MaskSpec(causal=True, key_valid=mask.key_valid, query_valid=None if (
+      mask.query_valid is None) else jnp.pad(mask.query_valid[:, k:], [(0, 0), (0, k)]))
+  far, far_lse = chunked.attend(moved, key, far_value, mask=far_mask,
                                 chunk_size=chunk_size, dtype=dtype, return_lse=True,
                                 dropout_first_query=k, **dropout)
   far = far.astype(jnp.float32)
@@ -302,15 +304,23 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
   rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
   near, near_lse = causal_band(
       q, chunked.repeat_heads(key, h), chunked.repeat_heads(value, h), k,
-      rows(rel_key_table), rows(rel_value_table),
-      seed=dropout_lib.seed(dropout_rng) if rate else None, rate=rate)
-  return chunked.merge(far, far_lse, near, near_lse).astype(dtype)
+      rows(rel_key_table), rows(rel_value_table), key_valid=mask.key_valid,
+      query_valid=mask.query_valid, seed=dropout_lib.seed(dropout_rng) if rate else None,
+      rate=rate)
+  out = chunked.merge(far, far_lse, near, near_lse)
+  if mask.has_arrays():  # a row that sees no key (padding): the dense path's uniform weights
+    empty = (jnp.isneginf(far_lse) & jnp.isneginf(near_lse)).transpose(0, 2, 1)[..., None]
+    uniform = _uniform(k, chunked.repeat_heads(value, h), tables, jnp.arange(n), n)
+    out = jnp.where(empty, uniform.astype(jnp.float32), out)
+  return out.astype(dtype)
 
 
 def _splits_by_lag(mask, q_offset, k: int, n: int, m: int) -> bool:
-  """Whether shaw_chunked splits the call by lag: self-attention (n = m, the
-  queries at 0..n-1) under a causal mask alone, with keys beyond lag k."""
-  return (mask is not None and mask.causal and mask.window is None and not mask.has_arrays()
+  """Whether shaw_chunked splits the call by lag: causal self-attention (n =
+  m, the queries at 0..n-1, padding allowed, no segments or window), with
+  keys beyond lag k."""
+  return (mask is not None and mask.causal and mask.window is None
+          and mask.query_segments is None and mask.dense is None
           and type(q_offset) is int and q_offset == 0 and n == m and 0 < k < n)
 
 

@@ -61,12 +61,15 @@ def test_lagged_products_gradients_equal_autodiff_of_the_shifted_sums():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('n,k,g,rate', [(24, 3, 4, 0.0), (24, 5, 2, 0.3), (6, 8, 4, 0.0)])
-def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate):
+@pytest.mark.parametrize('n,k,g,rate,padded', [(24, 3, 4, 0.0, False), (24, 5, 2, 0.3, False),
+                                               (24, 4, 4, 0.3, True), (6, 8, 4, 0.0, False)])
+def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate, padded):
   """Output and every gradient (q, k, v, both tables) of the chunked form
   equal shaw_attention's naive form under a causal mask: the split by lag
-  (k < n), grouped key/value heads (g < h) and attention dropout, whose keep
-  bits must be the dense path's; k >= n runs the block terms."""
+  (k < n), grouped key/value heads (g < h), attention dropout, whose keep
+  bits must be the dense path's, and padding (a PAD tail, PAD keys inside
+  the band, PAD queries, which see no key: the dense path's uniform
+  weights); k >= n runs the block terms."""
   rng = np.random.default_rng(n * k + g)
   h, d = 4, 8
   q = jnp.asarray(rng.normal(size=(2, n, h, d)), jnp.float32)
@@ -74,15 +77,23 @@ def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate):
   tables = tuple(jnp.asarray(rng.normal(size=(2 * k + 1, d)), jnp.float32) for _ in range(2))
   drop = jax.random.PRNGKey(1) if rate else None
   cot = jnp.asarray(rng.normal(size=(2, n, h, d)), jnp.float32)
-  assert relative._splits_by_lag(MaskSpec(causal=True), 0, k, n, n) == (k < n)
+  valid = np.ones((2, n), bool)
+  if padded:
+    valid[0, n - 5:] = False  # a PAD tail
+    valid[1, [3, 4, 9]] = False  # PAD keys inside later queries' band, PAD queries
+  spec = (MaskSpec(causal=True, key_valid=jnp.asarray(valid), query_valid=jnp.asarray(valid))
+          if padded else MaskSpec(causal=True))
+  dense_mask = np.tril(np.ones((n, n), bool))[None, None] & valid[:, None, None, :] & (
+      valid[:, None, :, None])
+  assert relative._splits_by_lag(spec, 0, k, n, n) == (k < n)
 
   def chunked_fn(q, key, value, tk, tv):
-    return relative.shaw_chunked(q, key, value, tk, tv, mask=MaskSpec(causal=True),
+    return relative.shaw_chunked(q, key, value, tk, tv, mask=spec,
                                  chunk_size=8, dropout_rate=rate, dropout_rng=drop)
 
   def dense_fn(q, key, value, tk, tv):
     key, value = (chunked.repeat_heads(x, h) for x in (key, value))
-    return relative.shaw_attention(q, key, value, tk, tv, mask=jnp.tril(jnp.ones((n, n), bool)),
+    return relative.shaw_attention(q, key, value, tk, tv, mask=jnp.asarray(dense_mask),
                                    form='naive', dropout_rate=rate, dropout_rng=drop,
                                    deterministic=not rate)
 
