@@ -251,30 +251,35 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
                  dropout_rng=None, max_distance=None, relative_keys=True, relative_values=True,
                  form='auto'):
   """shaw_attention in O(n) memory (chunked.attend), keys and values terms
-  both; both tables' gradients are summed over the blocks.
-
-  Self-attention under a causal mask alone (training and evaluation of a
-  decoder) splits the pairs by lag i - j: at lag >= k every pair has table
-  row 0, so those run as dot_product's kernel, row 0 added to its rows'
-  log-sum-exps and outputs (the queries moved k rows up, so that its causal
-  diagonal is lag k), and
-  the k nearest keys of each query as causal_band.py's O(n k) band; the two
-  are merged by their log-sum-exps (chunked.merge). Other calls (packed
-  segments, no mask, decoding) run the block terms (_shaw_terms), which
-  place the table rows in each block by bucket_spread / bucket_sum.
-  """
+  both; both tables' gradients are summed over the blocks. Causal
+  self-attention (training and evaluation of a decoder, padding included)
+  runs split by lag (_by_lag); other calls (packed segments, no mask,
+  decoding) run the block terms (_shaw_terms), which place the table rows in
+  each block by bucket_spread / bucket_sum."""
   del max_distance, relative_keys, relative_values, form  # carried by the tables
   tables = {name: t for name, t in (('rel_key_table', rel_key_table),
                                     ('rel_value_table', rel_value_table)) if t is not None}
   k = (next(iter(tables.values())).shape[0] - 1) // 2
-  b, n, h, d = query.shape
   dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  if not _splits_by_lag(mask, q_offset, k, n, key.shape[1]):
-    terms = _shaw_terms(h, max_distance=k, relative_keys=True, relative_values=True,
-                        form='banded')
-    return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
-                               chunk_size=chunk_size, dtype=dtype, **dropout)
-  dtype = dtype or query.dtype
+  if _splits_by_lag(mask, q_offset, k, query.shape[1], key.shape[1]):
+    return _by_lag(query, key, value, tables, k, mask=mask, chunk_size=chunk_size,
+                   dtype=dtype or query.dtype, **dropout)
+  terms = _shaw_terms(query.shape[2], max_distance=k, relative_keys=True, relative_values=True,
+                      form='banded')
+  return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
+                             chunk_size=chunk_size, dtype=dtype, **dropout)
+
+
+def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_rate,
+            dropout_rng):
+  """Causal self-attention with the pairs split by lag i - j. At lag >= k
+  every pair has table row 0: those run as dot_product's kernel, with the
+  queries moved k rows up so that its causal diagonal is lag k, and row 0
+  added to its rows' log-sum-exps and outputs. The k nearest keys of each
+  query run as causal_band.py's O(n k) band. The two are merged by their
+  log-sum-exps (chunked.merge)."""
+  b, n, h, d = query.shape
+  key_table, value_table = tables.get('rel_key_table'), tables.get('rel_value_table')
   q = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
   key, value = key.astype(dtype), value.astype(dtype)
   rate = dropout_rate if dropout_rng is not None else 0.0
@@ -282,31 +287,30 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
   # keys: it moves their log-sum-exp only. Their weights sum to one, so
   # they add a^V_0, except under dropout, where the kept weights' sum is
   # the kernel's to take: then a^V_0 rides on the values.
-  v_row0 = rel_value_table is not None and bool(rate)
-  far_value = value + rel_value_table[0].astype(dtype) if v_row0 else value
+  v_row0 = value_table is not None and bool(rate)
+  far_value = value + value_table[0].astype(dtype) if v_row0 else value
   # Query i + k in row i: the kernel's causal diagonal is then lag k. The
   # last k rows are zeros whose outputs are dropped.
   moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
   far_mask = masks.MaskSpec(causal=True, key_valid=mask.key_valid, query_valid=None if (
       mask.query_valid is None) else jnp.pad(mask.query_valid[:, k:], [(0, 0), (0, k)]))
-  far, far_lse = chunked.attend(moved, key, far_value, mask=far_mask,
-                                chunk_size=chunk_size, dtype=dtype, return_lse=True,
-                                dropout_first_query=k, **dropout)
+  far, far_lse = chunked.attend(moved, key, far_value, mask=far_mask, chunk_size=chunk_size,
+                                dtype=dtype, return_lse=True, dropout_first_query=k,
+                                dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   far = far.astype(jnp.float32)
-  if rel_value_table is not None and not v_row0:
-    far = far + rel_value_table[0].astype(jnp.float32)
-  if rel_key_table is not None:
+  if value_table is not None and not v_row0:
+    far = far + value_table[0].astype(jnp.float32)
+  if key_table is not None:
     far_lse = far_lse + jnp.einsum('bnhd,d->bhn', moved.astype(jnp.float32),
-                                   rel_key_table[0].astype(jnp.float32))
+                                   key_table[0].astype(jnp.float32))
   far = jnp.concatenate([jnp.zeros_like(far[:, :k]), far[:, :n - k]], axis=1)
   far_lse = jnp.concatenate([jnp.full_like(far_lse[:, :, :k], -jnp.inf), far_lse[:, :, :n - k]],
                             axis=2)
   rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
   near, near_lse = causal_band(
-      q, chunked.repeat_heads(key, h), chunked.repeat_heads(value, h), k,
-      rows(rel_key_table), rows(rel_value_table), key_valid=mask.key_valid,
-      query_valid=mask.query_valid, seed=dropout_lib.seed(dropout_rng) if rate else None,
-      rate=rate)
+      q, chunked.repeat_heads(key, h), chunked.repeat_heads(value, h), k, rows(key_table),
+      rows(value_table), key_valid=mask.key_valid, query_valid=mask.query_valid,
+      seed=dropout_lib.seed(dropout_rng) if rate else None, rate=rate)
   out = chunked.merge(far, far_lse, near, near_lse)
   if mask.has_arrays():  # a row that sees no key (padding): the dense path's uniform weights
     empty = (jnp.isneginf(far_lse) & jnp.isneginf(near_lse)).transpose(0, 2, 1)[..., None]
