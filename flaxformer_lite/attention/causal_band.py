@@ -53,7 +53,7 @@ def _blocks(x, k: int):
   return jnp.pad(x, [(0, 0), (0, length - n), (0, 0), (0, 0)]).reshape(b, blocks, -1, h, d)
 
 
-def _by_lag(s, n: int):
+def _scores_by_lag(s, n: int):
   """Window scores [b, blocks, h, B, B + k - 1] -> [b, n, h, k] by lag: window
   column c holds key rB - k + 1 + c, at lag i + k - 1 - c from query rB + i."""
   b, blocks, h, rows, width = s.shape
@@ -63,9 +63,9 @@ def _by_lag(s, n: int):
   return s.transpose(0, 1, 3, 2, 4).reshape(b, blocks * rows, h, k)[:, :n]
 
 
-def _in_windows(p):
+def _weights_by_window(p):
   """p [b, n, h, k] by lag -> [b, blocks, h, B, B + k - 1] by window column
-  (_by_lag's transpose: zeros off the band)."""
+  (_scores_by_lag's transpose: zeros off the band)."""
   b, n, h, k = p.shape
   rows, blocks, length = _sizes(n, k)
   width = rows + k - 1
@@ -85,11 +85,11 @@ def _lags(valid, k: int):
 def _lagged_dots(q, x, k: int):
   s = jnp.einsum('brqhd,brchd->brhqc', _blocks(q, k), _windows(x, k),
                  preferred_element_type=jnp.float32)
-  return _by_lag(s, q.shape[1])
+  return _scores_by_lag(s, q.shape[1])
 
 
 def _lagged_sum(p, x):
-  out = jnp.einsum('brhqc,brchd->brqhd', _in_windows(p), _windows(x, p.shape[-1]),
+  out = jnp.einsum('brhqc,brchd->brqhd', _weights_by_window(p), _windows(x, p.shape[-1]),
                    preferred_element_type=jnp.float32)
   return out.reshape((x.shape[0], -1) + x.shape[2:])[:, :x.shape[1]]
 
@@ -98,7 +98,7 @@ def _led_sum(p, y):
   """out[j] = sum_t p[j + t, t] y[j + t], the transpose of _lagged_sum in x:
   p [b, n, h, k], y [b, n, h, d] -> [b, n, h, d]."""
   k = p.shape[-1]
-  per_window = jnp.einsum('brhqc,brqhd->brchd', _in_windows(p), _blocks(y, k),
+  per_window = jnp.einsum('brhqc,brqhd->brchd', _weights_by_window(p), _blocks(y, k),
                           preferred_element_type=jnp.float32)
   fold, = jax.linear_transpose(lambda x: _windows(x, k), y.astype(jnp.float32))(per_window)
   return fold

@@ -314,7 +314,7 @@ def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_ra
   out = chunked.merge(far, far_lse, near, near_lse)
   if mask.has_arrays():  # a row that sees no key (padding): the dense path's uniform weights
     empty = (jnp.isneginf(far_lse) & jnp.isneginf(near_lse)).transpose(0, 2, 1)[..., None]
-    uniform = _uniform(k, chunked.repeat_heads(value, h), tables, jnp.arange(n), n)
+    uniform = chunked.repeat_heads(_uniform(k, value, tables, jnp.arange(n), n), h)
     out = jnp.where(empty, uniform.astype(jnp.float32), out)
   return out.astype(dtype)
 

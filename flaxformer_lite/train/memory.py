@@ -8,10 +8,10 @@ step's, plus the other steps' temp buffers on a host whose heap keeps them
 (`heap_keeps_temps`: under launch.sh's malloc settings). On CPU a step
 near the limit is also compiled without the library fusions whose buffers
 XLA's assignment leaves out (WITHOUT_LIBRARY_FUSIONS), and the larger
-estimate kept. The memory
-available is the device's on an accelerator (its allocator's `bytes_limit`),
-the host's on CPU (/proc/meminfo MemAvailable, or the cgroup's limit if
-lower), or FFL_MEMORY_LIMIT (`2GiB`, `500MiB`, bytes) where it is set.
+estimate kept. The memory available is the device's on an accelerator (its
+allocator's `bytes_limit`), the host's on CPU (/proc/meminfo MemAvailable,
+or the cgroup's limit if lower), or FFL_MEMORY_LIMIT (`2GiB`, `500MiB`,
+bytes) where it is set.
 """
 from __future__ import annotations
 
