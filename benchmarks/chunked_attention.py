@@ -31,6 +31,11 @@ timed interleaved, and the chunked time over it (c/mask).
 diagonal whole (chunked.STAIRCASE_ROWS out of reach), timed interleaved, and
 the chunked time over it (c/flat).
 
+--padding adds the chunked kernel under a model's padding mask (key_valid
+and query_valid, every token valid, as a language model's training windows
+are: models.padding_mask passes one to every layer), timed interleaved, and
+its time over the chunked time without it (pad/c).
+
 --dropout RATE runs the layer with attention dropout (dropout_rate, not
 deterministic, a fixed 'dropout' key) in both kernels, and adds the chunked
 time and memory over the chunked kernel's without dropout (c/c0). A
@@ -58,16 +63,20 @@ from flaxformer_lite.layers import MultiHeadAttention  # noqa: E402
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
-def _step(variant, implementation, chunk_size, dropout, args, x):
+def _step(variant, implementation, chunk_size, dropout, args, x, padding=False):
   """(jitted fwd+bwd of MultiHeadAttention on x [b, n, d_model], its arguments;
   with --forward_only, the jitted forward pass).
 
   dropout: the layer's attention dropout rate (0: deterministic).
+  padding: the mask has a model's padding arrays (every token valid).
   """
   layer = MultiHeadAttention(
       num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype], dropout_rate=dropout,
       attention_kwargs={'implementation': implementation, 'chunk_size': chunk_size})
   spec = MaskSpec(causal=args.causal)
+  if padding:
+    valid = jnp.ones(x.shape[:2], bool)
+    spec = spec.replace(key_valid=valid, query_valid=valid)
   params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
 
   def loss(params, x, d_y, rng):  # its gradient is the layer's vjp with cotangent d_y
@@ -134,6 +143,10 @@ def _measure(variant, n, b, args, x, dot):
     builds.update({f'masked {c}': _traced_with(functools.partial(
         _step, variant, 'chunked', c, args.dropout, args, x), 'UNMASKED_MIN_SCORES', math.inf)
                    for c in args.chunk_sizes})
+  if args.padding:
+    builds.update({f'padded {c}': functools.partial(_step, variant, 'chunked', c, args.dropout,
+                                                    args, x, padding=True)
+                   for c in args.chunk_sizes})
   if args.no_staircase:
     builds.update({f'flat {c}': _traced_with(functools.partial(
         _step, variant, 'chunked', c, args.dropout, args, x), 'STAIRCASE_ROWS', math.inf)
@@ -165,6 +178,8 @@ def _rows(variant, n, b, args, x, dot):
       row += [(timing.ratio(t, times.get(f'masked {c}')), '6.2f')]
     if args.no_staircase:
       row += [(timing.ratio(t, times.get(f'flat {c}')), '6.2f')]
+    if args.padding:
+      row += [(timing.ratio(times.get(f'padded {c}'), t), '6.2f')]
     if args.cudnn:
       row += [(times.get('cudnn'), '9.2f'), (timing.ratio(t, times.get('cudnn')), '7.2f')]
     print(f'{variant:14s} {n:6d} {b:2d} {c:5d}', *(timing.cell(v, spec) for v, spec in row),
@@ -192,6 +207,8 @@ def main(argv=None):
                       help='also time the chunked kernel masking every block (c/mask)')
   parser.add_argument('--no_staircase', action='store_true',
                       help='also time the chunked kernel with whole diagonal blocks (c/flat)')
+  parser.add_argument('--padding', action='store_true',
+                      help="also time the chunked kernel under a model's padding mask (pad/c)")
   parser.add_argument('--dtype', choices=sorted(DTYPES), default='float32')
   parser.add_argument('--causal', action=argparse.BooleanOptionalAction, default=True)
   parser.add_argument('--repeats', type=int, default=3)
@@ -209,6 +226,7 @@ def main(argv=None):
         + (f' {"time c/c0":>9s} {"mem c/c0":>8s}' if args.dropout else '')
         + (f' {"c/mask":>6s}' if args.masked_blocks else '')
         + (f' {"c/flat":>6s}' if args.no_staircase else '')
+        + (f' {"pad/c":>6s}' if args.padding else '')
         + (f' {"cudnn ms":>9s} {"c/cudnn":>7s}' if args.cudnn else ''), flush=True)
   for n in args.lengths:
     b = batch_at.get(n, 1)

@@ -372,22 +372,48 @@ UNMASKED_MIN_SCORES = 2**17
 
 
 def _may_skip_mask(mask: MaskSpec, scores: int) -> bool:
-  """Whether some blocks may need no mask: none of padding, segments or a
-  window, and blocks of at least UNMASKED_MIN_SCORES scores."""
-  return not mask.has_arrays() and mask.window is None and scores >= UNMASKED_MIN_SCORES
+  """Whether some blocks may need no mask: none of segments, an explicit mask
+  or a window, and blocks of at least UNMASKED_MIN_SCORES scores. Padding
+  may leave whole blocks visible (a model's calls always carry its PAD
+  mask): which ones is read from the arrays at run time (_first_partial)."""
+  return (mask.query_segments is None and mask.dense is None and mask.window is None
+          and scores >= UNMASKED_MIN_SCORES)
+
+
+def _first_partial(valid, size: int, start):
+  """The first block of `size` tokens at or after block `start` (int32
+  scalar) where some row of the batch has a padding token: valid bool [b, L]
+  (L a multiple of size; None: no padding) -> int32 scalar, L // size if
+  none."""
+  if valid is None:
+    return jnp.int32(2**30)
+  count = valid.shape[1] // size
+  whole = valid.reshape(valid.shape[0], count, size).all((0, 2))
+  index = jnp.arange(count, dtype=jnp.int32)
+  return jnp.min(jnp.where(~whole & (index >= start), index, count))
+
+
+def _all_valid(valid, start, size: int):
+  """Whether tokens start .. start + size - 1 are valid in every row: valid
+  bool [b, L] or None (no padding) -> bool scalar."""
+  if valid is None:
+    return jnp.bool_(True)
+  return jax.lax.dynamic_slice_in_dim(valid, start, size, axis=1).all()
 
 
 def unmasked_key_blocks(mask: MaskSpec, qs, bq, bk, lo, hi, q_offset, n, m, scores: int):
   """(first, last): the key blocks [first, last) of [lo, hi) that every
   query of the block at qs sees whole (below the causal diagonal, real
-  queries < n and keys < m): a prefix of [lo, hi), int32 scalars; None
-  where _may_skip_mask says no."""
+  queries < n and keys < m, no padding token in any row of the batch up to
+  the last one): a prefix of [lo, hi), int32 scalars; None where
+  _may_skip_mask says no."""
   if not _may_skip_mask(mask, scores):
     return None
-  last = jnp.int32(m // bk)
+  last = jnp.minimum(m // bk, _first_partial(mask.key_valid, bk, lo))
   if mask.causal:  # key block kb ends at or before the block's first query
     last = jnp.minimum(last, (q_offset + qs + 1) // bk)
-  return lo, jnp.where(qs + bq <= n, jnp.clip(last, lo, hi), lo)
+  whole = (qs + bq <= n) & _all_valid(mask.query_valid, qs, bq)
+  return lo, jnp.where(whole, jnp.clip(last, lo, hi), lo)
 
 
 def unmasked_query_blocks(mask: MaskSpec, ks, bq, bk, lo, hi, q_offset, n, m, scores: int):
@@ -400,9 +426,9 @@ def unmasked_query_blocks(mask: MaskSpec, ks, bq, bk, lo, hi, q_offset, n, m, sc
   if mask.causal:  # query block qb starts at or after the key block's last key
     first = jnp.maximum(lo, -((q_offset - ks - bk + 1) // bq))
   first = jnp.minimum(first, hi)
-  last = jnp.clip(n // bq, first, hi)
-  real = ks + bk <= m
-  return jnp.where(real, first, hi), jnp.where(real, last, hi)
+  last = jnp.clip(jnp.minimum(n // bq, _first_partial(mask.query_valid, bq, first)), first, hi)
+  whole = (ks + bk <= m) & _all_valid(mask.key_valid, ks, bk)
+  return jnp.where(whole, first, hi), jnp.where(whole, last, hi)
 
 
 def _loops(lo, hi, unmasked, body, carry):
@@ -422,9 +448,10 @@ def _loops(lo, hi, unmasked, body, carry):
 
 
 # The blocks on the causal diagonal have their upper half hidden. Where the
-# diagonal blocks are a call's only masked ones (_staircase), each runs as a
-# staircase: rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's first
-# r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only: with
+# diagonal blocks are whole blocks (_staircase), each runs as a staircase
+# outside the loops: rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's
+# first r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only
+# (in all of them where there is padding): with
 # blocks of 512, (1 + 4) / 8 of the block's pairs, in 4 products 128 rows
 # tall (benchmarks/chunked_attention.py --no_staircase).
 STAIRCASE_ROWS = 128
@@ -432,10 +459,10 @@ STAIRCASE_ROWS = 128
 
 def _staircase(mask: MaskSpec, q_offset, n: int, m: int, bq: int, bk: int, scores: int):
   """The rows a step of the diagonal blocks' staircase (STAIRCASE_ROWS), or
-  None: the blocks a call masks must be exactly the whole blocks on the
-  causal diagonal, so the mask is causal alone (_may_skip_mask), q_offset a
-  Python 0 (training, evaluation), bq = bk dividing n <= m, and the block
-  more than one step tall."""
+  None: the mask causal, with no window or segments (_may_skip_mask;
+  padding may be), q_offset a Python 0 (training, evaluation), bq = bk
+  dividing n <= m, so that the diagonal blocks are whole blocks, and the
+  block more than one step tall."""
   if not (mask.causal and _may_skip_mask(mask, scores) and type(q_offset) is int
           and q_offset == 0 and bq == bk and n <= m and not n % bq and not m % bk):
     return None
@@ -447,6 +474,20 @@ def _step_visible(r0: int, rise: int):
   """bool [rise, r0 + rise]: rows r0 .. r0 + rise - 1 of a diagonal block
   against its keys 0 .. r0 + rise - 1, key j seen by row i where j <= i."""
   return jnp.arange(r0 + rise)[None, :] <= (r0 + jnp.arange(rise))[:, None]
+
+
+def _step_mask(mask: MaskSpec, start, r0: int, rise: int):
+  """_step_visible with the padding of the diagonal block at `start` (its
+  queries and keys both): bool [rise, r0 + rise], or [b, 1, rise, r0 + rise]
+  where the mask has padding."""
+  visible = _step_visible(r0, rise)
+  if mask.key_valid is not None:
+    keys = jax.lax.dynamic_slice_in_dim(mask.key_valid, start, r0 + rise, axis=1)
+    visible = visible & keys[:, None, None, :]
+  if mask.query_valid is not None:
+    queries = jax.lax.dynamic_slice_in_dim(mask.query_valid, start + r0, rise, axis=1)
+    visible = visible & queries[:, None, :, None]
+  return visible
 
 
 def _heads_first(x):
@@ -545,13 +586,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
           i_idx, j_idx = q_idx[r0:r1], ks + jnp.arange(r1)
           s = block_logits(q_blk[:, r0:r1], k_blk[:, :r1], params, i_idx, j_idx, q_offset, rotated)
           steps.append(update(tuple(x[:, :, r0:r1] for x in carry), s, v_blk[:, :r1], i_idx,
-                              j_idx, _step_visible(r0, rise)))
+                              j_idx, _step_mask(mask, ks, r0, rise)))
         return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*steps))
 
       def key_block(kb, carry, masked):
         ks = kb * bk
-        if masked and rise:
-          return diagonal(carry, ks)
         k_idx = ks + jnp.arange(bk)
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
 
@@ -563,8 +602,11 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
 
       init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
               jnp.zeros((b, h, bq, dv), jnp.float32))
+      if rise:  # the diagonal block (key block qb = hi - 1) after the loops
+        hi = hi - 1
       unmasked = unmasked_key_blocks(mask, qs, bq, bk, lo, hi, q_offset, n, m, b * h * bq * bk)
-      row_max, row_sum, acc = _loops(lo, hi, unmasked, key_block, init)
+      carry = _loops(lo, hi, unmasked, key_block, init)
+      row_max, row_sum, acc = diagonal(carry, qs) if rise else carry
       seen = row_sum > 0
       out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
       lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
@@ -631,14 +673,16 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
         return (_add_at(dq, dq_part, qs), _add_at(dk_blk, dk_part, 0),
                 _add_at(dv_blk, dv_part, 0), dparams)
 
+      def diagonal(carry):
+        """The block on the causal diagonal (query block kb = lo), _staircase."""
+        for r0 in range(0, bq, rise):
+          r1 = r0 + rise
+          carry = pair(carry, ks + r0, rise, k_blk[:, :r1], v_blk[:, :r1], ks + jnp.arange(r1),
+                       _step_mask(mask, ks, r0, rise))
+        return carry
+
       def query_block(qb, carry, masked):
         qs = qb * bq
-        if masked and rise:  # the block on the causal diagonal (qs = ks), _staircase
-          for r0 in range(0, bq, rise):
-            r1 = r0 + rise
-            carry = pair(carry, qs + r0, rise, k_blk[:, :r1], v_blk[:, :r1], ks + jnp.arange(r1),
-                         _step_visible(r0, rise))
-          return carry
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
 
         def compute(carry):
@@ -646,10 +690,12 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
                       visible if masked else None)
         return _unless_hidden(mask, visible, compute, carry) if masked else compute(carry)
 
+      carry = (dq, zeros(k_blk), zeros(v_blk), dparams)
+      if rise:  # the diagonal block first, then the loops after it
+        carry, lo = diagonal(carry), lo + 1
       unmasked = unmasked_query_blocks(mask, ks, bq, bk, lo, hi, q_offset, n, m,
                                        q.shape[0] * q.shape[2] * bq * bk)
-      dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, query_block,
-                                           (dq, zeros(k_blk), zeros(v_blk), dparams))
+      dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, query_block, carry)
       k_dk = jax.lax.dynamic_update_slice_in_dim(k_dk, dk_blk.astype(k.dtype), ks, axis=1)
       v_dv = jax.lax.dynamic_update_slice_in_dim(v_dv, dv_blk.astype(v.dtype), ks, axis=1)
       return dq, k_dk, v_dv, dparams

@@ -56,8 +56,10 @@ VARIANTS = [(name, extra) for name in registry.chunked_names()
 VARIANT_IDS = [name + ''.join(f'-{k}={v}' for k, v in extra.items()) for name, extra in VARIANTS]
 CASES = [(i, config) for i in range(len(VARIANTS)) for config in CONFIGS]
 CASE_IDS = [f'{VARIANT_IDS[i]}-{config}' for i, config in CASES]
-# XLA:CPU's LLVM code generation at -O0 (the HLO passes still run): half the compile time.
-FAST_COMPILE = {'xla_backend_optimization_level': 0}
+# XLA:CPU's LLVM code generation at -O0 (the HLO passes still run): half the
+# compile time. The block kernel's many loops compile faster through the
+# fusion emitters, which tests/conftest.py turns off for the rest.
+FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': True}
 
 
 def _compile(fn, *args):
@@ -358,38 +360,64 @@ def test_hidden_blocks_are_skipped_forward_and_backward():
       _assert_close(got[what], want[what], f'{name} q_offset={q_offset} {what}')
 
 
+def _paddings(rng, rows: int, length: int):
+  """bool [rows, length] valid-token masks: none hidden, a PAD tail of a
+  different length in each row (what the data pipeline makes), and PAD
+  tokens anywhere."""
+  tails = np.arange(length)[None] < length - rng.integers(0, length // 2, size=(rows, 1))
+  return {'none': np.ones((rows, length), bool), 'tails': tails,
+          'anywhere': rng.random((rows, length)) < 0.9}
+
+
 @pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
 def test_the_unmasked_blocks_are_exactly_those_the_dense_mask_fills(causal):
   """unmasked_key_blocks (per query block) and unmasked_query_blocks (per
-  key block), within the loops' bounds, against the dense mask: exactly the
-  blocks of real queries and keys whose every pair it allows. None where
-  the mask has arrays or a window, or the blocks are small."""
-  spec = MaskSpec(causal=causal)
+  key block), within the loops' bounds, against the dense mask: blocks of
+  real queries and keys whose every pair it allows in every row of the
+  batch. Without padding, or with PAD tails, exactly those; with PAD
+  tokens anywhere, a contiguous run of them (the loops take a range). None
+  where the mask has segments or a window, or the blocks are small."""
   big = chunked.UNMASKED_MIN_SCORES
+  rng = np.random.default_rng(4)
   configs = [(21, 29, 0, 4), (21, 29, 5, 8), (24, 24, 0, 8), (24, 24, 0, 5), (7, 30, 23, 4)]
   for n, m, q_offset, chunk in configs + [(9, 30, offset, 4) for offset in range(4, 8)]:
-    dense = spec.to_dense(n, m, q_offset)
-    dense = np.ones((n, m), bool) if dense is None else np.asarray(dense)[0, 0]
     nq, nk = -(-n // chunk), -(-m // chunk)
+    key_paddings, query_paddings = _paddings(rng, 2, m), _paddings(rng, 2, n)
+    for padding in key_paddings:
+      spec = MaskSpec(causal=causal, key_valid=key_paddings[padding],
+                      query_valid=query_paddings[padding])
+      dense = np.asarray(spec.to_dense(n, m, q_offset)).all(axis=(0, 1))  # [n, m]
+      padded = spec.padded(nq * chunk, nk * chunk)  # as the kernel gets it
 
-    def filled(qb, kb):
-      qs, ks = qb * chunk, kb * chunk
-      return qs + chunk <= n and ks + chunk <= m and dense[qs:qs + chunk, ks:ks + chunk].all()
-    for qb in range(nq):
-      qs = jnp.int32(qb * chunk)
-      lo, hi = spec.key_block_range(q_offset + qs, q_offset + qs + chunk - 1, chunk, nk)
-      first, last = chunked.unmasked_key_blocks(spec, qs, chunk, chunk, lo, hi, q_offset, n, m, big)
-      assert set(range(int(first), int(last))) == {
-          kb for kb in range(int(lo), int(hi)) if filled(qb, kb)}, (n, m, q_offset, chunk, qb)
-    for kb in range(nk):
-      ks = jnp.int32(kb * chunk)
-      lo, hi = spec.query_block_range(ks, ks + chunk - 1, chunk, nq, q_offset)
-      first, last = chunked.unmasked_query_blocks(spec, ks, chunk, chunk, lo, hi, q_offset, n, m,
-                                                  big)
-      assert set(range(int(first), int(last))) == {
-          qb for qb in range(int(lo), int(hi)) if filled(qb, kb)}, (n, m, q_offset, chunk, kb)
-  for masked, scores in ((MaskSpec(causal=causal, key_valid=np.ones((1, 8), bool)), big),
-                         (MaskSpec(causal=causal, window=3), big), (spec, big - 1)):
+      def filled(qb, kb):
+        qs, ks = qb * chunk, kb * chunk
+        return qs + chunk <= n and ks + chunk <= m and dense[qs:qs + chunk, ks:ks + chunk].all()
+
+      def check(first, last, lo, hi, want, where):
+        got = set(range(int(first), int(last)))
+        if padding == 'anywhere':
+          assert int(lo) <= int(first) <= int(last) <= int(hi) and got <= want, where
+        else:
+          assert got == want, where
+      for qb in range(nq):
+        qs = jnp.int32(qb * chunk)
+        lo, hi = spec.key_block_range(q_offset + qs, q_offset + qs + chunk - 1, chunk, nk)
+        first, last = chunked.unmasked_key_blocks(padded, qs, chunk, chunk, lo, hi, q_offset, n,
+                                                  m, big)
+        check(first, last, lo, hi, {kb for kb in range(int(lo), int(hi)) if filled(qb, kb)},
+              (n, m, q_offset, chunk, padding, 'query block', qb))
+      for kb in range(nk):
+        ks = jnp.int32(kb * chunk)
+        lo, hi = spec.query_block_range(ks, ks + chunk - 1, chunk, nq, q_offset)
+        first, last = chunked.unmasked_query_blocks(padded, ks, chunk, chunk, lo, hi, q_offset,
+                                                    n, m, big)
+        check(first, last, lo, hi, {qb for qb in range(int(lo), int(hi)) if filled(qb, kb)},
+              (n, m, q_offset, chunk, padding, 'key block', kb))
+  segments = np.ones((1, 8), np.int32)
+  for masked, scores in ((MaskSpec(causal=causal, query_segments=segments,
+                                   key_segments=segments), big),
+                         (MaskSpec(causal=causal, window=3), big), (MaskSpec(causal=causal),
+                                                                     big - 1)):
     assert chunked.unmasked_key_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
     assert chunked.unmasked_query_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
 
@@ -429,13 +457,16 @@ def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
 
 def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch):
   """The blocks on the causal diagonal as a staircase (chunked._staircase),
-  turned on for small blocks: causal, q_offset 0, n = m = 16 in blocks of 8,
-  steps of 4 rows (against 4, then 8 keys). Every chunked variant's output,
+  turned on for small blocks: causal, q_offset 0, n = m = 24 in blocks of 8,
+  steps of 4 rows (against 4, then 8 keys), under a padding mask whose
+  PAD tokens in row 1 (17, 18 and a tail from 22) fall in the last diagonal
+  block: block (1, 0) runs unmasked, blocks (2, 0) and (2, 1) masked, the
+  steps hide the PAD keys (from the queries after them) and queries. Every chunked variant's output,
   its q, k, v and table gradients equal the dense form's (the first of its
   FORMS: the steps call the same block terms as whole blocks do, which
   test_output_and_every_gradient_equal_the_dense_form runs on every form),
-  and dot_product's with attention dropout equal dense dropout with the
-  same keep bits. Without a gradient the forward reads keys heads first and
+  and dot_product's with attention dropout and no padding equal dense
+  dropout with the same keep bits. Without a gradient the forward reads keys heads first and
   applies BlockTerms.rotate once: that output is checked on the variants
   with and without `rotate` (rotary, dot_product). Each variant's trace must
   have built the steps. (A window, as `local` has, leaves every block
@@ -446,7 +477,10 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
   step_visible = chunked._step_visible
   monkeypatch.setattr(chunked, '_step_visible', lambda r0, rise: steps.append(r0) or
                       step_visible(r0, rise))
-  n, chunk, spec = 16, 8, MaskSpec(causal=True)
+  n, chunk, spec = 24, 8, MaskSpec(causal=True)
+  valid = np.ones((B, n), bool)
+  valid[1, 17:19] = valid[1, 22:] = False
+  padded = MaskSpec(causal=True, key_valid=valid, query_valid=valid)
   rng = np.random.default_rng(11)
   q, k, v, g = (rng.normal(size=(B, n, H, D)).astype(np.float32) for _ in range(4))
   drop_rng = jax.random.PRNGKey(5)
@@ -461,11 +495,11 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
     out = {}
     for index in indices:
       params = _params(index)
-      chunked_fn = _chunked_fn(index, spec, 0, chunk_size=chunk)
+      chunked_fn = _chunked_fn(index, padded, 0, chunk_size=chunk)
       before = len(steps)
       got = _out_and_grads(chunked_fn, q, k, v, params, g)
       built[VARIANT_IDS[index]] = sorted(set(steps[before:]))
-      want = _out_and_grads(_dense_fn(index, spec, n, n, 0), q, k, v, params, g)
+      want = _out_and_grads(_dense_fn(index, padded, n, n, 0), q, k, v, params, g)
       if VARIANTS[index][0] in ('dot_product', 'rotary'):
         got['out without a gradient'] = chunked_fn(q, k, v, params)
         want['out without a gradient'] = want['out']
