@@ -73,11 +73,11 @@ def _step(variant, implementation, chunk_size, dropout, args, x, padding=False):
   layer = MultiHeadAttention(
       num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype], dropout_rate=dropout,
       attention_kwargs={'implementation': implementation, 'chunk_size': chunk_size})
+  params = layer.init(jax.random.key(0), x[:, :8], mask=MaskSpec(causal=args.causal))
   spec = MaskSpec(causal=args.causal)
   if padding:
     valid = jnp.ones(x.shape[:2], bool)
     spec = spec.replace(key_valid=valid, query_valid=valid)
-  params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
 
   def loss(params, x, d_y, rng):  # its gradient is the layer's vjp with cotangent d_y
     y = layer.apply(params, x, mask=spec, deterministic=not dropout, rngs={'dropout': rng})

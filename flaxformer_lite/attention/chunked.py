@@ -590,6 +590,16 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
         return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*steps))
 
       def key_block(kb, carry, masked):
+        """_loops' body. Under the staircase the masked blocks are the
+        diagonal and, where there is padding, the blocks it hides."""
+        if not (masked and rise):
+          return whole_block(kb, carry, masked)
+        if not mask.has_arrays():
+          return diagonal(carry, kb * bk)
+        return jax.lax.cond(kb == qb, lambda c: diagonal(c, kb * bk),
+                            lambda c: whole_block(kb, c, True), carry)
+
+      def whole_block(kb, carry, masked):
         ks = kb * bk
         k_idx = ks + jnp.arange(bk)
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
@@ -602,11 +612,8 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
 
       init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
               jnp.zeros((b, h, bq, dv), jnp.float32))
-      if rise:  # the diagonal block (key block qb = hi - 1) after the loops
-        hi = hi - 1
       unmasked = unmasked_key_blocks(mask, qs, bq, bk, lo, hi, q_offset, n, m, b * h * bq * bk)
-      carry = _loops(lo, hi, unmasked, key_block, init)
-      row_max, row_sum, acc = diagonal(carry, qs) if rise else carry
+      row_max, row_sum, acc = _loops(lo, hi, unmasked, key_block, init)
       seen = row_sum > 0
       out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
       lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
@@ -674,7 +681,7 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
                 _add_at(dv_blk, dv_part, 0), dparams)
 
       def diagonal(carry):
-        """The block on the causal diagonal (query block kb = lo), _staircase."""
+        """The block on the causal diagonal (query block kb), _staircase."""
         for r0 in range(0, bq, rise):
           r1 = r0 + rise
           carry = pair(carry, ks + r0, rise, k_blk[:, :r1], v_blk[:, :r1], ks + jnp.arange(r1),
@@ -682,6 +689,14 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
         return carry
 
       def query_block(qb, carry, masked):
+        """_loops' body (key_block's rule in the forward)."""
+        if not (masked and rise):
+          return whole_block(qb, carry, masked)
+        if not mask.has_arrays():
+          return diagonal(carry)
+        return jax.lax.cond(qb == kb, diagonal, lambda c: whole_block(qb, c, True), carry)
+
+      def whole_block(qb, carry, masked):
         qs = qb * bq
         visible = _visible(mask, qs, ks, bq, bk, q_offset, n, m)
 
@@ -690,12 +705,10 @@ def _kernel(terms: BlockTerms, n, m, bq, bk, nq, nk, rate, rise, first_query=0):
                       visible if masked else None)
         return _unless_hidden(mask, visible, compute, carry) if masked else compute(carry)
 
-      carry = (dq, zeros(k_blk), zeros(v_blk), dparams)
-      if rise:  # the diagonal block first, then the loops after it
-        carry, lo = diagonal(carry), lo + 1
       unmasked = unmasked_query_blocks(mask, ks, bq, bk, lo, hi, q_offset, n, m,
                                        q.shape[0] * q.shape[2] * bq * bk)
-      dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, query_block, carry)
+      dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, query_block,
+                                           (dq, zeros(k_blk), zeros(v_blk), dparams))
       k_dk = jax.lax.dynamic_update_slice_in_dim(k_dk, dk_blk.astype(k.dtype), ks, axis=1)
       v_dv = jax.lax.dynamic_update_slice_in_dim(v_dv, dv_blk.astype(v.dtype), ks, axis=1)
       return dq, k_dk, v_dv, dparams
