@@ -52,10 +52,11 @@ Blocks that the causal or window parts hide are outside the loops' bounds;
 blocks that key padding, query padding or segments hide for every row of
 the batch are skipped by a `lax.cond` (packed rows do no cross-example work
 where a whole block is cross-example). Large blocks that every pair sees
-(below the causal diagonal) run in a loop of their own without the mask's
-select (`unmasked_key_blocks`, `unmasked_query_blocks`), and the blocks on
-the causal diagonal as a staircase of row steps (`_staircase`) that leaves
-out most of their hidden half.
+(below the causal diagonal, and where padding leaves them whole in every
+row: a model's calls always carry its PAD mask) run in a loop of their own
+without the mask's select (`unmasked_key_blocks`, `unmasked_query_blocks`),
+and the blocks on the causal diagonal as a staircase of row steps
+(`_staircase`) that leaves out most of their hidden half.
 """
 from __future__ import annotations
 
@@ -448,12 +449,14 @@ def _loops(lo, hi, unmasked, body, carry):
 
 
 # The blocks on the causal diagonal have their upper half hidden. Where the
-# diagonal blocks are whole blocks (_staircase), each runs as a staircase
-# outside the loops: rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's
-# first r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only
-# (in all of them where there is padding): with
-# blocks of 512, (1 + 4) / 8 of the block's pairs, in 4 products 128 rows
-# tall (benchmarks/chunked_attention.py --no_staircase).
+# diagonal blocks are whole blocks (_staircase), each runs as a staircase:
+# rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's first
+# r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only (in all
+# of them where there is padding): with blocks of 512, (1 + 4) / 8 of the
+# block's pairs, in 4 products 128 rows tall
+# (benchmarks/chunked_attention.py --no_staircase). Without padding they
+# are the loops' only masked blocks; with it, a cond picks the staircase
+# where a masked block is the diagonal.
 STAIRCASE_ROWS = 128
 
 
