@@ -73,9 +73,9 @@ def _step(variant, implementation, chunk_size, dropout, args, x, padding=False):
   layer = MultiHeadAttention(
       num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype], dropout_rate=dropout,
       attention_kwargs={'implementation': implementation, 'chunk_size': chunk_size})
-  params = layer.init(jax.random.key(0), x[:, :8], mask=MaskSpec(causal=args.causal))
   spec = MaskSpec(causal=args.causal)
-  if padding:
+  params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
+  if padding:  # after init, which sees 8 tokens: the padding arrays are n long
     valid = jnp.ones(x.shape[:2], bool)
     spec = spec.replace(key_valid=valid, query_valid=valid)
 

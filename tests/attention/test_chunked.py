@@ -461,16 +461,16 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
   steps of 4 rows (against 4, then 8 keys), under a padding mask whose
   PAD tokens in row 1 (17, 18 and a tail from 22) fall in the last diagonal
   block: block (1, 0) runs unmasked, blocks (2, 0) and (2, 1) masked, the
-  steps hide the PAD keys (from the queries after them) and queries. Every chunked variant's output,
-  its q, k, v and table gradients equal the dense form's (the first of its
-  FORMS: the steps call the same block terms as whole blocks do, which
-  test_output_and_every_gradient_equal_the_dense_form runs on every form),
-  and dot_product's with attention dropout and no padding equal dense
-  dropout with the same keep bits. Without a gradient the forward reads keys heads first and
-  applies BlockTerms.rotate once: that output is checked on the variants
-  with and without `rotate` (rotary, dot_product). Each variant's trace must
-  have built the steps. (A window, as `local` has, leaves every block
-  masked: no staircase to test.)"""
+  steps hide the PAD keys (from the queries after them) and queries. Every
+  chunked variant's output, its q, k, v and table gradients equal the dense
+  form's (the first of its FORMS: the steps call the same block terms as
+  whole blocks do, which test_output_and_every_gradient_equal_the_dense_form
+  runs on every form), and dot_product's with attention dropout and no
+  padding equal dense dropout with the same keep bits. Without a gradient
+  the forward reads keys heads first and applies BlockTerms.rotate once:
+  that output is checked on the variants with and without `rotate` (rotary,
+  dot_product). Each variant's trace must have built the steps. (A window,
+  as `local` has, leaves every block masked: no staircase to test.)"""
   monkeypatch.setattr(chunked, 'UNMASKED_MIN_SCORES', 0)
   monkeypatch.setattr(chunked, 'STAIRCASE_ROWS', 4)
   steps = []
