@@ -106,6 +106,11 @@ for path in sys.argv[2:]:
   train_rows = partitioning.padded_rows(rows, jax.local_device_count() * t.grad_accum_steps)
   placed = parallel.place_batch(data.pad_rows(batch, train_rows))
   if lower:
+    # One layer of each stack (the fused ones of two streams): the layers
+    # repeat, and so do their shardings and the step's ops.
+    with config.unlocked():
+      m.num_encoder_layers = min(m.num_encoder_layers, m.fusion_layer + 1)
+      m.num_decoder_layers = min(m.num_decoder_layers, 1)
     model = models.build(m)
     state = jax.eval_shape(lambda: state_lib.create(model, config, batch, jax.random.key(0)))
     if t.parallel != 'pmap':
@@ -128,7 +133,8 @@ def test_every_experiment_starts_unchanged_on_several_devices(devices):
   """Each experiment file as shipped, on `devices` CPU devices: its config
   validates, its train batch (padded with weight-0 rows where it does not
   split) and its eval batch are placed on the mesh, and (8 devices) its train
-  step lowers. (Training on padded batches = unpadded: tests/train/test_parallel.py.)"""
+  step lowers, with one layer of each stack. (Training on padded batches =
+  unpadded: tests/train/test_parallel.py.)"""
   flags = os.environ.get('XLA_FLAGS', '')  # tests/conftest.py's, kept
   env = dict(os.environ, XLA_FLAGS=f'{flags} --xla_force_host_platform_device_count={devices}',
              JAX_PLATFORMS='cpu')
