@@ -141,6 +141,17 @@ def pytest_collection_modifyitems(items):
   items.sort(key=_order)
 
 
+def pytest_runtest_teardown(item, nextitem):
+  """JAX's caches emptied between test files: what they hold of each
+  lowering keeps MLIR objects alive, and each new lowering (an op run
+  eagerly for the first time, a jit's first call) slows with their number:
+  twice as slow after a few thousand. A file's tests share their ops; the
+  next file starts over (the persistent compilation cache still saves the
+  compiles)."""
+  if nextitem is None or nextitem.module is not item.module:
+    jax.clear_caches()
+
+
 @pytest.fixture(scope='session')
 def counting_chunked_attend():
   """counting_chunked_attend(calls): a context in which each call of
