@@ -145,7 +145,7 @@ def pytest_runtest_teardown(item, nextitem):
   """JAX's caches emptied between test files: what they hold of each
   lowering keeps MLIR objects alive, and each new lowering (an op run
   eagerly for the first time, a jit's first call) slows with their number:
-  twice as slow after a few thousand. A file's tests share their ops; the
+  up to twice as slow after a few thousand (benchmarks/lowering_cache.py). A file's tests share their ops; the
   next file starts over (the persistent compilation cache still saves the
   compiles)."""
   if nextitem is None or nextitem.module is not item.module:
