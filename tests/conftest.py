@@ -145,9 +145,9 @@ def pytest_runtest_teardown(item, nextitem):
   """JAX's caches emptied between test files: what they hold of each
   lowering keeps MLIR objects alive, and each new lowering (an op run
   eagerly for the first time, a jit's first call) slows with their number:
-  up to twice as slow after a few thousand (benchmarks/lowering_cache.py). A file's tests share their ops; the
-  next file starts over (the persistent compilation cache still saves the
-  compiles)."""
+  up to twice as slow after a few thousand (benchmarks/lowering_cache.py).
+  A file's tests share their ops; the next file starts over (the persistent
+  compilation cache still saves the compiles)."""
   if nextitem is None or nextitem.module is not item.module:
     jax.clear_caches()
 

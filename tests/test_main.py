@@ -106,8 +106,8 @@ for path in sys.argv[2:]:
   train_rows = partitioning.padded_rows(rows, jax.local_device_count() * t.grad_accum_steps)
   placed = parallel.place_batch(data.pad_rows(batch, train_rows))
   if lower:
-    # One layer of each stack (the fused ones of two streams): the layers
-    # repeat, and so do their shardings and the step's ops.
+    # One layer of each stack (two streams keep theirs up to the first fused
+    # one): the layers repeat, and so do their shardings and the step's ops.
     with config.unlocked():
       m.num_encoder_layers = min(m.num_encoder_layers, m.fusion_layer + 1)
       m.num_decoder_layers = min(m.num_decoder_layers, 1)
