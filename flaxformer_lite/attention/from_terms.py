@@ -104,14 +104,21 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
   v = np.float32(r.normal(size=(1, 4, num_heads, head_dim)))
   q_pos, k_pos = np.arange(5, 8), np.arange(4)
   a, c = 0.7, -1.9
-  # Eagerly even when the first lookup happens while a model is traced; at
-  # float32 matmul precision, since a GPU's default (TF32) or a TPU's (bf16
-  # passes) rounds a linear term by more than the tolerance.
-  with jax.ensure_compile_time_eval(), jax.default_matmul_precision('highest'):
-    values = lambda p: np.asarray(terms.values(jnp.asarray(p), jnp.asarray(v), params,
-                                               jnp.asarray(q_pos), jnp.asarray(k_pos)),
-                                  np.float64)
-    got, want = values(a * p1 + c * p2), a * values(p1) + c * values(p2)
+
+  @jax.jit  # one compilation, every input traced (op by op, each small op compiles alone)
+  def three(p1, p2, v, params, q_pos, k_pos):
+    values = lambda p: terms.values(p, v, params, q_pos, k_pos)
+    return values(a * p1 + c * p2), values(p1), values(p2)
+
+  # Compiled ahead of time, so that it runs now even when the first lookup
+  # happens while a model is traced; at float32 matmul precision, since a
+  # GPU's default (TF32) or a TPU's (bf16 passes) rounds a linear term by more
+  # than the tolerance.
+  args = (p1, p2, v, params, q_pos, k_pos)
+  with jax.default_matmul_precision('highest'):
+    compiled = three.lower(*args).compile()
+  got, v1, v2 = (np.asarray(x, np.float64) for x in compiled(*args))
+  want = a * v1 + c * v2
   scale = max(1.0, float(np.max(np.abs(want))))
   if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
     raise TypeError(
@@ -124,7 +131,13 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
 def random_params(specs: Mapping[str, Any], seed: int = 0) -> dict:
   """{name: (shape, init, axes)} (AttentionVariant.params) -> arrays from
   each initializer."""
-  with jax.ensure_compile_time_eval():
+  @jax.jit  # one compilation, the seed traced (op by op, each initializer's ops compile alone)
+  def draw(seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), max(1, len(specs)))
     return {name: init(k, shape, jnp.float32)
             for k, (name, (shape, init, _)) in zip(keys, sorted(specs.items()))}
+
+  if not specs:
+    return {}
+  seed = np.int32(seed)
+  return draw.lower(seed).compile()(seed)  # ahead of time: runs now inside a trace too

@@ -40,22 +40,25 @@ def band_indices(n: int, m: int, k: int, q_offset=0) -> dict:
     part [n*_BLOCK], part_ok [n, _BLOCK]: into [n, m], the keys <= c_i of
         the block after those.
   """
+  # What does not depend on q_offset stays numpy: a jnp constant inside a
+  # trace would run (and compile) op by op.
   xp = np if isinstance(q_offset, int) else jnp
-  i = q_offset + xp.arange(n, dtype=np.int32)[:, None]  # [n, 1] absolute query positions
-  rows = xp.arange(n, dtype=np.int32)[:, None] * m  # [n, 1] row starts in [n, m]
-  offsets = xp.arange(m, dtype=np.int32)[None, :] - i  # [n, m]
-  spread = xp.arange(n, dtype=np.int32)[:, None] * (2 * k + 1) + xp.clip(offsets, -k, k) + k
-  band = xp.arange(1 - k, k, dtype=np.int32)[None, :] + i  # [n, 2k-1] keys
+  arange = lambda *a: np.arange(*a, dtype=np.int32)  # noqa: E731
+  i = q_offset + arange(n)[:, None]  # [n, 1] absolute query positions
+  rows = arange(n)[:, None] * m  # [n, 1] row starts in [n, m]
+  offsets = arange(m)[None, :] - i  # [n, m]
+  spread = arange(n)[:, None] * (2 * k + 1) + xp.clip(offsets, -k, k) + k
+  band = arange(1 - k, k)[None, :] + i  # [n, 2k-1] keys
   last_left = i - k  # [n, 1]
   whole = xp.clip((last_left + 1) // _BLOCK, 0, m // _BLOCK)  # [n, 1] whole blocks in the bucket
-  part = whole * _BLOCK + xp.arange(_BLOCK, dtype=np.int32)[None, :]  # [n, B] keys
+  part = whole * _BLOCK + arange(_BLOCK)[None, :]  # [n, B] keys
   nb = -(-m // _BLOCK)
   return {
       'spread': spread.reshape(-1),
       'band': (rows + xp.clip(band, 0, m - 1)).reshape(-1),
       'band_ok': (band >= 0) & (band < m),
       'blocks': (np.arange(m)[:, None] // _BLOCK == np.arange(nb)[None, :]).astype(np.float32),
-      'left_blocks': xp.arange(nb, dtype=np.int32)[None, :] < whole,
+      'left_blocks': arange(nb)[None, :] < whole,
       'part': (rows + xp.clip(part, 0, m - 1)).reshape(-1),
       'part_ok': (part <= last_left) & (part < m),
   }

@@ -162,6 +162,34 @@ def test_a_values_term_that_is_not_linear_in_the_weights_is_refused_at_its_first
   assert 'squared_weights_test' not in registry.names()
 
 
+def test_the_first_lookup_inside_a_traced_model_still_checks_the_values_term(monkeypatch):
+  """A model traced under jit may be the first to look a variant up: the
+  check still runs then (a non-linear term is refused inside the trace, and
+  a linear one, shaw's, passes and its tables come back as arrays)."""
+  def squared(p, v, params, q_pos, k_pos):
+    return chunked.dot_values(p * p, v, params, q_pos, k_pos)
+
+  monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))  # pylint: disable=protected-access
+  monkeypatch.setattr(registry, '_UNCHECKED', {'shaw'})  # pylint: disable=protected-access
+  registry.register(registry.AttentionVariant(
+      name='squared_in_trace_test',
+      terms=lambda num_heads: chunked.BlockTerms(values=squared, uniform=chunked.mean_values)))
+  seen = {}
+
+  def model(x):
+    with pytest.raises(TypeError, match='not linear in the weights'):
+      registry.get('squared_in_trace_test')
+    seen['shaw'] = registry.get('shaw').name
+    specs = registry.get('shaw').params(2, 4, registry.resolve_kwargs('shaw', {}))
+    seen['tables'] = from_terms.random_params(specs)
+    return x + 1
+
+  assert float(jax.jit(model)(1.0)) == 2.0
+  assert seen['shaw'] == 'shaw' and 'squared_in_trace_test' not in registry.names()
+  assert seen['tables'] and all(isinstance(t, jax.Array) and not isinstance(t, jax.core.Tracer)
+                                for t in seen['tables'].values())
+
+
 def test_a_linear_values_term_passes_the_check_under_a_reduced_default_matmul_precision(
     monkeypatch):
   """A GPU's default float32 matmul (TF32) and a TPU's (bf16 passes) round a
