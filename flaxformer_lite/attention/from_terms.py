@@ -93,6 +93,14 @@ def variant_fns(make_terms: Callable[..., chunked.BlockTerms], option_names) -> 
   return fn, chunked_fn
 
 
+def _run_now(fn: Callable, *args):
+  """fn(*args) in one compilation, every input traced (op by op, each small
+  op would compile alone), compiled ahead of time: it runs now and returns
+  arrays even when called while a model is traced (a jitted call would be
+  staged into that trace)."""
+  return jax.jit(fn).lower(*args).compile()(*args)
+
+
 def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
                 num_heads: int, head_dim: int, seed: int = 0) -> None:
   """Raises TypeError unless terms.values is linear in the weights:
@@ -105,19 +113,15 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
   q_pos, k_pos = np.arange(5, 8), np.arange(4)
   a, c = 0.7, -1.9
 
-  @jax.jit  # one compilation, every input traced (op by op, each small op compiles alone)
   def three(p1, p2, v, params, q_pos, k_pos):
     values = lambda p: terms.values(p, v, params, q_pos, k_pos)
     return values(a * p1 + c * p2), values(p1), values(p2)
 
-  # Compiled ahead of time, so that it runs now even when the first lookup
-  # happens while a model is traced; at float32 matmul precision, since a
-  # GPU's default (TF32) or a TPU's (bf16 passes) rounds a linear term by more
-  # than the tolerance.
-  args = (p1, p2, v, params, q_pos, k_pos)
+  # At float32 matmul precision: a GPU's default (TF32) or a TPU's (bf16
+  # passes) rounds a linear term by more than the tolerance.
   with jax.default_matmul_precision('highest'):
-    compiled = three.lower(*args).compile()
-  got, v1, v2 = (np.asarray(x, np.float64) for x in compiled(*args))
+    out = _run_now(three, p1, p2, v, params, q_pos, k_pos)
+  got, v1, v2 = (np.asarray(x, np.float64) for x in out)
   want = a * v1 + c * v2
   scale = max(1.0, float(np.max(np.abs(want))))
   if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
@@ -131,7 +135,6 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
 def random_params(specs: Mapping[str, Any], seed: int = 0) -> dict:
   """{name: (shape, init, axes)} (AttentionVariant.params) -> arrays from
   each initializer."""
-  @jax.jit  # one compilation, the seed traced (op by op, each initializer's ops compile alone)
   def draw(seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), max(1, len(specs)))
     return {name: init(k, shape, jnp.float32)
@@ -139,5 +142,4 @@ def random_params(specs: Mapping[str, Any], seed: int = 0) -> dict:
 
   if not specs:
     return {}
-  seed = np.int32(seed)
-  return draw.lower(seed).compile()(seed)  # ahead of time: runs now inside a trace too
+  return _run_now(draw, np.int32(seed))
