@@ -6,7 +6,7 @@ cache), as a test file's first eager ops and jits are. Why tests/conftest.py
 empties the caches between test files: without it a long-lived pytest
 worker lowers more slowly the more it has lowered.
 
-  ./launch.sh run benchmarks/lowering_cache.py              # CPU: ~3 min
+  ./launch.sh run benchmarks/lowering_cache.py              # CPU: ~4 min
   ./launch.sh run benchmarks/lowering_cache.py --lowerings 2000 --every 500
 """
 import argparse
