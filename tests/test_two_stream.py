@@ -51,7 +51,7 @@ def _params(name, fusion):
 def _logits(name, fusion='early', a=A, b=B, **extra):
   model = models.build(dict(BASE, attention=name, attention_kwargs=_options(name, **extra),
                             fusion=fusion))
-  return np.asarray(model.apply({'params': _params(name, fusion)}, a, b))
+  return np.asarray(jax.jit(model.apply)({'params': _params(name, fusion)}, a, b))
 
 
 def _pad(x, extra):

@@ -55,8 +55,8 @@ def test_every_variant_with_g_kv_heads_equals_h_heads_with_copied_projections(
                                  attention_kwargs=small_options(name, implementation='dense'))
   params = _draw(nn.unbox(jax.eval_shape(grouped.init, jax.random.key(0), x, mask=mask))['params'])
   assert params['key']['kernel'].shape == (F, g, F // H)
-  got = grouped.apply({'params': params}, x, mask=mask)
-  want = reference.apply({'params': _to_multi_head(params, H)}, x, mask=mask)
+  got = jax.jit(grouped.apply)({'params': params}, x, mask=mask)
+  want = jax.jit(reference.apply)({'params': _to_multi_head(params, H)}, x, mask=mask)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
