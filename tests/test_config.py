@@ -203,13 +203,16 @@ def test_list_attention_table_lists_every_variant_in_aligned_columns(width):
 
 @pytest.mark.parametrize('columns,width', [('90', 90), ('', 100)])
 def test_cli_list_attention_fits_the_terminal(columns, width):
-  """The width is the terminal's (COLUMNS stands for it), 100 when there is none."""
+  """The width is the terminal's (COLUMNS stands for it), 100 when there is none.
+  Nothing on stderr: a listing starts no JAX backend (whose messages about
+  absent accelerators would land there) and runs no variant's check."""
   env = {k: v for k, v in os.environ.items() if k != 'COLUMNS'}
   proc = subprocess.run([sys.executable, '-m', 'flaxformer_lite.main', '--list_attention'],
                         cwd=REPO, capture_output=True, text=True, timeout=300,
                         env=dict(env, COLUMNS=columns) if columns else env)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout == registry.table(width) + '\n'
+  assert proc.stderr == ''
 
 
 REAL_BAD = [

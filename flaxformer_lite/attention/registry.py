@@ -378,8 +378,9 @@ def table(width: int = 100) -> str:
   variants share. Name, models, kernels and options are aligned columns, the
   kernels and each option wrapped in theirs; the description follows on lines
   of its own, indented, wrapped to `width`. No line is longer than `width`
-  unless `width` leaves the options fewer than 12 characters."""
-  rows = [describe(get(name)) for name in names()]
+  unless `width` leaves the options fewer than 12 characters. A listing reads
+  what registration declared: it runs no variant's first-lookup check."""
+  rows = [describe(_REGISTRY[name]) for name in names()]
   kernels = [textwrap.wrap(' '.join(r.kernels), len('dense chunked')) for r in [_HEADER, *rows]]
   widths = [max(len(r.name) for r in [_HEADER, *rows]),
             max(len(m) for r in [_HEADER, *rows] for m in r.models),
