@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny experiment config, a per-session TFDS data dir, and
 attention dropout's keep mask one weight at a time."""
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -21,7 +22,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite import main as main_lib
 from flaxformer_lite.data import shared
+
+gc.set_threshold(*main_lib.GC_THRESHOLDS)  # as the command line runs (main.py says why)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
