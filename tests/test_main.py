@@ -82,10 +82,11 @@ def test_a_bad_flag_exits_2_with_what_applies_to_it(parse, capsys, arg, says, no
 
 
 START_ON_DEVICES = '''
-import json, runpy, sys
+import gc, json, runpy, sys
 import jax, numpy as np
 from flaxformer_lite import config as config_lib, data, main, models
 from flaxformer_lite.train import loop, partitioning, state as state_lib, steps
+gc.set_threshold(*main.GC_THRESHOLDS)  # as the command line runs
 n = jax.device_count()
 lower, out = sys.argv[1] == 'lower', {}
 for path in sys.argv[2:]:

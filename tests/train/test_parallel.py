@@ -31,10 +31,11 @@ from flaxformer_lite.train import loop, metrics, state as state_lib, steps
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RUN_ON_DEVICES = '''
-import logging, sys
-from flaxformer_lite import config as config_lib
+import gc, logging, sys
+from flaxformer_lite import config as config_lib, main
 from flaxformer_lite.train import loop
 import jax
+gc.set_threshold(*main.GC_THRESHOLDS)  # as the command line runs
 assert jax.device_count() == int(sys.argv[1]), jax.devices()
 log = logging.getLogger('flaxformer_lite')
 log.addHandler(logging.StreamHandler())
@@ -173,10 +174,11 @@ def test_one_device_equals_several_and_a_checkpoint_resumes_on_another_count(
 
 
 MODEL_AXIS = '''
-import json, logging, sys
+import gc, json, logging, sys
 import jax
-from flaxformer_lite import config as config_lib, models
+from flaxformer_lite import config as config_lib, main, models
 from flaxformer_lite.train import loop, partitioning, state as state_lib
+gc.set_threshold(*main.GC_THRESHOLDS)  # as the command line runs
 assert jax.device_count() == 8
 log = logging.getLogger('flaxformer_lite')
 log.addHandler(logging.StreamHandler())
