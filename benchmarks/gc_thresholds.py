@@ -8,7 +8,7 @@ Each run is the default experiment through loop.train_and_evaluate with
 before it and no persistent compilation cache: every run traces, lowers and
 compiles all of its steps, as a new command does.
 
-  ./launch.sh run benchmarks/gc_thresholds.py              # CPU: ~2 min
+  ./launch.sh run benchmarks/gc_thresholds.py              # CPU: ~4 min
   ./launch.sh run benchmarks/gc_thresholds.py --repeats 5 --d_model 16
 """
 import argparse

@@ -136,7 +136,7 @@ def random_params(specs: Mapping[str, Any], seed: int = 0) -> dict:
   """{name: (shape, init, axes)} (AttentionVariant.params) -> arrays from
   each initializer."""
   def draw(seed):
-    keys = jax.random.split(jax.random.PRNGKey(seed), max(1, len(specs)))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(specs))
     return {name: init(k, shape, jnp.float32)
             for k, (name, (shape, init, _)) in zip(keys, sorted(specs.items()))}
 
