@@ -14,7 +14,6 @@ compiles all of its steps, as a new command does.
 import argparse
 import gc
 import logging
-import resource
 import runpy
 import statistics
 import tempfile
@@ -25,11 +24,6 @@ from absl import logging as absl_logging
 
 from flaxformer_lite import main as main_lib
 from flaxformer_lite.train import loop
-
-
-def _cpu_seconds() -> float:
-  usage = resource.getrusage(resource.RUSAGE_SELF)
-  return usage.ru_utime + usage.ru_stime
 
 
 class _CollectorClock:
@@ -53,10 +47,10 @@ def one_run(config, thresholds, clock: _CollectorClock) -> tuple[float, float, i
   jax.clear_caches()
   gc.collect()
   gc.set_threshold(*thresholds)
-  before = (_cpu_seconds(), clock.seconds, clock.runs)
+  before = (time.process_time(), clock.seconds, clock.runs)
   with tempfile.TemporaryDirectory() as workdir:
     loop.train_and_evaluate(config, workdir)
-  return (_cpu_seconds() - before[0], clock.seconds - before[1], clock.runs - before[2])
+  return (time.process_time() - before[0], clock.seconds - before[1], clock.runs - before[2])
 
 
 def main():
