@@ -1,8 +1,14 @@
-"""Shared by the benchmark scripts: XLA memory analysis, interleaved timing, table cells."""
+"""Shared by the benchmark scripts: XLA memory analysis, interleaved timing, table cells.
+
+Importing it turns on the persistent compilation cache (flaxformer_lite/compilation.py)."""
 import statistics
 import time
 
 import jax
+
+from flaxformer_lite import compilation
+
+compilation.enable_cache()
 
 
 def memory(fn, args):

@@ -221,6 +221,8 @@ def main(argv):
   multihost.initialize(auto=FLAGS.multihost)
   import jax
   _setup_logging(jax.process_index())
+  from flaxformer_lite import compilation
+  cache = compilation.enable_cache()
   # Imported late: --list_attention stays fast.
   from flaxformer_lite import data, pretrained
   from flaxformer_lite.train import checkpoints, loop
@@ -233,6 +235,7 @@ def main(argv):
     validate(config)
     log = std_logging.getLogger('flaxformer_lite')
     log.info('workdir: %s', os.path.abspath(run_dir))
+    log.info('compilation cache: %s', cache or f'off ({compilation.ENV}=off)')
     for line in checkpoint_lines:
       log.info('%s', line)
     loop.train_and_evaluate(config, run_dir, allow_config_change=FLAGS.allow_config_change)

@@ -39,7 +39,7 @@ from absl import app, flags, logging
 from flax import traverse_util
 from matplotlib.figure import Figure
 
-from flaxformer_lite import config as config_lib
+from flaxformer_lite import compilation, config as config_lib
 from flaxformer_lite import data, decoding, models, tokens
 from flaxformer_lite.attention import registry
 from flaxformer_lite.train import checkpoints
@@ -293,6 +293,7 @@ def plot_run(workdir: str, split: str, example: int, out_dir: str,
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  compilation.enable_cache()
   if not FLAGS.workdir:
     _fail('--workdir is required: the workdir of a training run')
   try:

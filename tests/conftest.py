@@ -21,7 +21,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from flaxformer_lite import config as config_lib
+from flaxformer_lite import compilation, config as config_lib
 from flaxformer_lite import main as main_lib
 from flaxformer_lite.data import shared
 
@@ -40,13 +40,8 @@ def compilation_cache(tmp_path_factory):
   if os.environ.get('PYTEST_XDIST_WORKER'):
     base = base.parent  # the run's folder, above each worker's own
   cache = os.path.join(str(base), 'jax_cache')
-  os.makedirs(cache, exist_ok=True)
-  jax.config.update('jax_compilation_cache_dir', cache)
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=cache,
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  os.environ.update({compilation.ENV: cache, 'JAX_COMPILATION_CACHE_DIR': cache})
+  compilation.enable_cache()
 
 
 SHARED_DATA, _LOOKED_AT = shared.find(REPO)

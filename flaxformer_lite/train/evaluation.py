@@ -8,7 +8,7 @@ import logging
 import jax
 import numpy as np
 
-from flaxformer_lite import data, decoding, models, tokens
+from flaxformer_lite import compilation, data, decoding, models, tokens
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.train import metrics as metrics_lib, partitioning, steps
 
@@ -104,8 +104,8 @@ class Evaluator:
     batch = self.place_batch(next(self._batches(split, context)))
     shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if shape not in self._compiled:
-      self._lowered[shape] = self.metrics_step.lower(params, batch, jax.random.key(0))
-      self._compiled[shape] = self._lowered[shape].compile()
+      self._lowered[shape], self._compiled[shape] = compilation.compile_logged(
+          f'eval step ({split})', self.metrics_step, params, batch, jax.random.key(0))
     return self._compiled[shape]
 
   def sample_step(self, params, split):
@@ -118,8 +118,9 @@ class Evaluator:
       generate = jax.jit(functools.partial(decoding.greedy_generate, self.decode_model,
                                            max_steps=length,
                                            eos_id=tokenizers.end_id(self.dataset.tokenizer)))
-      self._lowered['sample', prompt.shape] = generate.lower(params, prompt)
-      self._compiled['sample', prompt.shape] = self._lowered['sample', prompt.shape].compile()
+      key = ('sample', prompt.shape)
+      self._lowered[key], self._compiled[key] = compilation.compile_logged(
+          f'greedy sample ({length} tokens)', generate, params, prompt)
     return self._compiled['sample', prompt.shape], prompt
 
   def lowered(self, compiled):

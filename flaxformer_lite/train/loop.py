@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 
-from flaxformer_lite import config as config_lib
+from flaxformer_lite import compilation, config as config_lib
 from flaxformer_lite import data, models
 from flaxformer_lite.data import validation as data_validation
 from flaxformer_lite.train import (checkpoints, memory, metrics as metrics_lib, multihost,
@@ -445,8 +445,8 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     # a run that cannot fit changes nothing in its workdir.
     example = parallel.place_batch(data.pad_rows(first_batch, partitioning.padded_rows(
         len(first_batch['inputs']), row_multiple)))
-    lowered_train = train_step.lower(state, example, dropout_rng)
-    compiled_train = lowered_train.compile()
+    lowered_train, compiled_train = compilation.compile_logged(
+        'train step', train_step, state, example, dropout_rng)
     _check_memory(config, dataset, parallel, state, lowered_train, compiled_train, example,
                   evaluate, limit)
     step_flops = profiling.step_flops(compiled_train)

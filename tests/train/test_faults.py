@@ -77,6 +77,8 @@ def test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes(tmp_path,
     assert f'Stopped on {signal.Signals(signum).name}' in err and 'Re-run the same command' in err
     if saved:
       assert f'Resumed from {workdir}/checkpoints at step {saved[-1]}' in out, out[-3000:]
+      # the same program as the first run's: read back from the persistent cache
+      assert 'train step: cache' in out, out[-3000:]
     # no checkpoint_every step was reached: the newest is this signal's
     steps = _steps(workdir)
     assert steps[:-1] == saved and steps[-1] >= (saved[-1] + 1 if saved else 5), (saved, steps)
