@@ -40,6 +40,7 @@ from flaxformer_lite.train import state as state_lib, steps
 PRESETS = {  # Vaswani et al. 2017, table 3
     'base': dict(d_model=512, num_heads=8, mlp_dim=2048, layers=6),
     'big': dict(d_model=1024, num_heads=16, mlp_dim=4096, layers=6),
+    'tiny': dict(d_model=32, num_heads=2, mlp_dim=64, layers=1),  # a check that it runs
 }
 
 

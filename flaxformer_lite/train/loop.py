@@ -26,6 +26,21 @@ class NonFiniteLossError(RuntimeError):
   """The loss became NaN/inf; main.py exits with code 3."""
 
 
+def _process_age() -> float:
+  """Seconds since this process started (Linux: /proc; elsewhere since this
+  module was imported)."""
+  try:
+    with open('/proc/self/stat') as f:
+      started = int(f.read().rsplit(')', 1)[1].split()[19]) / os.sysconf('SC_CLK_TCK')
+    with open('/proc/uptime') as f:
+      return float(f.read().split()[0]) - started
+  except (OSError, ValueError, IndexError):
+    return time.time() - _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
 def _check_finite(loss: float, step: int, ckpt):
   if not np.isfinite(loss):
     ckpt.manager.wait_until_finished()  # an earlier async save completes; none follows
@@ -464,6 +479,9 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
                                                                 row_multiple))
           tracer.before(step)
           state, sums = train_step(state, parallel.place_batch(batch), dropout_rng)
+          if step == start:
+            jax.block_until_ready(sums)
+            log.info('first step done, %.1f s after the process started', _process_age())
           tracer.after(done, state)
           window.add(parallel.unplace_sums(sums))
           if done % t.log_every == 0 or done == t.num_steps:

@@ -1,0 +1,358 @@
+"""One prepared accelerator check: what a GPU user meets, as one table.
+  benchmarks/gpu_check.sh [--quick] [--skip SECTION ...] [--budget SECONDS] [--out DIR]
+Sections, in this order, each in processes of its own (a section that fails or
+outruns its share of --budget prints why, and the rest go on):
+  recipe   experiments/tiny_shakespeare.py (the nanoGPT recipe) with an empty
+           compilation cache: seconds to its first step, steps/s, the whole
+           run's wall time, the best validation loss; then the same command
+           in a fresh workdir on the now warm cache, to its first step.
+  kernels  MultiHeadAttention forward+backward (d_model 512, 8 heads, causal)
+           of dot_product, alibi, t5_bias and shaw at n=2048 (b=4) and n=8192
+           (b=1), bfloat16 and float32: ms of the dense, chunked and (dot_product
+           in 16 bits) cuDNN kernels, and the kernel `auto` picks, read from
+           the lowered program (a cuDNN call, a loop over blocks, or neither).
+  mfu      benchmarks/train_throughput.py: Transformer-big, bfloat16, batch 64.
+  mha      benchmarks/attention.py: our layer against Flax's at n=2048, b=4.
+  smollm2  benchmarks/pretrained_speed.py --random_weights: SmolLM2-shaped
+           prefill and decode, ours against transformers (same random weights).
+  tests    as much of the test suite as the time left allows (attention and
+           decoding first); not with --quick.
+--quick: tiny sizes and a few steps, for any machine (the test suite runs it on
+CPU). Prints the table last and writes results.md and results.json to --out
+(default benchmarks/results/gpu).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ('recipe', 'kernels', 'mfu', 'mha', 'smollm2', 'tests')
+# Each section's share of --budget, in the order they run; 'tests' takes the rest.
+SHARES = {'recipe': 0.42, 'kernels': 0.25, 'mfu': 0.07, 'mha': 0.05, 'smollm2': 0.12}
+# bf16 dense matmul peaks (datasheets), TFLOP/s, for the MFU row.
+PEAK_TFLOPS = {'H100': 989.0, 'H200': 989.0, 'A100': 312.0}
+QUICK_RECIPE = ['--config.model.d_model=32', '--config.model.num_heads=2',
+                '--config.model.mlp_dim=64', '--config.model.num_decoder_layers=2',
+                '--config.model.max_len=32', '--config.data.max_len=32',
+                '--config.train.batch_size=4', '--config.train.num_steps=3',
+                '--config.train.log_every=1', '--config.train.eval_every=3',
+                '--config.eval.batch_size=16', '--config.eval.max_examples=32',
+                '--config.eval.sample_len=8', '--config.eval.final_test=False']
+
+
+def _env(**extra):
+  """The environment of a command run here: the repository importable (also
+  with FFL_PYTHON's interpreter, which has no editable install)."""
+  env = {**os.environ, **extra}
+  env['PYTHONPATH'] = REPO + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
+  return env
+
+
+class Rows:
+  """The table: (section, quantity, value, target or anchor)."""
+
+  def __init__(self):
+    self.rows: list[tuple[str, str, str, str]] = []
+
+  def add(self, section, quantity, value, target=''):
+    self.rows.append((section, quantity, str(value), target))
+    print(f'  {section:8} {quantity}: {value}' + (f'   [{target}]' if target else ''), flush=True)
+
+
+# ---------------------------------------------------------------- recipe
+
+
+def _recipe_command(workdir, quick):
+  return [sys.executable, '-m', 'flaxformer_lite.main',
+          '--config=experiments/tiny_shakespeare.py', f'--workdir={workdir}',
+          *(QUICK_RECIPE if quick else [])]
+
+
+def _first_step_seconds(log: str) -> float | None:
+  match = re.search(r'first step done, ([\d.]+) s after the process started', log)
+  return float(match.group(1)) if match else None
+
+
+def recipe(rows: Rows, quick: bool, seconds: float):
+  """The nanoGPT recipe: a whole run on an empty cache, then the same command
+  on the warm cache until its first step."""
+  tmp = tempfile.mkdtemp(prefix='gpu_check_recipe_')
+  env = _env(FFL_COMPILE_CACHE=os.path.join(tmp, 'cache'))
+  deadline = time.time() + seconds
+  start = time.time()
+  cold = subprocess.run(_recipe_command(os.path.join(tmp, 'cold'), quick), cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=max(deadline - time.time(), 1))
+  wall = time.time() - start
+  if cold.returncode != 0:
+    raise RuntimeError(f'the recipe exited {cold.returncode}: {cold.stderr[-1500:]}')
+  log = cold.stdout
+  rows.add('recipe', 'first step, empty cache (s after launch)', _first_step_seconds(log),
+           'target <= 30 s')
+  for name, took in re.findall(r'\d\d:\d\d:\d\d (.+?) compiled in ([\d.]+) s', log):
+    rows.add('recipe', f'  {name} compiled (s)', took)
+  rates = [float(r) for r in re.findall(r'([\d.]+) steps/s', log)][1:]
+  rows.add('recipe', 'steps/s (median of the logged windows)',
+           f'{statistics.median(rates):.1f}' if rates else '-')
+  rows.add('recipe', 'whole run, wall (s)', f'{wall:.0f}', 'target <= 150 s')
+  evals = []
+  with open(os.path.join(tmp, 'cold', 'metrics.jsonl')) as f:
+    for line in f:
+      record = json.loads(line)
+      if record.get('split') == 'eval' and 'loss' in record:
+        evals.append((record['loss'], record['step']))
+  best = min(evals) if evals else None
+  rows.add('recipe', 'best validation loss (at step)',
+           f'{best[0]:.4f} ({best[1]})' if best else '-', 'target <= 1.48; nanoGPT 1.4697')
+
+  warm = subprocess.Popen(_recipe_command(os.path.join(tmp, 'warm'), quick), cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  for line in warm.stdout:
+    lines.append(line)
+    if 'first step done' in line or time.time() > deadline:
+      break
+  warm.send_signal(signal.SIGTERM)
+  try:
+    warm.communicate(timeout=60)
+  except subprocess.TimeoutExpired:
+    warm.kill()
+  log = ''.join(lines)
+  rows.add('recipe', 'first step, warm cache (s after launch)', _first_step_seconds(log),
+           'target <= 5 s')
+  served = re.findall(r'\d\d:\d\d:\d\d (.+?): cache, ', log)
+  rows.add('recipe', '  served by the cache', ', '.join(served) or 'nothing')
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def kernel_cases(quick):
+  """(variant, n, b, dtype) of the kernel table."""
+  if quick:
+    return [('dot_product', 64, 1, 'bfloat16'), ('alibi', 64, 1, 'float32')]
+  sizes = [(2048, 4), (8192, 1)]
+  return [(v, n, b, dtype) for dtype in ('bfloat16', 'float32') for n, b in sizes
+          for v in ('dot_product', 'alibi', 't5_bias', 'shaw')]
+
+
+def picked(lowered_text: str) -> str:
+  """Which kernel a lowered attention program runs: cuDNN's fused call, the
+  chunked kernel's loop over blocks, else the dense path."""
+  if '__cudnn$fmha' in lowered_text:
+    return 'cudnn'
+  if 'stablehlo.while' in lowered_text:
+    return 'chunked'
+  return 'dense'
+
+
+def kernels_section(quick: bool, repeats: int) -> list[dict]:
+  """Runs in a process of its own (--section kernels): one dict per case."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import timing
+  from flaxformer_lite.attention.masks import MaskSpec
+  from flaxformer_lite.layers import MultiHeadAttention
+
+  d_model, heads = (32, 2) if quick else (512, 8)
+  on_gpu = jax.default_backend() == 'gpu'
+  out = []
+  for variant, n, b, dtype in kernel_cases(quick):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, d_model)), jnp.float32)
+    d_y = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
+    spec = MaskSpec(causal=True)
+
+    def build(implementation):
+      layer = MultiHeadAttention(num_heads=heads, attention=variant, dtype=jnp.dtype(dtype),
+                                 attention_kwargs={'implementation': implementation})
+      params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
+
+      def loss(params, x):
+        return jnp.sum(layer.apply(params, x, mask=spec).astype(jnp.float32) * d_y)
+      return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x)
+
+    kernels = ['dense', 'chunked']
+    if variant == 'dot_product' and dtype != 'float32' and on_gpu:
+      kernels.append('cudnn')
+    fns, temps, failed = timing.compile_all({k: lambda k=k: build(k) for k in kernels})
+    auto_fn, auto_args = build('auto')
+    auto = picked(auto_fn.lower(*auto_args).as_text())
+    times = timing.interleaved_times(fns, repeats)
+    row = {'variant': variant, 'n': n, 'b': b, 'dtype': dtype, 'auto': auto,
+           'ms': {k: timing.median(v) for k, v in times.items()}, 'temp_mib': temps,
+           'failed': failed}
+    print('KERNEL ' + json.dumps(row), flush=True)
+    out.append(row)
+  return out
+
+
+def kernels(rows: Rows, quick: bool, seconds: float):
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), '--section', 'kernels',
+                         *(['--quick'] if quick else [])], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=seconds)
+  cases = [json.loads(line[len('KERNEL '):]) for line in proc.stdout.splitlines()
+           if line.startswith('KERNEL ')]
+  for c in cases:
+    ms = c['ms']
+    cells = ' / '.join(f'{k} {ms[k]:.2f}' for k in ('dense', 'chunked', 'cudnn') if k in ms)
+    best = min(ms, key=ms.get) if ms else None
+    verdict = '' if best is None else (
+        'auto = fastest' if c['auto'] == best or ms.get(c['auto']) == ms[best]
+        else f"auto {ms.get(c['auto'], float('nan')) / ms[best]:.2f}x the fastest ({best})")
+    rows.add('kernels', f"{c['variant']} {c['dtype']} n={c['n']} b={c['b']} (ms)",
+             f"{cells}; auto -> {c['auto']}", verdict)
+  if proc.returncode != 0:
+    raise RuntimeError(f'exited {proc.returncode} after {len(cases)} cases: '
+                       f'{proc.stderr[-1500:]}')
+
+
+# ---------------------------------------------------------------- the others
+
+
+def _script(args, seconds):
+  proc = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True,
+                        text=True, timeout=seconds)
+  if proc.returncode != 0:
+    raise RuntimeError(f'{" ".join(args[:1])} exited {proc.returncode}: {proc.stderr[-1500:]}')
+  return proc.stdout
+
+
+def _device_kind() -> str:
+  out = subprocess.run([sys.executable, '-c', 'import jax; print(jax.devices()[0].device_kind)'],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+  return out.stdout.strip() or 'unknown'
+
+
+def mfu(rows: Rows, quick: bool, seconds: float):
+  kind = _device_kind()
+  peak = next((p for name, p in PEAK_TFLOPS.items() if name in kind), 0.0)
+  args = (['--preset=tiny', '--vocab=256', '--batch=2', '--src_len=16', '--tgt_len=16', '--steps=2']
+          if quick else ['--preset=big', '--dtype=bfloat16', '--batch=64', '--steps=10'])
+  out = _script(['benchmarks/train_throughput.py', *args,
+                 *([f'--peak_tflops={peak}'] if peak else [])], seconds)
+  for label in ('step time', 'tokens/s', 'MFU'):
+    line = next((l for l in out.splitlines() if label in l), None)
+    if line:
+      rows.add('mfu', 'Transformer-big bf16 b=64: ' + label if not quick else label,
+               line.split('|')[2].strip().strip('*'), 'target >= 40%' if label == 'MFU' else '')
+
+
+def mha(rows: Rows, quick: bool, seconds: float):
+  args = (['--length=32', '--d_model=32', '--heads=2', '--repeats=2'] if quick
+          else ['--length=2048', '--batch=4', '--repeats=30'])
+  out = _script(['benchmarks/attention.py', *args], seconds)
+  for line in out.splitlines():
+    if 'time, median ms' in line:
+      ours, flax_, _, to_flax, _ = line[28:].split()
+      rows.add('mha', f'{line[:28].split(" time")[0]}: ours / Flax ms'
+               f'{"" if quick else " (f32, n=2048, b=4)"}', f'{ours} / {flax_} = {to_flax}x',
+               'target <= 1.0x' if 'bwd' in line else '')
+
+
+def smollm2(rows: Rows, quick: bool, seconds: float):
+  try:
+    subprocess.run([sys.executable, '-c', 'import torch, transformers'], check=True,
+                   capture_output=True, timeout=120)
+  except subprocess.CalledProcessError:
+    rows.add('smollm2', 'ours vs transformers', 'skipped: no torch + transformers here')
+    return
+  args = (['--layers=2', '--vocab=512', '--prefill', '64', '--decode_prompt=16',
+           '--decode_steps=4', '--repeats=1'] if quick else
+          ['--prefill', '2048', '8192', '--decode_prompt=512', '--decode_steps=32',
+           '--repeats=3', '--dtype=bfloat16'])
+  out_json = os.path.join(tempfile.mkdtemp(prefix='gpu_check_smollm2_'), 'speed.json')
+  out = _script(['benchmarks/pretrained_speed.py', '--random_weights', *args,
+                 f'--hf_python={sys.executable}', f'--out={out_json}'], seconds)
+  for line in out.splitlines():
+    if line.startswith('|') and not set(line) <= set('|- :'):
+      rows.add('smollm2', 'table', line)
+
+
+def tests(rows: Rows, quick: bool, seconds: float):
+  if quick:
+    return
+  if seconds < 30:
+    rows.add('tests', 'on this device', 'skipped: no time left')
+    return
+  proc = subprocess.run(
+      [sys.executable, '-m', 'pytest', 'tests/attention', 'tests/test_decoding.py',
+       'tests/layers', 'tests/test_models.py', '-q', '-x', '-p', 'no:cacheprovider', '-n', '4'],
+      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=seconds)
+  summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+  rows.add('tests', 'attention, decoding, layers, models', summary)
+
+
+RUNNERS = {'recipe': recipe, 'kernels': kernels, 'mfu': mfu, 'mha': mha, 'smollm2': smollm2,
+           'tests': tests}
+
+
+def _versions() -> str:
+  code = ('import jax, jaxlib, flax; d = jax.devices()[0]; '
+          'print(f"{d.device_kind} x{jax.device_count()} ({jax.default_backend()}); '
+          'jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}")')
+  out = subprocess.run([sys.executable, '-c', code], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+  return out.stdout.strip() or out.stderr[-300:]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--quick', action='store_true')
+  parser.add_argument('--skip', nargs='*', default=[], choices=SECTIONS)
+  parser.add_argument('--budget', type=float, default=510.0, help='seconds for all sections')
+  parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results', 'gpu'))
+  parser.add_argument('--section', choices=['kernels'], help=argparse.SUPPRESS)
+  parser.add_argument('--repeats', type=int, default=0)
+  args = parser.parse_args(argv)
+  if args.section == 'kernels':
+    kernels_section(args.quick, args.repeats or (2 if args.quick else 10))
+    return 0
+
+  start = time.time()
+  header = f'{_versions()}; {datetime.date.today().isoformat()}'
+  print(f'# gpu_check: {header}', flush=True)
+  rows, problems = Rows(), []
+  for name in SECTIONS:
+    if name in args.skip:
+      continue
+    left = args.budget - (time.time() - start)
+    seconds = left if name == 'tests' else min(left, SHARES[name] * args.budget)
+    if seconds <= 1:
+      problems.append(f'{name}: no time left')
+      continue
+    t0 = time.time()
+    try:
+      RUNNERS[name](rows, args.quick, seconds)
+    except Exception as e:  # noqa: BLE001  (one section's failure must not stop the rest)
+      problems.append(f'{name}: {type(e).__name__}: {str(e).strip()[-800:]}')
+    print(f'# {name}: {time.time() - t0:.0f} s', flush=True)
+
+  os.makedirs(args.out, exist_ok=True)
+  lines = [f'gpu_check ({"--quick" if args.quick else "full"}): {header}; '
+           f'{time.time() - start:.0f} s', '',
+           '| section | quantity | value | target / anchor |', '| --- | --- | --- | --- |']
+  lines += [f'| {s} | {q} | {v} | {t} |' for s, q, v, t in rows.rows]
+  lines += [''] + [f'- failed: {p}' for p in problems]
+  with open(os.path.join(args.out, 'results.md'), 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  with open(os.path.join(args.out, 'results.json'), 'w') as f:
+    json.dump({'header': header, 'quick': args.quick, 'rows': rows.rows,
+               'failed': problems}, f, indent=1)
+  print('\n'.join(lines))
+  return 1 if problems else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
