@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, dropout, registry
+from flaxformer_lite.attention import chunked, dropout, registry, select
 
 # Masked logits are set to this (times the dtype's max), not -inf, so that a
 # fully masked row stays finite. Same constant as jax.nn.dot_product_attention.
@@ -203,24 +203,15 @@ def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=No
                         dropout_rng=dropout_rng)
 
 
-def cudnn_fits(query, key, *, dropout_rate=0.0, deterministic=True, return_weights=False,
-               dtype=None) -> bool:
-  """Whether 'auto' takes cuDNN's fused kernel: a GPU backend, 16-bit compute,
-  head size a multiple of 8 up to 128, no attention dropout, no weights asked
-  for, and more than one query (not a cached decoding step)."""
-  dtype = jnp.dtype(dtype or query.dtype)
-  d = query.shape[-1]
-  return (jax.default_backend() == 'gpu' and dtype in (jnp.bfloat16, jnp.float16)
-          and d % 8 == 0 and d <= 128 and (deterministic or dropout_rate == 0.0)
-          and not return_weights and query.shape[1] > 1 and key.shape[1] > 1)
-
-
-def _dot_product(query, key, value, *, implementation='auto', **common):
+def _dot_product(query, key, value, *, implementation='auto', dropout_rate=0.0,
+                 deterministic=True, dtype=None, return_weights=False, **common):
   if implementation == 'auto':  # the explicit path, unless cuDNN's kernel fits
-    fits = cudnn_fits(query, key, **{k: common[k] for k in (
-        'dropout_rate', 'deterministic', 'return_weights', 'dtype') if k in common})
+    fits = select.cudnn_fits(query, key, dtype=dtype, return_weights=return_weights,
+                             dropout=not deterministic and dropout_rate > 0.0)
     implementation = 'cudnn' if fits else 'dense'
-  return dot_product_attention(query, key, value, implementation=implementation, **common)
+  return dot_product_attention(query, key, value, implementation=implementation,
+                               dropout_rate=dropout_rate, deterministic=deterministic,
+                               dtype=dtype, return_weights=return_weights, **common)
 
 
 registry.register(registry.AttentionVariant(
@@ -228,7 +219,7 @@ registry.register(registry.AttentionVariant(
     fn=_dot_product,
     chunked=dot_product_chunked,
     dense_implementations=('xla', 'cudnn'),
-    fused_fits=cudnn_fits,
+    fused_fits=select.cudnn_fits,
     grouped_kv=True,
     doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
         'for jax.nn.dot_product_attention'))

@@ -22,7 +22,8 @@ block by block has `chunked`, called as `fn` but with a masks.MaskSpec (or
 None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
 when `dropout_rng` is given), bias or weights (chunked.py); keys and values
 may have fewer heads than the queries there (grouped-query attention).
-`choose_kernel` decides which one runs.
+`choose_kernel` (select.py: the `auto` policy, per platform) decides which
+one runs.
 """
 from __future__ import annotations
 
@@ -30,10 +31,8 @@ import dataclasses
 import textwrap
 from typing import Any, Callable, Mapping, NamedTuple
 
-import jax
-import jax.numpy as jnp
-
 from flaxformer_lite import model_types
+from flaxformer_lite.attention import select
 
 TRANSFORMER_MODELS = model_types.TRANSFORMER_TYPES
 ALL_MODELS = tuple(model_types.MODEL_TYPES)
@@ -64,9 +63,9 @@ class AttentionVariant:
   chunked: the block-by-block form (module docstring), or None.
   dense_implementations: further `implementation` values that `fn` itself
     takes as its `implementation` argument (dot_product: 'xla', 'cudnn').
-  fused_fits: (query, key, dtype=) -> whether a fused kernel of
+  fused_fits: (query, key, dtype=, dropout=) -> whether a fused kernel of
     `dense_implementations` runs these inputs; 'auto' then keeps the dense
-    path, where `fn` takes it (dot_product: cuDNN on a GPU in 16 bits).
+    path, where `fn` takes it (dot_product: select.cudnn_fits).
   grouped_kv: `fn` takes keys and values with g heads, g dividing the
     query heads h (query head i reads head i // (h / g)); without it the
     layer copies each key/value head to its group for `fn`. The chunked
@@ -113,21 +112,19 @@ SHARED_OPTIONS: dict[str, str] = {
 
 # Options of every variant, not of one: which kernel runs it. implementation:
 # 'dense' (the [n, m] scores; the reference), 'chunked' (blocks, O(n)
-# memory), 'auto' (choose_kernel); chunk_size: rows and columns per block of
-# the chunked kernel; dense_max_mib: 'auto' keeps the dense kernel while one
-# call's scores (b * h * n * m in the compute dtype) take at most this many
-# MiB. Just above it the two kernels take about the same time on CPU; from
-# a few times it, chunked is faster and needs a fraction of the memory
-# (benchmarks/chunked_attention.py).
+# memory), 'auto' (select.choose_kernel); chunk_size: rows and columns per
+# block of the chunked kernel; dense_max_mib: 'auto' keeps the dense kernel
+# while one call's scores (b * h * n * m in the compute dtype) take at most
+# this many MiB. Unset (None), those two are the platform's (select.POLICIES).
 KERNELS = ('auto', 'dense', 'chunked')
-KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': 512, 'dense_max_mib': 16}
+KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': None, 'dense_max_mib': None}
 
 
 class Kernel(NamedTuple):
-  """A variant's kernel options, checked (resolve_kernel)."""
+  """A variant's kernel options, checked (resolve_kernel); None = the platform's."""
   implementation: str
-  chunk_size: int
-  dense_max_mib: int
+  chunk_size: int | None
+  dense_max_mib: int | None
 
 
 def _check_options(variant: AttentionVariant) -> None:
@@ -249,9 +246,12 @@ def _check_terms(variant: AttentionVariant) -> None:
 def all_kwargs() -> dict[str, Any]:
   """Every option any variant accepts -> its default (one per name: `register`
   admits a name twice only when it is shared with the same default), the
-  kernel options included."""
+  kernel options included; for chunk_size and dense_max_mib, whose default
+  is the platform's, the CPU's (config.py types its placeholders by these)."""
   own = {k: default for v in _REGISTRY.values() for k, default in v.kwargs.items()}
-  return {**own, **KERNEL_OPTIONS}
+  cpu = select.POLICIES['cpu']
+  return {**own, 'implementation': KERNEL_OPTIONS['implementation'],
+          'chunk_size': cpu.chunk_size, 'dense_max_mib': cpu.dense_max_mib}
 
 
 def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -305,45 +305,18 @@ def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
     raise ValueError(f"attention_kwargs.implementation='chunked': attention={variant.name!r} "
                      'has no chunked form (its scores need the whole [n, m] array); variants '
                      f'that have one: {", ".join(chunked_names())}')
-  if impl == 'cudnn' and jax.default_backend() != 'gpu':
+  if impl == 'cudnn' and select.platform() != 'gpu':
     raise ValueError(
         "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
-        f"JAX backend is {jax.default_backend()!r}; use 'auto' (picks cuDNN where it can "
+        f"JAX backend is {select.platform()!r}; use 'auto' (picks cuDNN where it can "
         "run) or 'dense'/'xla'/'chunked'")
-  check_int(kernel._asdict(), 'chunk_size', 1)
-  check_int(kernel._asdict(), 'dense_max_mib', 0)
+  for option, low in (('chunk_size', 1), ('dense_max_mib', 0)):
+    if getattr(kernel, option) is not None:
+      check_int(kernel._asdict(), option, low)
 
 
-def choose_kernel(variant: AttentionVariant, kernel: Kernel, query, key, *,
-                  return_weights: bool, dtype=None, decoding: bool = False,
-                  positions: bool = False) -> str:
-  """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, g, d].
-
-  'auto' takes the chunked form where the variant has one and the call's
-  scores, b * h * n * m in the compute dtype, would take more than
-  kernel.dense_max_mib MiB (training, evaluation and a prompt alike), or,
-  when `decoding` (queries against a cache), where the cache spans more than
-  two blocks: the chunked kernel's causal bounds stop at the cache index,
-  where the dense kernel reads all of it. It keeps the dense path where the
-  weights are asked for (only it has them) or cuDNN's fused kernel fits
-  (dot_product on a GPU). An explicit 'chunked' with return_weights (plots)
-  runs the dense path too, and so does any call whose variant is given
-  `positions` as data (randomized positions): a chunked form's block terms
-  may read a block's positions as a range.
-  """
-  if positions:
-    return 'dense'
-  if kernel.implementation == 'chunked':
-    return 'dense' if return_weights else 'chunked'
-  if kernel.implementation != 'auto' or variant.chunked is None or return_weights:
-    return 'dense'
-  if variant.fused_fits is not None and variant.fused_fits(query, key, dtype=dtype):
-    return 'dense'
-  (b, n, h, _), m = query.shape, key.shape[1]
-  if decoding and m > 2 * kernel.chunk_size:
-    return 'chunked'
-  score_bytes = b * h * n * m * jnp.dtype(dtype or query.dtype).itemsize
-  return 'chunked' if score_bytes > kernel.dense_max_mib * 2**20 else 'dense'
+# The `auto` policy, with its thresholds per platform, lives in select.py.
+choose_kernel = select.choose_kernel
 
 
 class Description(NamedTuple):
@@ -398,7 +371,8 @@ def table(width: int = 100) -> str:
     return columns + textwrap.wrap(row.doc, width, initial_indent=_INDENT,
                                    subsequent_indent=_INDENT, break_on_hyphens=False)
 
-  kernel_options = ', '.join(f'{k}={v!r}' for k, v in KERNEL_OPTIONS.items())
+  kernel_options = ', '.join(f'{k}=' + ("the platform's" if v is None else repr(v))
+                             for k, v in KERNEL_OPTIONS.items())
   footer = (f'models: all = {", ".join(ALL_MODELS)}; transformers = '
             f'{", ".join(TRANSFORMER_MODELS)}. Every variant also takes the kernel options '
             f'{kernel_options} (attention_kwargs; implementation: auto or one of its '
@@ -406,4 +380,4 @@ def table(width: int = 100) -> str:
   lines = render(_HEADER, kernels[0]) + [_GAP.join('-' * w for w in widths)]
   for row, kernel_lines in zip(rows, kernels[1:]):
     lines += render(row, kernel_lines)
-  return '\n'.join([*lines, '', *textwrap.wrap(footer, width)])
+  return '\n'.join([*lines, '', *textwrap.wrap(footer, width), '', select.table(width)])

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks, registry
+from flaxformer_lite.attention import masks, registry, select
 
 
 class MultiHeadAttention(nn.Module):
@@ -53,7 +53,7 @@ class MultiHeadAttention(nn.Module):
 
   `mask` is a boolean array broadcastable to [b, h, n, m] or a
   `masks.MaskSpec` (causal, key padding, query validity): the kernel that
-  `attention_kwargs.implementation` picks (registry.choose_kernel) builds it
+  `attention_kwargs.implementation` picks (select.choose_kernel) builds it
   whole (dense) or one block at a time (chunked).
   """
   num_heads: int
@@ -133,17 +133,19 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f'attention={self.attention!r} reads positions as q_offset + 0..n-1 '
                        'only; randomized positions need one of '
                        f'{registry.position_array_names()}')
-    kernel = registry.choose_kernel(variant, kernel_options, query, key,
-                                    return_weights=want_weights, dtype=self.dtype,
-                                    decoding=self.decode, positions=reads_positions)
+    kernel = select.choose_kernel(variant, kernel_options, query, key,
+                                  return_weights=want_weights, dtype=self.dtype,
+                                  decoding=self.decode, positions=reads_positions,
+                                  dropout=dropout_active)
     if kernel == 'chunked':
       if bias is not None:
         raise ValueError('the chunked attention kernel takes no explicit bias; use '
                          "attention_kwargs.implementation='dense'")
       spec = mask if isinstance(mask, masks.MaskSpec) else masks.MaskSpec(dense=mask)
       x = variant.chunked(query, key, value, mask=spec, q_offset=q_offset,
-                          chunk_size=kernel_options.chunk_size, dtype=self.dtype,
-                          dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+                          chunk_size=select.chunk_size(kernel_options.chunk_size),
+                          dtype=self.dtype, dropout_rate=self.dropout_rate,
+                          dropout_rng=dropout_rng,
                           **params, **kwargs)
       return self._out(x, features)
 

@@ -10,7 +10,7 @@ import collections
 import jax
 import pytest
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import registry, select
 
 
 def _takers():
@@ -132,27 +132,33 @@ def test_every_learned_table_declares_how_a_model_axis_shards_it(name):
 
 def _pick(name, b, n, m, h=8, g=None, dtype='float32', decoding=False, return_weights=False,
           positions=False, **options):
+  """The kernel 'auto' picks on CPU (select.py has every platform's)."""
   query = jax.ShapeDtypeStruct((b, n, h, 64), dtype)
   key = jax.ShapeDtypeStruct((b, m, g or h, 64), dtype)
   kernel = registry.resolve_kernel(name, options)
-  return registry.choose_kernel(registry.get(name), kernel, query, key, dtype=dtype,
-                                decoding=decoding, return_weights=return_weights,
-                                positions=positions)
+  with select.target_platform('cpu'):
+    return registry.choose_kernel(registry.get(name), kernel, query, key, dtype=dtype,
+                                  decoding=decoding, return_weights=return_weights,
+                                  positions=positions)
 
 
 @pytest.mark.parametrize('name', registry.chunked_names())
-def test_auto_is_dense_up_to_dense_max_mib_of_scores_then_chunked(name):
-  """b * h * n * m scores of the compute dtype against dense_max_mib (16):
-  8 heads of 512 x 512 float32 scores are 8 MiB a row, so 2 rows are at the
-  threshold and 3 above it; bfloat16 halves the bytes; batch and heads
-  count as much as length (b = 64, h = 16, n = 512: 1 GiB)."""
-  assert _pick(name, 2, 512, 512) == 'dense'
-  assert _pick(name, 3, 512, 512) == 'chunked'
-  assert _pick(name, 4, 512, 512, dtype='bfloat16') == 'dense'
-  assert _pick(name, 5, 512, 512, dtype='bfloat16') == 'chunked'
+def test_auto_is_dense_up_to_256_mib_of_scores_on_cpu_then_chunked(name):
+  """b * h * n * m scores of the compute dtype against the CPU's 256 MiB:
+  8 heads of 512 x 512 float32 scores are 8 MiB a row, so 32 rows are at
+  the threshold and 33 above it; bfloat16 halves the bytes; batch and heads
+  count as much as length (b = 64, h = 16, n = 512: 1 GiB). An explicit
+  dense_max_mib replaces the 256."""
+  assert _pick(name, 32, 512, 512) == 'dense'
+  assert _pick(name, 33, 512, 512) == 'chunked'
+  assert _pick(name, 64, 512, 512, dtype='bfloat16') == 'dense'
+  assert _pick(name, 65, 512, 512, dtype='bfloat16') == 'chunked'
+  assert _pick(name, 4, 1024, 1024) == 'dense'  # 128 MiB
+  assert _pick(name, 4, 2048, 2048) == 'chunked'  # 512 MiB
   assert _pick(name, 64, 512, 512, h=16) == 'chunked'
   assert _pick(name, 1, 4096, 4096, g=1) == 'chunked'  # the query heads count
-  assert _pick(name, 3, 512, 512, dense_max_mib=64) == 'dense'
+  assert _pick(name, 8, 512, 512, dense_max_mib=64) == 'dense'
+  assert _pick(name, 9, 512, 512, dense_max_mib=64) == 'chunked'
   assert _pick(name, 1, 16, 16, dense_max_mib=0) == 'chunked'
   assert _pick(name, 64, 512, 512, return_weights=True) == 'dense'  # only dense has them
   assert _pick(name, 64, 512, 512, implementation='dense') == 'dense'
@@ -162,7 +168,7 @@ def test_auto_is_dense_up_to_dense_max_mib_of_scores_then_chunked(name):
 @pytest.mark.parametrize('name', registry.chunked_names())
 def test_auto_decodes_a_cache_longer_than_two_blocks_on_the_chunked_kernel(name):
   """One query against a cache: the chunked kernel stops at the cache index
-  (causal bounds), the dense one reads all of it."""
+  (causal bounds), the dense one reads all of it. Blocks of 512 on CPU."""
   assert _pick(name, 4, 1, 2048, decoding=True) == 'chunked'
   assert _pick(name, 4, 1, 1024, decoding=True) == 'dense'
   assert _pick(name, 4, 1, 1024, decoding=True, chunk_size=256) == 'chunked'

@@ -1,0 +1,179 @@
+"""The `auto` kernel policy: which kernel runs one attention call, per platform.
+
+`choose_kernel` answers 'dense' or 'chunked' for a layer's call (registry.py
+re-exports it); `cudnn_fits` says where dot_product's dense path is cuDNN's
+fused kernel; `chunk_size` is the chunked kernel's block. Every threshold is
+in POLICIES, and `describe` says them in words (`--list_attention`). The
+platform is jax.default_backend(), or `target_platform`'s inside one (to
+lower for CUDA on a CPU machine, as the tests do).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import textwrap
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """What 'auto' runs on one platform.
+
+  cudnn: dot_product (grouped-query included) on cuDNN's fused kernel
+    where `cudnn_fits`.
+  memory_share: dense while one call's scores (b * h * n * m in the compute
+    dtype) take at most this share of the device's memory (its allocator's
+    bytes_limit); None: dense_max_mib always.
+  dense_max_mib: the scores' limit in MiB where memory_share is None or the
+    device reports no bytes_limit (lowering for a platform this process
+    does not run on).
+  chunk_size: the chunked kernel's block, rows and columns.
+  """
+  cudnn: bool
+  memory_share: float | None
+  dense_max_mib: int
+  chunk_size: int
+
+
+POLICIES = {
+    # Fused, then dense, both beat the blocks wherever they fit in memory;
+    # larger blocks keep a GPU's cores busier. The fallback is 1/8 of 16 GiB.
+    'gpu': Policy(cudnn=True, memory_share=1 / 8, dense_max_mib=2048, chunk_size=1024),
+    # JAX's Pallas splash kernels would be the TPU's fused path: not wired in yet.
+    'tpu': Policy(cudnn=False, memory_share=1 / 8, dense_max_mib=2048, chunk_size=512),
+    # On CPU the blocks win only once the scores outgrow the caches by far.
+    'cpu': Policy(cudnn=False, memory_share=None, dense_max_mib=256, chunk_size=512),
+}
+# A backend JAX names otherwise (a plugin) gets the TPU's rule: no fused
+# kernel, dense while it fits the device.
+OTHER = 'tpu'
+# cuDNN's fused attention: compute dtypes and the largest head size it runs
+# on every GPU generation (head sizes a multiple of 8).
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128
+
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar('target', default=None)
+
+
+@contextlib.contextmanager
+def target_platform(name: str):
+  """Inside it, 'auto' chooses for platform `name` ('gpu', 'tpu', 'cpu'), not
+  for jax.default_backend(): to lower for another platform
+  (`.lower(lowering_platforms=('cuda',))`)."""
+  if name not in POLICIES:
+    raise ValueError(f'target_platform({name!r}); valid: {", ".join(POLICIES)}')
+  token = _TARGET.set(name)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
+
+def platform() -> str:
+  """The platform 'auto' chooses for: target_platform's, else JAX's backend."""
+  return _TARGET.get() or jax.default_backend()
+
+
+def policy(name: str | None = None) -> Policy:
+  """POLICIES' entry for `name` (default: `platform()`)."""
+  return POLICIES.get(name or platform(), POLICIES[OTHER])
+
+
+def device_memory(name: str) -> int | None:
+  """bytes_limit of this process's first device, where it runs on platform
+  `name` and the device reports one; else None."""
+  if jax.default_backend() != name:
+    return None
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get('bytes_limit')
+
+
+def dense_max_bytes(dense_max_mib: int | None = None) -> int:
+  """The most bytes of scores 'auto' runs densely: attention_kwargs'
+  dense_max_mib where set, else the platform's rule (Policy)."""
+  if dense_max_mib is not None:
+    return dense_max_mib * 2**20
+  name = platform()
+  rule = policy(name)
+  memory = device_memory(name) if rule.memory_share else None
+  return int(rule.memory_share * memory) if memory else rule.dense_max_mib * 2**20
+
+
+def chunk_size(given: int | None = None) -> int:
+  """The chunked kernel's block: attention_kwargs' chunk_size where set,
+  else the platform's."""
+  return given if given is not None else policy().chunk_size
+
+
+def cudnn_fits(query, key, *, dtype=None, dropout=False, return_weights=False) -> bool:
+  """Whether dot_product's 'auto' runs query [b, n, h, d], key [b, m, g, d]
+  on cuDNN's kernel: a platform that has it, 16-bit compute, d a multiple of
+  8 up to CUDNN_MAX_HEAD_DIM, no attention dropout, no weights asked for,
+  and n, m even and above 1 (not a cached decoding step; cuDNN's backward
+  with a mask needs even lengths)."""
+  (n, d), m = query.shape[1::2], key.shape[1]
+  return (policy().cudnn and jnp.dtype(dtype or query.dtype) in CUDNN_DTYPES
+          and d % 8 == 0 and d <= CUDNN_MAX_HEAD_DIM and not dropout and not return_weights
+          and n > 1 and m > 1 and n % 2 == 0 and m % 2 == 0)
+
+
+def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=None,
+                  decoding: bool = False, positions: bool = False,
+                  dropout: bool = False) -> str:
+  """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, g, d].
+
+  `variant` is a registry.AttentionVariant, `kernel` its registry.Kernel.
+  'auto' keeps the dense path where the weights are asked for (only it has
+  them), the variant has no chunked form, or its fused kernel fits
+  (`variant.fused_fits`: dot_product's cuDNN); when `decoding` (queries
+  against a cache) it takes the chunked form where the cache spans more
+  than two blocks, whose causal bounds stop at the cache index where the
+  dense kernel reads all of it; else dense while the scores, b * h * n * m
+  in the compute dtype, fit `dense_max_bytes`. An explicit 'chunked' with
+  return_weights (plots) runs the dense path too, and so does any call
+  given `positions` as data (randomized positions): a chunked form's block
+  terms may read a block's positions as a range.
+  """
+  if positions:
+    return 'dense'
+  if kernel.implementation == 'chunked':
+    return 'dense' if return_weights else 'chunked'
+  if kernel.implementation != 'auto' or variant.chunked is None or return_weights:
+    return 'dense'
+  if variant.fused_fits is not None and variant.fused_fits(query, key, dtype=dtype,
+                                                            dropout=dropout):
+    return 'dense'
+  (b, n, h, _), m = query.shape, key.shape[1]
+  if decoding and m > 2 * chunk_size(kernel.chunk_size):
+    return 'chunked'
+  score_bytes = b * h * n * m * jnp.dtype(dtype or query.dtype).itemsize
+  return 'dense' if score_bytes <= dense_max_bytes(kernel.dense_max_mib) else 'chunked'
+
+
+def describe(name: str) -> str:
+  """What 'auto' runs on platform `name`, in one paragraph."""
+  rule = policy(name)
+  dtypes = '/'.join(jnp.dtype(t).name for t in CUDNN_DTYPES)
+  fused = (f'dot_product (grouped-query too) in {dtypes} on cuDNN (head dim a multiple '
+           f'of 8, <= {CUDNN_MAX_HEAD_DIM}; even lengths > 1; no dropout or weights), else '
+           if rule.cudnn else '')
+  limit = (f'1/{round(1 / rule.memory_share)} of device memory ({rule.dense_max_mib} MiB '
+           'where it reports none)' if rule.memory_share else f'{rule.dense_max_mib} MiB')
+  return (f'{name}: {fused}dense while scores (b*h*n*m*itemsize) <= {limit}, else chunked '
+          f'in blocks of {rule.chunk_size}.')
+
+
+def table(width: int = 100) -> str:
+  """`describe` for every platform, then the rules they share, wrapped to
+  `width`; starts no JAX backend."""
+  shared = ('all: dense where weights are asked for or positions given as arrays; '
+            'chunked when decoding against a cache of over two blocks; '
+            "attention_kwargs.dense_max_mib and chunk_size, where set, replace the "
+            "platform's.")
+  paragraphs = ["implementation='auto', by platform (jax.default_backend()):",
+                *map(describe, POLICIES), shared]
+  return '\n'.join(line for text in paragraphs
+                   for line in textwrap.wrap(text, width, subsequent_indent='  '))

@@ -1,0 +1,186 @@
+"""The `auto` kernel policy (attention/select.py): the choice per platform as a
+function of shapes and dtypes, then the path a layer lowered for CUDA on this
+machine takes, read from its HLO."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from flaxformer_lite.attention import chunked, masks, registry, select
+from flaxformer_lite.layers import MultiHeadAttention
+
+MIB = 2**20
+
+
+@pytest.fixture
+def device_memory(monkeypatch):
+  """device_memory(bytes or None): the memory select reads from the device
+  (None: none reported, the platform's fixed fallback). None until set, so
+  that a test's thresholds do not depend on the machine running it."""
+  def set_memory(limit):
+    monkeypatch.setattr(select, 'device_memory', lambda name: limit)
+  set_memory(None)
+  return set_memory
+
+
+def _pick(platform, name, b, n, m, h=8, g=None, d=64, dtype='float32', decoding=False,
+          dropout=False, **options):
+  query = jax.ShapeDtypeStruct((b, n, h, d), dtype)
+  key = jax.ShapeDtypeStruct((b, m, g or h, d), dtype)
+  with select.target_platform(platform):
+    return select.choose_kernel(registry.get(name), registry.resolve_kernel(name, options),
+                                query, key, return_weights=False, dtype=dtype,
+                                decoding=decoding, dropout=dropout)
+
+
+def _fits(platform, n=128, m=None, d=64, dtype='bfloat16', g=8, **kwargs):
+  query = jax.ShapeDtypeStruct((2, n, 8, d), dtype)
+  key = jax.ShapeDtypeStruct((2, n if m is None else m, g, d), dtype)
+  with select.target_platform(platform):
+    return select.cudnn_fits(query, key, **kwargs)
+
+
+def test_cudnn_fits_on_gpu_in_16_bits_within_its_shape_rules():
+  assert _fits('gpu') and _fits('gpu', dtype='float16')
+  assert _fits('gpu', g=2) and _fits('gpu', g=1)  # grouped-query, multi-query
+  assert _fits('gpu', d=128) and _fits('gpu', d=8)
+  assert not _fits('cpu') and not _fits('tpu')
+  assert not _fits('gpu', dtype='float32')
+  assert not _fits('gpu', d=12) and not _fits('gpu', d=256)
+  assert not _fits('gpu', dropout=True) and not _fits('gpu', return_weights=True)
+  assert not _fits('gpu', n=1, m=64)  # a decoding step
+  assert not _fits('gpu', n=127) and not _fits('gpu', m=127)
+
+
+def test_gpu_takes_cudnn_then_dense_while_an_eighth_of_memory_then_blocks_of_1024(
+    device_memory):
+  """16 heads of 2048 x 2048 float32 scores are 256 MiB a row. Without a
+  reported limit, 2048 MiB: 8 rows dense, 9 chunked; with 80 GiB, 10 GiB:
+  40 rows dense, 41 chunked. dot_product in bfloat16 is cuDNN's (dense)
+  whatever its size; alibi has no fused kernel."""
+  assert _pick('gpu', 'dot_product', 8, 2048, 2048, h=16) == 'dense'
+  assert _pick('gpu', 'dot_product', 9, 2048, 2048, h=16) == 'chunked'
+  assert _pick('gpu', 'dot_product', 64, 2048, 2048, h=16, dtype='bfloat16') == 'dense'
+  assert _pick('gpu', 'alibi', 16, 2048, 2048, h=16, dtype='bfloat16') == 'dense'
+  assert _pick('gpu', 'alibi', 17, 2048, 2048, h=16, dtype='bfloat16') == 'chunked'
+  assert _pick('gpu', 'dot_product', 64, 2048, 2048, h=16, dtype='bfloat16',
+               dropout=True) == 'chunked'  # no cuDNN with dropout: the size rule
+  device_memory(80 * 2**30)
+  assert _pick('gpu', 'dot_product', 40, 2048, 2048, h=16) == 'dense'
+  assert _pick('gpu', 'dot_product', 41, 2048, 2048, h=16) == 'chunked'
+  assert _pick('gpu', 'dot_product', 41, 2048, 2048, h=16, dense_max_mib=16384) == 'dense'
+  with select.target_platform('gpu'):
+    assert select.chunk_size() == 1024 and select.chunk_size(256) == 256
+    assert select.dense_max_bytes() == 10 * 2**30
+    assert select.dense_max_bytes(16) == 16 * MIB
+
+
+def test_gpu_decodes_on_the_chunked_kernel_past_two_blocks_of_1024(device_memory):
+  assert _pick('gpu', 'dot_product', 4, 1, 2048, decoding=True, dtype='bfloat16') == 'dense'
+  assert _pick('gpu', 'dot_product', 4, 1, 2049, decoding=True, dtype='bfloat16') == 'chunked'
+  assert _pick('gpu', 'alibi', 4, 1, 1025, decoding=True, chunk_size=512) == 'chunked'
+
+
+def test_tpu_is_dense_while_an_eighth_of_memory_then_blocks_of_512(device_memory):
+  assert _pick('tpu', 'dot_product', 64, 2048, 2048, h=16, dtype='bfloat16') == 'chunked'
+  assert _pick('tpu', 'dot_product', 16, 2048, 2048, h=16, dtype='bfloat16') == 'dense'
+  device_memory(16 * 2**30)
+  assert _pick('tpu', 'dot_product', 8, 2048, 2048, h=16) == 'dense'
+  assert _pick('tpu', 'dot_product', 9, 2048, 2048, h=16) == 'chunked'
+  with select.target_platform('tpu'):
+    assert select.chunk_size() == 512
+
+
+def test_cpu_is_dense_up_to_256_mib_of_scores_whatever_the_machine(device_memory):
+  """A causal LM at b=4, 8 heads, float32: n=1024 (128 MiB) dense, n=2048
+  (512 MiB) chunked; the device's memory plays no part on CPU."""
+  device_memory(2**40)
+  assert _pick('cpu', 'dot_product', 4, 512, 512) == 'dense'
+  assert _pick('cpu', 'dot_product', 4, 1024, 1024) == 'dense'
+  assert _pick('cpu', 'dot_product', 4, 2048, 2048) == 'chunked'
+  assert _pick('cpu', 'dot_product', 8, 1024, 1024, dtype='bfloat16') == 'dense'
+  assert _pick('cpu', 'alibi', 8, 1024, 1024, dtype='bfloat16', dense_max_mib=16) == 'chunked'
+  with select.target_platform('cpu'):
+    assert select.chunk_size() == 512 and select.dense_max_bytes() == 256 * MIB
+
+
+def test_a_platform_without_a_policy_of_its_own_takes_the_tpu_rule():
+  assert select.policy('METAL') == select.POLICIES['tpu']
+  with pytest.raises(ValueError, match="'cuda'.*gpu, tpu, cpu"):
+    with select.target_platform('cuda'):
+      pass
+
+
+def test_the_listing_says_each_platforms_thresholds():
+  text = ' '.join(select.table(72).split())
+  assert '1/8 of device memory (2048 MiB where it reports none)' in text
+  assert ('cpu: dense while scores (b*h*n*m*itemsize) <= 256 MiB, else chunked in blocks '
+          'of 512') in text
+  assert 'chunked in blocks of 1024' in select.describe('gpu')
+  assert 'cuDNN' in select.describe('gpu') and 'cuDNN' not in select.describe('tpu')
+  assert ' '.join(registry.table(72).split()).endswith(text)
+
+
+# ---- lowered for CUDA on this machine: the path in the HLO ----------------------
+
+@pytest.fixture
+def cudnn_lowerable(monkeypatch):
+  """jax's cuDNN attention asks the installed cuDNN for its version while
+  tracing (check_cudnn_version), and a CPU-only jaxlib has none ('cuDNN is
+  not detected'): report 9.8, so that its custom call lowers for CUDA
+  (never runs). A private module of jax: update the path if it moves."""
+  fused = pytest.importorskip('jax._src.cudnn.fused_attention_stablehlo')
+  monkeypatch.setattr(fused, 'check_cudnn_version', lambda: 90800)
+
+
+@pytest.fixture
+def chunk_sizes(monkeypatch):
+  """The chunk_size of each chunked.attend call traced while the test runs."""
+  calls, attend = [], chunked.attend
+
+  def recorded(*args, chunk_size=None, **kwargs):
+    calls.append(chunk_size)
+    return attend(*args, chunk_size=chunk_size, **kwargs)
+  monkeypatch.setattr(chunked, 'attend', recorded)
+  return calls
+
+
+def _cuda_hlo(attention='dot_product', n=16, dtype=jnp.bfloat16, num_kv_heads=None,
+              grad=False, **options):
+  """StableHLO of a causal MultiHeadAttention (2 heads of 16, batch 2) at
+  length n, its forward or (grad) the gradient of its sum by its
+  parameters, lowered for CUDA as a GPU would choose."""
+  layer = MultiHeadAttention(num_heads=2, num_kv_heads=num_kv_heads, qkv_features=32,
+                             attention=attention, attention_kwargs=options or None,
+                             dtype=dtype)
+  x = jax.ShapeDtypeStruct((2, n, 32), jnp.float32)
+  params = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+  def forward(params, x):
+    return layer.apply(params, x, mask=masks.MaskSpec(causal=True)).astype(jnp.float32).sum()
+  with select.target_platform('gpu'):
+    traced = jax.jit(jax.grad(forward) if grad else forward).trace(params, x)
+    return traced.lower(lowering_platforms=('cuda',)).as_text()
+
+
+def test_dot_product_in_bf16_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, device_memory):
+  forward = _cuda_hlo()
+  assert '__cudnn$fmha' in forward and 'stablehlo.while' not in forward
+  assert '__cudnn$fmha' in _cuda_hlo(num_kv_heads=1)  # multi-query: its g heads in place
+  assert '__cudnn$fmhaScaleBiasSoftmaxBackward' in _cuda_hlo(grad=True)
+  assert '__cudnn$fmha' not in _cuda_hlo(dtype=jnp.float32)
+  assert '__cudnn$fmha' not in _cuda_hlo(implementation='dense')
+
+
+def test_alibi_lowers_dense_for_a_gpu_then_chunked_in_blocks_of_1024_past_its_share(
+    cudnn_lowerable, device_memory, chunk_sizes):
+  """A 1 MiB device: 128 KiB of scores dense. At n = 64, 2 x 2 heads of
+  bfloat16 scores are 32 KiB (dense, no loop); at n = 256, 256 KiB: the
+  chunked kernel's loops, in the GPU's blocks unless chunk_size is set."""
+  device_memory(MIB)
+  dense = _cuda_hlo('alibi', n=64)
+  assert '__cudnn$fmha' not in dense and 'stablehlo.while' not in dense
+  assert chunk_sizes == []
+  blocks = _cuda_hlo('alibi', n=256)
+  assert '__cudnn$fmha' not in blocks and 'stablehlo.while' in blocks
+  assert 'stablehlo.while' in _cuda_hlo('alibi', n=256, chunk_size=64)
+  assert chunk_sizes == [1024, 64]
