@@ -3,6 +3,10 @@
 # it), then runs an experiment, the tests, a script or a sweep in it. The
 # usage text below is the reference for the commands and flags.
 set -euo pipefail
+case "${FFL_PYTHON:-}" in  # a path relative to the caller's folder, before the cd
+  /*|"") ;;
+  */*) FFL_PYTHON="$PWD/$FFL_PYTHON" ;;
+esac
 cd "$(dirname "$0")"
 
 usage() {
@@ -53,6 +57,13 @@ nothing saved overwritten); 3 non-finite loss (the last good checkpoint kept).
 Environment: FFL_EXTRAS=cuda (or tpu) installs the accelerator build of jax;
 FFL_VENV=DIR another venv (default .venv); FFL_SYSTEM_MALLOC=1 keeps glibc's
 malloc defaults; JAX_PLATFORMS=cpu ignores any accelerator.
+FFL_PYTHON=python3 runs in that interpreter as it is (a GPU/TPU machine or
+container that came with JAX, often offline): no venv, no pip; this checkout
+goes on PYTHONPATH. A package the command needs that does not import (every
+command: jax, flax, optax, orbax-checkpoint, absl-py, ml-collections, numpy;
+test: also pytest, pytest-xdist and the suite's imports) is named with its pip
+install line, exit 2. The synthetic tasks need neither tensorflow-datasets
+(generated in memory) nor tensorboardX (metrics.jsonl only).
 USAGE
 }
 
@@ -131,8 +142,69 @@ setup_venv() {
   fi
 }
 
-setup_venv
-PY="$VENV/bin/python"
+# Import name=distribution; pyproject.toml gives each one's version specifier.
+CORE="jax=jax flax=flax optax=optax orbax.checkpoint=orbax-checkpoint absl=absl-py
+      ml_collections=ml-collections numpy=numpy"
+TFDS="tensorflow_datasets=tensorflow-datasets importlib_resources=importlib_resources
+      array_record=array-record"
+
+# FFL_PYTHON: the modules a command needs, or the pip line for those that do not import.
+check_imports() {  # LABEL MODULE=DISTRIBUTION...
+  "$PY" - "$@" <<'PY'
+import importlib, os, re, shlex, sys
+if sys.version_info < (3, 10):
+  sys.exit(f'launch.sh: FFL_PYTHON is Python {sys.version.split()[0]}; it needs >= 3.10')
+label, pairs = sys.argv[1], [pair.split('=') for pair in sys.argv[2:]]
+missing, broken = [], []
+for module, dist in pairs:
+  try:
+    importlib.import_module(module)
+  except ImportError:
+    missing.append((module, dist))
+  except Exception as e:  # installed, but its import fails (e.g. mismatched versions)
+    broken.append(f'{module} ({type(e).__name__}: {e})')
+python = shlex.quote(os.environ['FFL_PYTHON'])
+if missing:
+  with open('pyproject.toml') as f:
+    text = f.read()
+  found = [re.search(r'"(%s(?:[<>=!~][^"]*)?)"' % re.escape(dist), text) for _, dist in missing]
+  specs = ' '.join(shlex.quote(m.group(1) if m else dist) for m, (_, dist) in zip(found, missing))
+  print(f'launch.sh: FFL_PYTHON={python} cannot import {", ".join(m for m, _ in missing)} '
+        f'(needed by {label}); install with\n  {python} -m pip install {specs}\n'
+        f'or leave FFL_PYTHON unset (launch.sh then sets up .venv).', file=sys.stderr)
+if broken:
+  print(f'launch.sh: FFL_PYTHON={python} has {"; ".join(broken)}, needed by {label}, '
+        f'installed but failing to import.', file=sys.stderr)
+sys.exit(2 if missing or broken else 0)
+PY
+}
+
+if [ -n "${FFL_PYTHON:-}" ]; then
+  if ! command -v "$FFL_PYTHON" >/dev/null 2>&1; then
+    echo "launch.sh: FFL_PYTHON=$FFL_PYTHON is not a command (give python3 or a path)" >&2
+    exit 2
+  fi
+  PY="$FFL_PYTHON"
+  # In place of the venv's editable install of this checkout.
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  case "${1:-}" in
+    test)
+      # The suite's other imports; the tests that read TFDS skip without it, except on CI.
+      needs="$CORE pytest=pytest xdist=pytest-xdist sentencepiece=sentencepiece regex=regex
+             sacrebleu=sacrebleu tensorboardX=tensorboardX matplotlib=matplotlib"
+      if [ "${CI:-}" = true ]; then needs="$needs $TFDS"; fi ;;
+    sweep) needs="$CORE matplotlib=matplotlib" ;;  # its plots
+    *) needs="$CORE" ;;
+  esac
+  case "${1:-}" in
+    test|run|sweep|fetch) label="./launch.sh $1" ;;
+    *) label="$EXPERIMENT" ;;
+  esac
+  check_imports "$label" $needs || exit 2  # $needs unquoted: one word per module
+else
+  setup_venv
+  PY="$VENV/bin/python"
+fi
 
 # glibc malloc (Linux): XLA:CPU mallocs each call's temp buffer. A block above
 # glibc's mmap threshold (32 MiB at most by default) is mapped afresh on every

@@ -24,10 +24,12 @@ CPU). Prints the table last and writes results.md and results.json to --out
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -36,6 +38,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOG_DIR = tempfile.gettempdir()  # main() sets --out
 SECTIONS = ('recipe', 'kernels', 'mfu', 'mha', 'smollm2', 'tests')
 # Each section's share of --budget, in the order they run; 'tests' takes the rest.
 SHARES = {'recipe': 0.42, 'kernels': 0.25, 'mfu': 0.07, 'mha': 0.05, 'smollm2': 0.12}
@@ -90,12 +93,25 @@ def recipe(rows: Rows, quick: bool, seconds: float):
   env = _env(FFL_COMPILE_CACHE=os.path.join(tmp, 'cache'))
   deadline = time.time() + seconds
   start = time.time()
-  cold = subprocess.run(_recipe_command(os.path.join(tmp, 'cold'), quick), cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=max(deadline - time.time(), 1))
+  log_path = os.path.join(tmp, 'cold.log')
+  with open(log_path, 'w') as log_file:
+    cold = subprocess.Popen(_recipe_command(os.path.join(tmp, 'cold'), quick), cwd=REPO, env=env,
+                            stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    # Out of time: the run saves its step and stops (SIGTERM), and what it logged is reported.
+    while cold.poll() is None and time.time() < deadline - 40:
+      time.sleep(0.5)
+    stopped = cold.poll() is None
+    if stopped:
+      cold.send_signal(signal.SIGTERM)
+      try:
+        cold.wait(timeout=25)
+      except subprocess.TimeoutExpired:
+        cold.kill()
   wall = time.time() - start
-  if cold.returncode != 0:
-    raise RuntimeError(f'the recipe exited {cold.returncode}: {cold.stderr[-1500:]}')
-  log = cold.stdout
+  with open(log_path) as f:
+    log = f.read()
+  if cold.returncode not in (0, None) and not stopped:
+    raise RuntimeError(f'the recipe exited {cold.returncode}: {log[-1500:]}')
   rows.add('recipe', 'first step, empty cache (s after launch)', _first_step_seconds(log),
            'target <= 30 s')
   for name, took in re.findall(r'\d\d:\d\d:\d\d (.+?) compiled in ([\d.]+) s', log):
@@ -103,9 +119,13 @@ def recipe(rows: Rows, quick: bool, seconds: float):
   rates = [float(r) for r in re.findall(r'([\d.]+) steps/s', log)][1:]
   rows.add('recipe', 'steps/s (median of the logged windows)',
            f'{statistics.median(rates):.1f}' if rates else '-')
-  rows.add('recipe', 'whole run, wall (s)', f'{wall:.0f}', 'target <= 150 s')
+  steps = re.findall(r'step (\d+)/(\d+)', log)
+  rows.add('recipe', 'whole run, wall (s)' + (
+      f' STOPPED at the time limit, step {steps[-1][0]} of {steps[-1][1]}' if stopped and steps
+      else ' STOPPED at the time limit' if stopped else ''), f'{wall:.0f}', 'target <= 150 s')
   evals = []
-  with open(os.path.join(tmp, 'cold', 'metrics.jsonl')) as f:
+  metrics = os.path.join(tmp, 'cold', 'metrics.jsonl')
+  with open(metrics) if os.path.exists(metrics) else contextlib.nullcontext([]) as f:
     for line in f:
       record = json.loads(line)
       if record.get('split') == 'eval' and 'loss' in record:
@@ -117,9 +137,9 @@ def recipe(rows: Rows, quick: bool, seconds: float):
   warm = subprocess.Popen(_recipe_command(os.path.join(tmp, 'warm'), quick), cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines = []
-  for line in warm.stdout:
+  for line in warm.stdout:  # (a silent hang is bounded by the section's own timeout)
     lines.append(line)
-    if 'first step done' in line or time.time() > deadline:
+    if 'first step done' in line or time.time() > deadline + 60:
       break
   warm.send_signal(signal.SIGTERM)
   try:
@@ -127,6 +147,9 @@ def recipe(rows: Rows, quick: bool, seconds: float):
   except subprocess.TimeoutExpired:
     warm.kill()
   log = ''.join(lines)
+  shutil.copy(log_path, os.path.join(LOG_DIR, 'recipe_cold.log'))
+  with open(os.path.join(LOG_DIR, 'recipe_warm.log'), 'w') as f:
+    f.write(log)
   rows.add('recipe', 'first step, warm cache (s after launch)', _first_step_seconds(log),
            'target <= 5 s')
   served = re.findall(r'\d\d:\d\d:\d\d (.+?): cache, ', log)
@@ -199,10 +222,15 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
 
 
 def kernels(rows: Rows, quick: bool, seconds: float):
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), '--section', 'kernels',
-                         *(['--quick'] if quick else [])], cwd=REPO, env=_env(),
-                        capture_output=True, text=True, timeout=seconds)
-  cases = [json.loads(line[len('KERNEL '):]) for line in proc.stdout.splitlines()
+  try:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), '--section', 'kernels',
+                           *(['--quick'] if quick else [])], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=seconds)
+    stdout, failure = proc.stdout, (proc.returncode != 0 and proc.stderr[-1500:])
+  except subprocess.TimeoutExpired as e:
+    stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or '')
+    failure = f'stopped at the time limit ({seconds:.0f} s)'
+  cases = [json.loads(line[len('KERNEL '):]) for line in stdout.splitlines()
            if line.startswith('KERNEL ')]
   for c in cases:
     ms = c['ms']
@@ -213,9 +241,8 @@ def kernels(rows: Rows, quick: bool, seconds: float):
         else f"auto {ms.get(c['auto'], float('nan')) / ms[best]:.2f}x the fastest ({best})")
     rows.add('kernels', f"{c['variant']} {c['dtype']} n={c['n']} b={c['b']} (ms)",
              f"{cells}; auto -> {c['auto']}", verdict)
-  if proc.returncode != 0:
-    raise RuntimeError(f'exited {proc.returncode} after {len(cases)} cases: '
-                       f'{proc.stderr[-1500:]}')
+  if failure:
+    raise RuntimeError(f'after {len(cases)} cases: {failure}')
 
 
 # ---------------------------------------------------------------- the others
@@ -286,12 +313,22 @@ def tests(rows: Rows, quick: bool, seconds: float):
   if seconds < 30:
     rows.add('tests', 'on this device', 'skipped: no time left')
     return
-  proc = subprocess.run(
-      [sys.executable, '-m', 'pytest', 'tests/attention', 'tests/test_decoding.py',
-       'tests/layers', 'tests/test_models.py', '-q', '-x', '-p', 'no:cacheprovider', '-n', '4'],
-      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=seconds)
-  summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
-  rows.add('tests', 'attention, decoding, layers, models', summary)
+  command = [sys.executable, '-m', 'pytest', 'tests/attention', 'tests/test_decoding.py',
+             'tests/layers', 'tests/test_models.py', '-q', '-rf', '-p', 'no:cacheprovider',
+             '-n', '4', '--maxfail=50']
+  try:
+    proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=seconds)
+    out, ended = proc.stdout, proc.stdout.strip().splitlines()[-1:] or [proc.stderr[-300:]]
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or '')
+    progress = ''.join(line.split('[')[0] for line in out.splitlines()
+                       if re.fullmatch(r'[.FEsx]+\s*\[\s*\d+%\]', line.strip()))
+    ended = [f'stopped at the time limit ({seconds:.0f} s): {progress.count(".")} passed, '
+             f'{progress.count("F") + progress.count("E")} failed so far']
+  rows.add('tests', 'attention, decoding, layers, models on this device', ended[0])
+  for line in [l for l in out.splitlines() if l.startswith('FAILED ')][:15]:
+    rows.add('tests', '  failed', line[len('FAILED '):][:160])
 
 
 RUNNERS = {'recipe': recipe, 'kernels': kernels, 'mfu': mfu, 'mha': mha, 'smollm2': smollm2,
@@ -320,6 +357,9 @@ def main(argv=None) -> int:
     kernels_section(args.quick, args.repeats or (2 if args.quick else 10))
     return 0
 
+  global LOG_DIR
+  LOG_DIR = args.out
+  os.makedirs(args.out, exist_ok=True)
   start = time.time()
   header = f'{_versions()}; {datetime.date.today().isoformat()}'
   print(f'# gpu_check: {header}', flush=True)

@@ -2,6 +2,7 @@
 attention dropout's keep mask one weight at a time."""
 import contextlib
 import gc
+import importlib
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest  # noqa: E402
 
 from flaxformer_lite import compilation, config as config_lib
 from flaxformer_lite import main as main_lib
-from flaxformer_lite.data import shared
+from flaxformer_lite.data import corpora, shared
 
 gc.set_threshold(*main_lib.GC_THRESHOLDS)  # as the command line runs (main.py says why)
 
@@ -62,9 +63,37 @@ def require_shared_data() -> str:
   return SHARED_DATA
 
 
+def require_tfds():
+  """tensorflow_datasets, which the real corpora and the synthetic tasks' TFDS
+  builder are read through (without it the synthetic tasks are generated in
+  memory). Missing: the test skips; on CI (CI=true) it fails instead."""
+  try:
+    return importlib.import_module('tensorflow_datasets')
+  except ImportError:
+    message = ('tensorflow_datasets is not installed; '
+               f'pip install {corpora.TFDS_REQUIREMENTS} adds it')
+    if os.environ.get('CI') == 'true':
+      pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope='session')
+def tfds():
+  """The tensorflow_datasets module (require_tfds)."""
+  return require_tfds()
+
+
 @pytest.fixture(scope='session')
 def shared_data():
-  """../shared/data (or $FFL_SHARED_DATA): the real corpora (require_shared_data)."""
+  """../shared/data (or $FFL_SHARED_DATA): the real corpora (require_shared_data),
+  which the builders read through TFDS (require_tfds)."""
+  require_tfds()
+  return require_shared_data()
+
+
+@pytest.fixture(scope='session')
+def shared_raw_files():
+  """The same folder, for a test that reads its raw files itself (no TFDS)."""
   return require_shared_data()
 
 

@@ -25,14 +25,18 @@ import io
 import itertools
 import logging
 import os
+import sys
 import time
 
 import urllib.error
 import urllib.request
 
-import tensorflow_datasets as tfds
-
 from flaxformer_lite.data import shared
+
+try:
+  import tensorflow_datasets as tfds
+except ImportError:  # the corpora then fail (require_tfds); the synthetic tasks still run
+  tfds = None
 
 log = logging.getLogger('flaxformer_lite')
 
@@ -49,6 +53,9 @@ RAW_FILES = {
 REACH_TIMEOUT = 10
 REASONS = ('invalid_utf8', 'empty', 'unpaired')
 CATALOG_EXAMPLES = ('wmt14_translate/de-en', 'wmt17_translate/de-en', 'lm1b')
+# What reading a corpus adds to the core requirements: pyproject.toml's lines
+# (tests/test_ffl_python.py holds them equal).
+TFDS_REQUIREMENTS = "'tensorflow-datasets>=4.9.8' importlib_resources 'array-record>=0.7'"
 
 
 class DataError(ValueError):
@@ -133,76 +140,77 @@ def _info(builder, features, homepage: str, citation: str = '', supervised_keys=
       metadata=tfds.core.MetadataDict())
 
 
-class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Multi30k task 1, English-German sentence pairs."""
-  # The version names the skip rules and split files too: a change to either
-  # must bump it, or a prepared data_dir silently keeps the old examples.
-  VERSION = tfds.core.Version('1.0.0')
-  MANUAL_DOWNLOAD_INSTRUCTIONS = (
-      f'Put {", ".join(RAW_FILES["multi30k"])} (each gzipped as NAME.gz or plain) in '
-      f'manual_dir; they are at {MULTI30K_URL}NAME.gz')
+if tfds is not None:
+  class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Multi30k task 1, English-German sentence pairs."""
+    # The version names the skip rules and split files too: a change to either
+    # must bump it, or a prepared data_dir silently keeps the old examples.
+    VERSION = tfds.core.Version('1.0.0')
+    MANUAL_DOWNLOAD_INSTRUCTIONS = (
+        f'Put {", ".join(RAW_FILES["multi30k"])} (each gzipped as NAME.gz or plain) in '
+        f'manual_dir; they are at {MULTI30K_URL}NAME.gz')
 
-  def _info(self):
-    return _info(self, ('en', 'de'), 'https://github.com/multi30k/dataset',
-                 'Elliott et al. 2016, Multi30K: Multilingual English-German Image '
-                 'Descriptions, doi:10.18653/v1/W16-3210', supervised_keys=('en', 'de'))
+    def _info(self):
+      return _info(self, ('en', 'de'), 'https://github.com/multi30k/dataset',
+                   'Elliott et al. 2016, Multi30K: Multilingual English-German Image '
+                   'Descriptions, doi:10.18653/v1/W16-3210', supervised_keys=('en', 'de'))
 
-  def _split_generators(self, dl_manager):
-    paths = _raw_paths(self, dl_manager)
-    return {split: self._generate_examples(split, paths[f'{stem}.en'], paths[f'{stem}.de'])
-            for split, stem in MULTI30K_SPLITS.items()}
+    def _split_generators(self, dl_manager):
+      paths = _raw_paths(self, dl_manager)
+      return {split: self._generate_examples(split, paths[f'{stem}.en'], paths[f'{stem}.de'])
+              for split, stem in MULTI30K_SPLITS.items()}
 
-  def _generate_examples(self, split, en_path, de_path):
-    """Line i of the .en file with line i of the .de file; bad pairs counted and skipped."""
-    counts = dict.fromkeys(REASONS, 0)
-    with _open(en_path) as en_file, _open(de_path) as de_file:
-      for i, (en, de) in enumerate(itertools.zip_longest(en_file, de_file)):
-        if en is None or de is None:
-          counts['unpaired'] += 1
-          continue
-        en, de = _decode(en.rstrip(b'\r\n')), _decode(de.rstrip(b'\r\n'))
-        if en is None or de is None:
-          counts['invalid_utf8'] += 1
-        elif not en.strip() or not de.strip():
-          counts['empty'] += 1
+    def _generate_examples(self, split, en_path, de_path):
+      """Line i of the .en file with line i of the .de file; bad pairs counted and skipped."""
+      counts = dict.fromkeys(REASONS, 0)
+      with _open(en_path) as en_file, _open(de_path) as de_file:
+        for i, (en, de) in enumerate(itertools.zip_longest(en_file, de_file)):
+          if en is None or de is None:
+            counts['unpaired'] += 1
+            continue
+          en, de = _decode(en.rstrip(b'\r\n')), _decode(de.rstrip(b'\r\n'))
+          if en is None or de is None:
+            counts['invalid_utf8'] += 1
+          elif not en.strip() or not de.strip():
+            counts['empty'] += 1
+          else:
+            yield i, {'en': en, 'de': de}
+      _record(self, split, counts, (en_path, de_path))
+
+
+  class TinyShakespeare(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Tiny Shakespeare as two long texts (train: first 90% of characters, validation: last 10%)."""
+    name = 'tiny_shakespeare_char'  # the TFDS catalog's 'tiny_shakespeare' has another split
+    VERSION = tfds.core.Version('1.0.0')  # bump with any change to the split or skip rules
+    MANUAL_DOWNLOAD_INSTRUCTIONS = (
+        f'Put input.txt (or input.txt.gz) in manual_dir; get it from {SHAKESPEARE_URL}input.txt')
+
+    def _info(self):
+      return _info(self, ('text',), 'https://github.com/karpathy/char-rnn')
+
+    def _split_generators(self, dl_manager):
+      path = _raw_paths(self, dl_manager)['input.txt']
+      with _open(path) as f:
+        lines = f.read().splitlines(keepends=True)
+      kept, dropped_at = [], []  # dropped_at: character offsets in the kept text
+      length = 0
+      for line in lines:
+        text = _decode(line)
+        if text is None:
+          dropped_at.append(length)
         else:
-          yield i, {'en': en, 'de': de}
-    _record(self, split, counts, (en_path, de_path))
+          kept.append(text)
+          length += len(text)
+      text = ''.join(kept)
+      cut = int(len(text) * 0.9)
+      for split, dropped in (('train', sum(at < cut for at in dropped_at)),
+                             ('validation', sum(at >= cut for at in dropped_at))):
+        _record(self, split, {'invalid_utf8': dropped, 'empty': 0, 'unpaired': 0}, (path,))
+      return {'train': self._generate_examples(text[:cut]),
+              'validation': self._generate_examples(text[cut:])}
 
-
-class TinyShakespeare(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Tiny Shakespeare as two long texts (train: first 90% of characters, validation: last 10%)."""
-  name = 'tiny_shakespeare_char'  # the TFDS catalog's 'tiny_shakespeare' has another split
-  VERSION = tfds.core.Version('1.0.0')  # bump with any change to the split or skip rules
-  MANUAL_DOWNLOAD_INSTRUCTIONS = (
-      f'Put input.txt (or input.txt.gz) in manual_dir; get it from {SHAKESPEARE_URL}input.txt')
-
-  def _info(self):
-    return _info(self, ('text',), 'https://github.com/karpathy/char-rnn')
-
-  def _split_generators(self, dl_manager):
-    path = _raw_paths(self, dl_manager)['input.txt']
-    with _open(path) as f:
-      lines = f.read().splitlines(keepends=True)
-    kept, dropped_at = [], []  # dropped_at: character offsets in the kept text
-    length = 0
-    for line in lines:
-      text = _decode(line)
-      if text is None:
-        dropped_at.append(length)
-      else:
-        kept.append(text)
-        length += len(text)
-    text = ''.join(kept)
-    cut = int(len(text) * 0.9)
-    for split, dropped in (('train', sum(at < cut for at in dropped_at)),
-                           ('validation', sum(at >= cut for at in dropped_at))):
-      _record(self, split, {'invalid_utf8': dropped, 'empty': 0, 'unpaired': 0}, (path,))
-    return {'train': self._generate_examples(text[:cut]),
-            'validation': self._generate_examples(text[cut:])}
-
-  def _generate_examples(self, text):
-    yield 0, {'text': text}
+    def _generate_examples(self, text):
+      yield 0, {'text': text}
 
 
 def is_prepared(builder) -> bool:
@@ -246,8 +254,17 @@ def _check_source(builder, manual_dir: str) -> None:
     check_reachable(builder.name)
 
 
+def require_tfds(task: str) -> None:
+  """DataError naming the pip line where tensorflow_datasets is not installed."""
+  if tfds is None:
+    raise DataError(f'data.task={task} reads its corpus through tensorflow_datasets, which this '
+                    f'Python lacks; {sys.executable} -m pip install {TFDS_REQUIREMENTS} adds it '
+                    f'(the synthetic tasks run without it)')
+
+
 def multi30k(data_dir: str, manual_dir: str) -> Multi30k:
   """The prepared Multi30k builder; raw files from manual_dir, or downloaded if ''."""
+  require_tfds('multi30k')
   builder = Multi30k(data_dir=data_dir, file_format='array_record')
   _check_source(builder, manual_dir)
   return _prepare(builder, manual_dir)
@@ -255,6 +272,7 @@ def multi30k(data_dir: str, manual_dir: str) -> Multi30k:
 
 def tiny_shakespeare(data_dir: str, manual_dir: str) -> TinyShakespeare:
   """The prepared Tiny Shakespeare builder; input.txt from manual_dir, or downloaded if ''."""
+  require_tfds('tiny_shakespeare')
   builder = TinyShakespeare(data_dir=data_dir, file_format='array_record')
   _check_source(builder, manual_dir)
   return _prepare(builder, manual_dir)
@@ -262,6 +280,7 @@ def tiny_shakespeare(data_dir: str, manual_dir: str) -> TinyShakespeare:
 
 def catalog(tfds_name: str, data_dir: str, manual_dir: str = ''):
   """The prepared builder `tfds_name` ('wmt14_translate/de-en', 'lm1b', ...) of the TFDS catalog."""
+  require_tfds(f'tfds (data.tfds_name={tfds_name})')
   # tfds 4.9.10 imports its older builder modules in one loop that stops at the
   # first ImportError (nearest_neighbors needs h5py), so translate/ (wmt*) may
   # never be registered; import the families we name here ourselves.

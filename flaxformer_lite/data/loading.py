@@ -136,15 +136,20 @@ def _load(data_config, tokenizer_from: str = '') -> Dataset:
 
 
 def _load_synthetic(d, data_dir) -> Dataset:
-  """The generated splits padded to fixed widths: train, validation and test
-  to one width (data.max_len + EOS for reverse/copy/sort, else the longest
-  of the three), test_long to its own (twice that, else its longest)."""
-  builder = synthetic.builder(d, data_dir)
-  corpora.prepare(builder)
-  examples = {}
-  for split in ('train', 'validation', 'test', 'test_long'):
-    source = builder.as_data_source(split=split)
-    examples[split] = source.__getitems__(list(range(len(source))))
+  """The generated splits (prepared as TFDS files, or in memory without TFDS)
+  padded to fixed widths: train, validation and test to one width (data.max_len
+  + EOS for reverse/copy/sort, else the longest of the three), test_long to its
+  own (twice that, else its longest)."""
+  if synthetic.tfds is None:
+    log.info('data: %s generated in memory (tensorflow_datasets is not installed)', d['task'])
+    examples = synthetic.in_memory(d)
+  else:
+    builder = synthetic.builder(d, data_dir)
+    corpora.prepare(builder)
+    examples = {}
+    for split in ('train', 'validation', 'test', 'test_long'):
+      source = builder.as_data_source(split=split)
+      examples[split] = source.__getitems__(list(range(len(source))))
 
   def longest(splits, feature):
     return max(len(ex[feature]) for s in splits for ex in examples[s])

@@ -9,6 +9,8 @@ Every tokenizer has
                             (a model's output layer may be padded past the vocab).
 Kinds (`create`, by name): 'char' (id = 3 + index in a sorted character set),
 'byte' (id = 3 + UTF-8 byte) and 'sentencepiece' (unigram or BPE, unk id 3).
+sentencepiece and regex are imported by the tokenizers that use them: the
+synthetic tasks need neither.
 """
 from __future__ import annotations
 
@@ -19,8 +21,6 @@ import tempfile
 from typing import Callable, Iterable, Protocol
 
 import numpy as np
-import sentencepiece as spm
-from sentencepiece import sentencepiece_model_pb2
 
 from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID
 
@@ -117,6 +117,8 @@ class SentencePieceTokenizer:
   """A sentencepiece model with pad=0, bos=1, eos=2, unk=3."""
 
   def __init__(self, model_file: str):
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2
     self.model_file = model_file
     self._sp = spm.SentencePieceProcessor(model_file=model_file)
     special = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
@@ -337,6 +339,8 @@ class WordPieceTokenizer:
 def _train_sentencepiece(path_prefix: str, texts: Iterable[str], vocab_size: int,
                          model_type: str):
   """Writes `<path_prefix>.vocab` and then `<path_prefix>.model`, each atomically."""
+  import sentencepiece as spm
+  from sentencepiece import sentencepiece_model_pb2
   model = io.BytesIO()
   # Training from an iterator into memory keeps file paths out of the model
   # proto, so equal texts give byte-identical files wherever they are trained;

@@ -1,15 +1,22 @@
 """Metrics: step sums to means, sacreBLEU, and where they go (workdir/metrics.jsonl,
-TensorBoard event files)."""
+TensorBoard event files).
+
+sacrebleu and tensorboardX are imported where they are used: a run of a
+synthetic task needs neither, and without tensorboardX it writes
+metrics.jsonl alone (a machine that came with JAX may lack it)."""
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sacrebleu
-from tensorboardX import SummaryWriter
+
+log = logging.getLogger('flaxformer_lite')
 
 
 add_sums = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
@@ -37,20 +44,38 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
   """Corpus sacreBLEU (13a tokenization, cased) of detokenized text, 0..100."""
   if len(hypotheses) != len(references):
     raise ValueError(f'{len(hypotheses)} hypotheses for {len(references)} references')
+  import sacrebleu
   return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+
+
+@functools.cache
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter; None, said once, where it is not installed."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    log.warning("TensorBoard event files are not written: this Python lacks tensorboardX "
+                "(%s -m pip install 'tensorboardX>=2.6' adds it); metrics.jsonl holds every "
+                "point", sys.executable)
+    return None
+  return SummaryWriter
 
 
 class MetricWriter:
   """One JSON object per point in metrics.jsonl ({'step', 'split', ...}) and a
-  TensorBoard scalar '<split>/<name>' for each metric. Only process 0 writes."""
+  TensorBoard scalar '<split>/<name>' for each metric (with tensorboardX
+  installed). Only process 0 writes."""
 
   def __init__(self, workdir: str, resume_step: int = 0):
     self.active = jax.process_index() == 0
     self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.tb = None
     if not self.active:
       return
     _truncate_after(self.path, resume_step)
-    self.tb = SummaryWriter(logdir=workdir, flush_secs=10)
+    writer = _summary_writer_class()
+    if writer is not None:
+      self.tb = writer(logdir=workdir, flush_secs=10)
 
   def write(self, step: int, split: str, metrics: dict):
     if not self.active:
@@ -59,11 +84,12 @@ class MetricWriter:
               **{k: float(v) for k, v in metrics.items()}}
     with open(self.path, 'a') as f:
       f.write(json.dumps(record) + '\n')
-    for k, v in metrics.items():
-      self.tb.add_scalar(f'{split}/{k}', float(v), int(step))
+    if self.tb is not None:
+      for k, v in metrics.items():
+        self.tb.add_scalar(f'{split}/{k}', float(v), int(step))
 
   def close(self):
-    if self.active:
+    if self.tb is not None:
       self.tb.close()
 
 

@@ -1,11 +1,11 @@
-"""Real corpora builders: row counts and texts equal the raw files, bad lines counted, catalog."""
+"""Real corpora builders: row counts and texts equal the raw files, bad lines counted, catalog.
+The builders are TFDS's: without it these tests skip (the `tfds` fixture; CI fails them)."""
 import gzip
 import logging
 import pathlib
 import time
 
 import pytest
-import tensorflow_datasets as tfds
 
 from flaxformer_lite.data import corpora, shared
 
@@ -67,6 +67,7 @@ def test_tiny_shakespeare_equals_raw_file(data_dir, shared_data):
     corpora.read_pairs(builder, 'train', 'en', 'text')
 
 
+@pytest.mark.usefixtures('tfds')
 def test_multi30k_bad_lines_are_counted_and_skipped(tmp_path, caplog):
   raw = tmp_path / 'raw'
   raw.mkdir()
@@ -101,6 +102,7 @@ def test_multi30k_bad_lines_are_counted_and_skipped(tmp_path, caplog):
   assert corpora.bad_line_counts(corpora.Multi30k(data_dir=tfds_dir)) == expected
 
 
+@pytest.mark.usefixtures('tfds')
 def test_tiny_shakespeare_drops_invalid_utf8_keeps_empty_lines(tmp_path):
   raw = tmp_path / 'raw'
   raw.mkdir()
@@ -115,7 +117,7 @@ def test_tiny_shakespeare_drops_invalid_utf8_keeps_empty_lines(tmp_path):
       'validation': {'invalid_utf8': 0, 'empty': 0, 'unpaired': 0}}
 
 
-def test_without_manual_dir_the_public_urls_are_downloaded(tmp_path, monkeypatch):
+def test_without_manual_dir_the_public_urls_are_downloaded(tmp_path, monkeypatch, tfds):
   """Offline stand-in for the download: TFDS's DownloadManager.download serves local files
   under renamed (suffix-less) names, as real downloads are."""
   requested = []
@@ -143,6 +145,7 @@ def test_without_manual_dir_the_public_urls_are_downloaded(tmp_path, monkeypatch
   assert sorted(requested) == sorted(multi30k_urls + [shakespeare_url])
 
 
+@pytest.mark.usefixtures('tfds')
 def test_an_unreachable_download_fails_in_seconds_naming_file_url_and_manual_dir(
     tmp_path, monkeypatch):
   """Port 9 of this host refuses the connection: no retries, nothing written."""
@@ -172,6 +175,7 @@ def test_shared_corpora_are_found_where_ffl_shared_data_points(tmp_path, monkeyp
   assert shared.manual_dir('tiny_shakespeare') == ''
 
 
+@pytest.mark.usefixtures('tfds')
 def test_missing_raw_file_raises_before_writing(tmp_path):
   raw = tmp_path / 'raw'
   raw.mkdir()
@@ -190,7 +194,7 @@ def test_missing_raw_file_raises_before_writing(tmp_path):
   assert not tfds_dir.exists()
 
 
-def test_catalog_under_mock_data(tmp_path):
+def test_catalog_under_mock_data(tmp_path, tfds):
   with tfds.testing.mock_data(num_examples=7):
     wmt = corpora.catalog('wmt14_translate/de-en', str(tmp_path))
     de, en = corpora.read_pairs(wmt, 'train', 'de', 'en')

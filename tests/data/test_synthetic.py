@@ -1,4 +1,5 @@
-"""The synthetic TFDS builder: tasks, lengths, EOS, determinism, no TensorFlow."""
+"""The synthetic tasks: tasks, lengths, EOS, determinism; the TFDS builder (no
+TensorFlow). Without TFDS they are generated in memory: tests/test_ffl_python.py."""
 import logging
 import sys
 
@@ -60,6 +61,7 @@ def test_splits_do_not_share_sequences_generator(tfds_dir):
   assert sum(r not in train for r in val) > len(val) // 2
 
 
+@pytest.mark.usefixtures('tfds')
 def test_prepared_as_array_record_without_tensorflow(tfds_dir):
   builder = synthetic.builder(dict(task='reverse', **SPEC), tfds_dir)
   builder.download_and_prepare()
@@ -68,6 +70,7 @@ def test_prepared_as_array_record_without_tensorflow(tfds_dir):
   assert 'tensorflow' not in sys.modules
 
 
+@pytest.mark.usefixtures('tfds')
 def test_prepare_prints_nothing_of_tfds_and_logs_one_line(tmp_path, capfd, caplog):
   """TFDS's progress bars (stderr) and banners (stdout) take the place of a
   run's own lines for data that takes a second to generate."""

@@ -23,9 +23,9 @@ def _never_iterated():
 
 
 @pytest.fixture(scope='module')
-def corpus(shared_data):
+def corpus(shared_raw_files):
   """(train, held_out): the first Multi30k train sentences, English + German."""
-  paths = [os.path.join(shared_data, 'multi30k', f'train.{lang}.gz') for lang in ('en', 'de')]
+  paths = [os.path.join(shared_raw_files, 'multi30k', f'train.{lang}.gz') for lang in ('en', 'de')]
   train, held_out = [], []
   for path in paths:
     with gzip.open(path, 'rt', encoding='utf-8') as f:
