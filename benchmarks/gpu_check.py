@@ -11,6 +11,8 @@ outruns its share of --budget prints why, and the rest go on):
            (b=1), bfloat16 and float32: ms of the dense, chunked and (dot_product
            in 16 bits) cuDNN kernels, and the kernel `auto` picks, read from
            the lowered program (a cuDNN call, a loop over blocks, or neither).
+  scan     benchmarks/scan_layers.py: the recipe's model with its layers unrolled
+           and scanned (model.scan_layers), compile and step time.
   mfu      benchmarks/train_throughput.py: Transformer-big, bfloat16, batch 64.
   mha      benchmarks/attention.py: our layer against Flax's at n=2048, b=4.
   smollm2  benchmarks/pretrained_speed.py --random_weights: SmolLM2-shaped
@@ -39,9 +41,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_DIR = tempfile.gettempdir()  # main() sets --out
-SECTIONS = ('recipe', 'kernels', 'mfu', 'mha', 'smollm2', 'tests')
+SECTIONS = ('recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'tests')
 # Each section's share of --budget, in the order they run; 'tests' takes the rest.
-SHARES = {'recipe': 0.42, 'kernels': 0.25, 'mfu': 0.07, 'mha': 0.05, 'smollm2': 0.12}
+SHARES = {'recipe': 0.45, 'kernels': 0.22, 'scan': 0.08, 'mfu': 0.1, 'mha': 0.05,
+          'smollm2': 0.12}
 # bf16 dense matmul peaks (datasheets), TFLOP/s, for the MFU row.
 PEAK_TFLOPS = {'H100': 989.0, 'H200': 989.0, 'A100': 312.0}
 QUICK_RECIPE = ['--config.model.d_model=32', '--config.model.num_heads=2',
@@ -262,6 +265,15 @@ def _device_kind() -> str:
   return out.stdout.strip() or 'unknown'
 
 
+def scan(rows: Rows, quick: bool, seconds: float):
+  """benchmarks/scan_layers.py: the recipe's model unrolled and scanned."""
+  args = ['--layers', '2', '--batch', '2', '--repeats', '2'] if quick else ['--layers', '6', '--batch', '64']
+  out = _script(['benchmarks/scan_layers.py', *args], seconds)
+  for line in out.splitlines():
+    if line.startswith('|') and not set(line) <= set('|- :'):
+      rows.add('scan', 'unrolled vs scanned', line.strip('| '))
+
+
 def mfu(rows: Rows, quick: bool, seconds: float):
   kind = _device_kind()
   peak = next((p for name, p in PEAK_TFLOPS.items() if name in kind), 0.0)
@@ -331,7 +343,7 @@ def tests(rows: Rows, quick: bool, seconds: float):
     rows.add('tests', '  failed', line[len('FAILED '):][:160])
 
 
-RUNNERS = {'recipe': recipe, 'kernels': kernels, 'mfu': mfu, 'mha': mha, 'smollm2': smollm2,
+RUNNERS = {'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha': mha, 'smollm2': smollm2,
            'tests': tests}
 
 

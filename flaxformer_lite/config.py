@@ -83,13 +83,17 @@ def base_config() -> ml_collections.ConfigDict:
   m.embed_scale = 0.0  # token embeddings times this; 0: sqrt(d_model), or 1 with init='gpt2'
   m.token_types = 0  # > 0: BERT's token-type embeddings (every token of type 0)
   m.embed_norm = False  # True: a norm over the summed embeddings, before the first block (BERT)
-  m.dtype = 'float32'  # float32 | bfloat16 (compute; params stay float32)
+  m.dtype = 'float32'  # compute: float32 | bfloat16 | auto (bf16 on GPU/TPU); params stay f32
   # Transformer initialisation: 'default' (flax's, embeddings scaled by sqrt(d))
   # | 'gpt2' (N(0, 0.02), residual outputs / sqrt(2L), unscaled embeddings).
   m.init = 'default'
   # Rematerialisation of each Transformer block in training (layers/transformer.py
   # REMAT): none | block (recompute all but the block's input) | dots_saveable.
   m.remat = 'none'
+  # Each Transformer stack as one block under nn.scan (layers/transformer.py):
+  # compile time stops growing with depth; parameters are stacked [L, ...]
+  # under 'layers' (layers/scan.py converts checkpoints between the layouts).
+  m.scan_layers = False
   # model.type=rnn_seq2seq (layers/rnn.py): the cell, and Luong's input feeding
   # (the previous attentional state joins the next decoder input).
   m.rnn_cell = 'lstm'  # lstm | gru

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
@@ -16,10 +17,19 @@ from flaxformer_lite.layers.fusion import FUSIONS
 from flaxformer_lite.layers.rnn import CELLS
 from flaxformer_lite.layers.transformer import (ACTIVATIONS, INITS, NORMS, REMAT, embed_kwargs,
                                                embed_tokens)
-from flaxformer_lite.model_types import MODEL_TYPES
+from flaxformer_lite.model_types import MODEL_TYPES, SCANNABLE_TYPES
 from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID, shift_right  # noqa: F401 (re-exported)
 
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'auto': None}
+
+
+def compute_dtype(name: str):
+  """model.dtype -> the compute dtype; 'auto': bfloat16 on a GPU or TPU (their
+  matrix units' fast format, as nanoGPT and MaxText train), float32 on CPU
+  (where bfloat16 matmuls are emulated and slower)."""
+  if name == 'auto':
+    return jnp.bfloat16 if jax.default_backend() in ('gpu', 'tpu') else jnp.float32
+  return DTYPES[name]
 
 
 def padding_mask(ids, causal=False, segmentation=None) -> MaskSpec:
@@ -212,7 +222,7 @@ def _layer_config_fields(model_config: Mapping[str, Any], decode: bool) -> dict:
       num_encoder_layers=c['num_encoder_layers'],
       num_decoder_layers=c['num_decoder_layers'], dropout_rate=c['dropout_rate'],
       attention_dropout_rate=c['attention_dropout_rate'], attention=c['attention'],
-      attention_kwargs=_attention_kwargs(c), dtype=DTYPES[c['dtype']], decode=decode)
+      attention_kwargs=_attention_kwargs(c), dtype=compute_dtype(c['dtype']), decode=decode)
 
 
 def transformer_config(model_config: Mapping[str, Any], *, decode=False,
@@ -227,7 +237,7 @@ def transformer_config(model_config: Mapping[str, Any], *, decode=False,
       norm=c.get('norm', 'layernorm'), norm_eps=c.get('norm_eps', 1e-6),
       use_bias=c.get('use_bias', True), tie_embeddings=c.get('tie_embeddings', True),
       embed_scale=c.get('embed_scale', 0.0), token_types=c.get('token_types', 0),
-      embed_norm=c.get('embed_norm', False))
+      embed_norm=c.get('embed_norm', False), scan_layers=c.get('scan_layers', False))
 
 
 def rnn_config(model_config: Mapping[str, Any], *, decode=False) -> RNNConfig:
@@ -323,6 +333,13 @@ def validate(model_config) -> None:
   check(m.remat == 'none' or m.type != 'rnn_seq2seq',
         f'model.remat={m.remat!r} rematerialises Transformer blocks; model.type=rnn_seq2seq '
         f"has none (use model.remat='none')")
+  scan_layers = m.get('scan_layers', False)
+  check(isinstance(scan_layers, bool), f'model.scan_layers={scan_layers!r} must be True or False')
+  check(not scan_layers or m.type in SCANNABLE_TYPES,
+        f'model.scan_layers=True with model.type={m.type!r}: '
+        + ('its layers are not one repeated block (per-stream, then fused layers); '
+           if m.type == 'two_stream' else 'it has no Transformer stack; ')
+        + f'valid types: {", ".join(SCANNABLE_TYPES)} (or model.scan_layers=False)')
   check_choice('model.dtype', m.dtype, tuple(DTYPES))
   for key in ('dropout_rate', 'attention_dropout_rate'):
     check(0.0 <= m[key] < 1.0, f'model.{key}={m[key]} must be in [0, 1)')

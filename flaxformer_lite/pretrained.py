@@ -130,8 +130,15 @@ def architecture(path: str) -> dict:
 
 def init_params(fresh, path: str):
   """A model's freshly initialised params with the checkpoint's tensors in
-  place (what it lacks keeps its initial value, logged)."""
+  place (what it lacks keeps its initial value, logged). The tensors are
+  mapped onto the unrolled layout; a scanned model (model.scan_layers) gets
+  them stacked (layers/scan.py)."""
   _, mapped = _read(path)
+  from flax import traverse_util
+  from flaxformer_lite.layers import scan
+  if scan.is_stacked(fresh):
+    mapped = traverse_util.flatten_dict(
+        scan.stack_layers(traverse_util.unflatten_dict(mapped, sep='/')), sep='/')
   return overlay(fresh, mapped)
 
 

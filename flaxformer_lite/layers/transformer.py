@@ -2,6 +2,11 @@
 
 Pre-LN (default; LN before each sublayer, one final LN per stack) or post-LN
 (the 2017 paper: LN after each residual sum). Activations are [b, n, d_model].
+
+A stack's blocks are unrolled (`layer_0` .. `layer_{L-1}`), or with
+cfg.scan_layers one block under `nn.scan` (`layers`, each parameter with a
+leading axis of size L; layers/scan.py converts between the two), so that
+XLA compiles one block however deep the stack is.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from flaxformer_lite.attention import registry
 from flaxformer_lite.layers.attention import MultiHeadAttention
 from flaxformer_lite.layers.config import LayerConfig
 from flaxformer_lite.layers.embeddings import AddPositions, Embed
+from flaxformer_lite.layers.scan import SCANNED
 
 # 'gelu' is the tanh approximation (GPT-2, T5 v1.1's gated form); 'gelu_exact'
 # the erf form (BERT). The gated MLPs (Shazeer 2020) multiply act(x W_gate)
@@ -52,6 +58,8 @@ class TransformerConfig(LayerConfig):
   remat: str = 'none'  # REMAT: what a training block keeps for its backward pass
   # L > 0: training positions are a sorted draw from 0..L-1 (random_positions)
   randomized_positions: int = 0
+  # One scanned block per stack (`layers`, parameters [L, ...]) instead of L unrolled ones
+  scan_layers: bool = False
 
 
 INITS = ('default', 'gpt2')
@@ -68,7 +76,35 @@ def _remat(layer_class, cfg: TransformerConfig, deterministic_argnum: int):
   being 0) must then be positional: it is static, a Python bool."""
   if cfg.remat == 'none' or cfg.decode:
     return layer_class
-  return nn.remat(layer_class, policy=REMAT[cfg.remat], static_argnums=(deterministic_argnum,))
+  # Inside a scan the loop already keeps XLA from merging the recomputation
+  # with the forward pass (flax's nn.remat docs), so CSE prevention only costs.
+  return nn.remat(layer_class, policy=REMAT[cfg.remat], static_argnums=(deterministic_argnum,),
+                  prevent_cse=not cfg.scan_layers)
+
+
+# What a scanned stack keeps per layer, stacked on axis 0: parameters, the
+# decoding cache and sown attention weights.
+SCANNED_COLLECTIONS = ('params', 'cache', 'intermediates')
+
+
+def _run_layers(layer_class, cfg: TransformerConfig, num_layers: int, x, *args,
+                deterministic_argnum: int):
+  """x [b, n, d] through num_layers blocks of layer_class, each called as
+  (x, *args): unrolled as layer_0 .. layer_{L-1}, or (cfg.scan_layers) one
+  block scanned L times as `layers`, the args (masks, encoded, drawn
+  positions, deterministic) broadcast to every step. Dropout and init rngs
+  are split per layer. Called inside the parent's compact method."""
+  layer = _remat(layer_class, cfg, deterministic_argnum)
+  if not cfg.scan_layers or not num_layers:
+    for i in range(num_layers):
+      x = layer(cfg, name=f'layer_{i}')(x, *args)
+    return x
+  stack = nn.scan(layer, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
+                  split_rngs={'params': True, 'dropout': True},
+                  in_axes=(nn.broadcast,) * len(args), length=num_layers,
+                  metadata_params={nn.PARTITION_NAME: SCANNED})
+  x, _ = stack(cfg, scanned=True, name=SCANNED)(x, *args)
+  return x
 
 
 def kernel_inits(cfg: TransformerConfig, num_layers: int) -> dict:
@@ -179,7 +215,10 @@ def random_positions(module: nn.Module, cfg: TransformerConfig, length: int,
 
 
 class EncoderLayer(nn.Module):
+  """Self-attention, FFN: x [b, n, d] -> [b, n, d] (scanned: (it, None), the
+  carry and no per-layer output of nn.scan)."""
   cfg: TransformerConfig
+  scanned: bool = False
 
   @nn.compact
   def __call__(self, x, mask=None, deterministic=True, positions=None):
@@ -189,16 +228,19 @@ class EncoderLayer(nn.Module):
         x, lambda y: attn(y, mask=mask, deterministic=deterministic, positions=positions),
         deterministic=deterministic)
     mlp = _mlp(cfg, cfg.num_encoder_layers)
-    return _Residual(cfg, name='mlp_block')(
+    x = _Residual(cfg, name='mlp_block')(
         x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
+    return (x, None) if self.scanned else x
 
 
 class DecoderLayer(nn.Module):
   """Causal self-attention (cached when decoding), cross-attention, FFN.
 
-  `encoded=None` drops the cross-attention (decoder-only LM).
+  `encoded=None` drops the cross-attention (decoder-only LM). Scanned: returns
+  (x, None), as EncoderLayer.
   """
   cfg: TransformerConfig
+  scanned: bool = False
 
   @nn.compact
   def __call__(self, x, encoded=None, self_mask=None, cross_mask=None,
@@ -217,8 +259,9 @@ class DecoderLayer(nn.Module):
                                   deterministic=deterministic),
           deterministic=deterministic)
     mlp = _mlp(cfg, layers)
-    return _Residual(cfg, name='mlp_block')(
+    x = _Residual(cfg, name='mlp_block')(
         x, lambda y: mlp(y, deterministic=deterministic), deterministic=deterministic)
+    return (x, None) if self.scanned else x
 
 
 def embed_tokens(cfg, embed, ids, deterministic, name, decode=False, positions=None):
@@ -237,7 +280,13 @@ def embed_tokens(cfg, embed, ids, deterministic, name, decode=False, positions=N
 
 class Encoder(nn.Module):
   """ids [b, n] -> [b, n, d_model]; positions [b, n]: each token's own
-  (packed rows), default 0..n-1."""
+  (packed rows), default 0..n-1.
+
+  Parameters: `layer_0` .. `layer_{L-1}` (L = cfg.num_encoder_layers), or
+  with cfg.scan_layers one `layers` subtree of the same names whose every
+  leaf is the L layers' leaves stacked on a new axis 0 ([L, ...]; logical
+  axis 'layers'); then `final_norm` (pre-LN).
+  """
   cfg: TransformerConfig
   embed: Embed
 
@@ -247,14 +296,20 @@ class Encoder(nn.Module):
     drawn = random_positions(self, cfg, ids.shape[1], deterministic)
     x = embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
                       positions=positions if drawn is None else drawn)
-    layer = _remat(EncoderLayer, cfg, deterministic_argnum=3)
-    for i in range(cfg.num_encoder_layers):
-      x = layer(cfg, name=f'layer_{i}')(x, mask, deterministic, drawn)
+    x = _run_layers(EncoderLayer, cfg, cfg.num_encoder_layers, x, mask, deterministic, drawn,
+                    deterministic_argnum=3)
     return norm(cfg, 'final_norm')(x) if cfg.pre_ln else x
 
 
 class Decoder(nn.Module):
-  """ids [b, n] (and encoded [b, m, d_model]) -> logits [b, n, vocab]."""
+  """ids [b, n] (and encoded [b, m, d_model]) -> logits [b, n, vocab].
+
+  Parameters: `layer_0` .. `layer_{L-1}` (L = num_layers), or with
+  cfg.scan_layers one `layers` subtree whose leaves are theirs stacked on
+  axis 0 ([L, ...]; logical axis 'layers'), as Encoder's. Decoding's cache
+  is stacked alike: `layers/self_attention/cached_key` [L, b, max_len, g, d],
+  `cache_index` [L].
+  """
   cfg: TransformerConfig
   embed: Embed
   num_layers: int
@@ -266,10 +321,8 @@ class Decoder(nn.Module):
     drawn = random_positions(self, cfg, ids.shape[1], deterministic)
     x = embed_tokens(cfg, self.embed, ids, deterministic, 'positions',
                       decode=cfg.decode, positions=positions if drawn is None else drawn)
-    layer = _remat(DecoderLayer, cfg, deterministic_argnum=5)
-    for i in range(self.num_layers):
-      x = layer(cfg, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, deterministic,
-                                        drawn)
+    x = _run_layers(DecoderLayer, cfg, self.num_layers, x, encoded, self_mask, cross_mask,
+                    deterministic, drawn, deterministic_argnum=5)
     if cfg.pre_ln:
       x = norm(cfg, 'final_norm')(x)
     if not cfg.tie_embeddings:

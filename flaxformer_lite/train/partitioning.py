@@ -40,7 +40,11 @@ LOGICAL_RULES = (
     ('embed', None),  # d_model
     ('kv', None),  # the head dimension
     ('relative', None),  # rows indexed by distance or bucket (Shaw, T5, DeBERTa tables)
+    # A scanned stack's layer axis (model.scan_layers): each step of the scan
+    # slices one layer, so this axis stays whole on every device, under fsdp too.
+    ('layers', None),
 )
+WHOLE = ('layers',)  # logical axes that fsdp does not shard either
 
 
 def padded_rows(rows: int, multiple: int) -> int:
@@ -73,7 +77,8 @@ class Partitioner:
   def param_sharding(self, shape, logical=()) -> NamedSharding:
     """A parameter's sharding from its logical axes (LOGICAL_RULES; missing
     names: replicated); under 'fsdp' its largest dimension not sharded yet
-    that the data axis divides also goes over 'data' (the first on ties)."""
+    that the data axis divides also goes over 'data' (the first on ties; never
+    a WHOLE axis)."""
     rules = dict(LOGICAL_RULES)
     logical = tuple(logical) + (None,) * (len(shape) - len(logical))
     spec = []
@@ -84,7 +89,8 @@ class Partitioner:
     data = self.mesh.shape['data']
     if self.mode == 'fsdp' and data > 1:
       free = [i for i, size in enumerate(shape)
-              if spec[i] is None and size % data == 0 and size >= data]
+              if spec[i] is None and logical[i] not in WHOLE and size % data == 0
+              and size >= data]
       if free:
         spec[max(free, key=lambda i: shape[i])] = 'data'
     return NamedSharding(self.mesh, P(*spec))
