@@ -271,7 +271,7 @@ def scan(rows: Rows, quick: bool, seconds: float):
   out = _script(['benchmarks/scan_layers.py', *args], seconds)
   for line in out.splitlines():
     if line.startswith('|') and not set(line) <= set('|- :'):
-      rows.add('scan', 'unrolled vs scanned', line.strip('| '))
+      rows.add('scan', 'unrolled vs scanned', '; '.join(c.strip() for c in line.strip('| ').split('|')))
 
 
 def mfu(rows: Rows, quick: bool, seconds: float):
@@ -316,7 +316,7 @@ def smollm2(rows: Rows, quick: bool, seconds: float):
                  f'--hf_python={sys.executable}', f'--out={out_json}'], seconds)
   for line in out.splitlines():
     if line.startswith('|') and not set(line) <= set('|- :'):
-      rows.add('smollm2', 'table', line)
+      rows.add('smollm2', 'table', '; '.join(c.strip() for c in line.strip('| ').split('|')))
 
 
 def tests(rows: Rows, quick: bool, seconds: float):
