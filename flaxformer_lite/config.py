@@ -26,7 +26,8 @@ RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
                      'eval.batch_size', 'eval.beam_size', 'eval.beam_alpha',
                      'eval.sequence_accuracy',
                      'eval.max_decode_len', 'eval.max_examples', 'data.manual_dir',
-                     'train.profile_steps', 'model.remat', 'eval.batch_tokens',
+                     'train.profile_steps', 'model.remat', 'model.scan_layers',
+                     'eval.batch_tokens',
                      'eval.contexts', 'eval.sample_prompt', 'eval.sample_len',
                      # the update does not depend on them: a run may move to another device count
                      'train.parallel', 'train.grad_accum_steps', 'train.model_parallel')

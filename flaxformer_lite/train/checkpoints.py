@@ -8,6 +8,8 @@ import shutil
 import jax
 import orbax.checkpoint as ocp
 
+from flaxformer_lite.layers import scan
+
 log = logging.getLogger('flaxformer_lite')
 
 
@@ -78,13 +80,30 @@ class Checkpointer:
 
   def _restore(self, state, step):
     target = {'params': state.params, 'opt_state': state.opt_state, 'step': state.step}
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    try:
+      tree, data = self._read(jax.tree.map(ocp.utils.to_shape_dtype_struct, target), step)
+    except Exception:  # noqa: BLE001 - maybe the other layer layout (model.scan_layers)
+      scanned = scan.is_stacked(target['params'])
+      saved_as = jax.eval_shape(scan.unstack_layers if scanned else scan.stack_layers, target)
+      if jax.tree.structure(saved_as) == jax.tree.structure(target):
+        raise
+      try:
+        tree, data = self._read(saved_as, step)
+      except Exception:  # noqa: BLE001 - not that either: report the first error
+        pass
+      else:
+        log.info('checkpoint %d: layers %s into this model\'s layout', step,
+                 'stacked' if scanned else 'unstacked')
+        tree = (scan.stack_layers if scanned else scan.unstack_layers)(tree)
+        return state.replace(**tree), data
+      raise
+    return state.replace(**tree), data
+
+  def _read(self, abstract, step):
+    """(the saved state read into `abstract`'s structure, the data state)."""
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-    tree = restored['state']
-    state = state.replace(params=tree['params'], opt_state=tree['opt_state'],
-                          step=tree['step'])
-    return state, restored['data']
+    return restored['state'], restored['data']
 
   def close(self):
     self.manager.wait_until_finished()

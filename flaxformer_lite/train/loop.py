@@ -1,6 +1,7 @@
 """train_and_evaluate(config, workdir): the one training loop, top to bottom."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -246,21 +247,24 @@ def _eval_needs(config, dataset, evaluate, params, held: int, limit_bytes) -> tu
   once (`_analysis` against `limit_bytes`); `held`: the bytes that stay
   allocated beside them (the optimizer state)."""
   needs, kept = {}, {}
-
-  def add(name, compiled):
+  for name, compiled in _eval_programs(config, dataset, evaluate, params):
     if name not in needs:
       stats = _analysis(evaluate.lowered(compiled), compiled, limit_bytes)
       needs[name], kept[name] = memory.step_bytes(stats) + held, stats.temp_size_in_bytes
+  return needs, kept
 
+
+def _eval_programs(config, dataset, evaluate, params):
+  """(name, compiled) of every eval step (and the greedy sample's
+  generation) the run will call, each compiled once (the Evaluator keeps them)."""
   for split in _eval_splits(config, dataset):
     for context in evaluate.contexts():
       arrays = evaluate.arrays(split, context)
       shape = f'{evaluate.batch_rows(arrays)[1]}x{arrays["inputs"].shape[1]}'
-      add(f'eval step, batch {shape}', evaluate.compiled_step(params, split, context))
+      yield f'eval step, batch {shape}', evaluate.compiled_step(params, split, context)
   if evaluate.objective == 'lm' and config.eval.num_examples_to_log:
     generate, prompt = evaluate.sample_step(params, 'validation')
-    add(f'greedy sample after {prompt.shape[1]} tokens', generate)
-  return needs, kept
+    yield f'greedy sample after {prompt.shape[1]} tokens', generate
 
 
 def _check_needs(config, needs: dict, kept: dict, limit) -> None:
@@ -460,8 +464,17 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     # a run that cannot fit changes nothing in its workdir.
     example = parallel.place_batch(data.pad_rows(first_batch, partitioning.padded_rows(
         len(first_batch['inputs']), row_multiple)))
-    lowered_train, compiled_train = compilation.compile_logged(
-        'train step', train_step, state, example, dropout_rng)
+    # The eval steps and the sampler compile here while the train step
+    # compiles in a thread (XLA's compiler releases the GIL): the first step
+    # waits for the longest compile, not their sum.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      train_compile = pool.submit(compilation.compile_logged, 'train step', train_step, state,
+                                  example, dropout_rng)
+      try:
+        for _ in _eval_programs(config, dataset, evaluate, parallel.unplace_state(state).params):
+          pass
+      finally:
+        lowered_train, compiled_train = train_compile.result()
     _check_memory(config, dataset, parallel, state, lowered_train, compiled_train, example,
                   evaluate, limit)
     step_flops = profiling.step_flops(compiled_train)
