@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import textwrap
 
 import jax
@@ -31,17 +32,25 @@ class Policy:
     device reports no bytes_limit (lowering for a platform this process
     does not run on).
   chunk_size: the chunked kernel's block, rows and columns.
+  table_bias_max: the most query-key pairs (n * m) a head's dense scores
+    take a bias looked up per pair from a learned per-head table (T5's
+    buckets: parameters with logical axes ('relative', 'heads')) before the
+    chunked kernel runs it; None: no such limit.
   """
   cudnn: bool
   memory_share: float | None
   dense_max_mib: int
   chunk_size: int
+  table_bias_max: int | None = None
 
 
 POLICIES = {
     # Fused, then dense, both beat the blocks wherever they fit in memory;
     # larger blocks keep a GPU's cores busier. The fallback is 1/8 of 16 GiB.
-    'gpu': Policy(cudnn=True, memory_share=1 / 8, dense_max_mib=2048, chunk_size=1024),
+    # The dense backward of a per-pair table lookup adds n * m gradients into
+    # a few rows, atomically; the blocks' backward sums them per block first.
+    'gpu': Policy(cudnn=True, memory_share=1 / 8, dense_max_mib=2048, chunk_size=1024,
+                  table_bias_max=4096 * 4096),
     # JAX's Pallas splash kernels would be the TPU's fused path: not wired in yet.
     'tpu': Policy(cudnn=False, memory_share=1 / 8, dense_max_mib=2048, chunk_size=512),
     # On CPU the blocks win only once the scores outgrow the caches by far.
@@ -146,11 +155,24 @@ def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=No
   if variant.fused_fits is not None and variant.fused_fits(query, key, dtype=dtype,
                                                             dropout=dropout):
     return 'dense'
-  (b, n, h, _), m = query.shape, key.shape[1]
+  (b, n, h, d), m = query.shape, key.shape[1]
   if decoding and m > 2 * chunk_size(kernel.chunk_size):
+    return 'chunked'
+  limit = policy().table_bias_max
+  if limit is not None and n * m > limit and kernel.dense_max_mib is None and (
+      _pair_table(variant, h, d)):
     return 'chunked'
   score_bytes = b * h * n * m * jnp.dtype(dtype or query.dtype).itemsize
   return 'dense' if score_bytes <= dense_max_bytes(kernel.dense_max_mib) else 'chunked'
+
+
+def _pair_table(variant, heads: int, head_dim: int) -> bool:
+  """Whether `variant` learns a per-head bias looked up per query-key pair
+  (a parameter with logical axes ('relative', 'heads'))."""
+  if variant.params is None:
+    return False
+  declared = variant.params(heads, head_dim, dict(variant.kwargs))
+  return any(tuple(axes) == ('relative', 'heads') for _, _, axes in declared.values())
 
 
 def describe(name: str) -> str:
@@ -162,8 +184,10 @@ def describe(name: str) -> str:
            if rule.cudnn else '')
   limit = (f'1/{round(1 / rule.memory_share)} of device memory ({rule.dense_max_mib} MiB '
            'where it reports none)' if rule.memory_share else f'{rule.dense_max_mib} MiB')
+  table = (f' A bias looked up per pair from a learned table (T5\'s buckets) goes chunked '
+           f'past n*m = {math.isqrt(rule.table_bias_max)}^2.' if rule.table_bias_max else '')
   return (f'{name}: {fused}dense while scores (b*h*n*m*itemsize) <= {limit}, else chunked '
-          f'in blocks of {rule.chunk_size}.')
+          f'in blocks of {rule.chunk_size}.{table}')
 
 
 def table(width: int = 100) -> str:
