@@ -5,7 +5,9 @@ Decoding is written against one interface, as in T5X:
 so the same loops serve the encoder-decoder, the decoder-only LM and the RNN
 seq2seq model (and any attention variant: the cache lives in the layers).
 Beam search needs nothing more of the cache than that every leaf is either
-[b, ...] (per sequence) or a scalar shared by all sequences (a step index).
+[b, ...] (per sequence) or a scalar shared by all sequences (a step index);
+under a scanned stack's `layers` (model.scan_layers) each leaf carries the
+layer axis first: [L, b, ...], or [L] for the step index.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.layers.scan import SCANNED
 from flaxformer_lite.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -61,6 +64,12 @@ def greedy(tokens_to_logits, cache, prompt, max_steps: int, *, eos_id=EOS_ID):
   return jax.lax.while_loop(cond, body, state)[3]
 
 
+def _batch_axis(path) -> int:
+  """The batch axis of the cache leaf at `path`: 0, moved right by one for
+  every scanned stack (a `layers` key, leaves [L, ...]) it sits under."""
+  return sum(getattr(key, 'key', None) == SCANNED for key in path)
+
+
 def length_penalty(length, alpha: float):
   """GNMT's ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14).
 
@@ -93,6 +102,8 @@ def beam_search(tokens_to_logits, cache, prompt, max_steps: int, *, beam_size: i
     cache: the empty cache for b rows. Leaves [b, ...] are tiled to
       [b * beam_size, ...] and reordered after each step to follow their
       hypotheses; scalar leaves (positions shared by all rows) are kept.
+      Under a scanned stack (`layers`), the same on axis 1 of [L, b, ...],
+      and [L] leaves are kept.
     prompt: [b, P] tokens fed first in one call (P >= 1); not scored.
     max_steps: the most tokens to generate.
   Returns:
@@ -103,15 +114,23 @@ def beam_search(tokens_to_logits, cache, prompt, max_steps: int, *, beam_size: i
     raise ValueError(f'beam_size={beam_size} and max_steps={max_steps} must be >= 1')
   b, k = prompt.shape[0], beam_size
 
-  def tile(x):
-    if x.ndim and x.shape[0] != b:
-      raise ValueError(f'beam search needs cache leaves of shape [batch={b}, ...] or '
-                       f'scalars; got a leaf of shape {x.shape}')
-    return jnp.repeat(x, k, axis=0) if x.ndim else x
+  def tile(path, x):
+    axis = _batch_axis(path)
+    if x.ndim == axis:  # a position shared by all rows (one per layer under `layers`)
+      return x
+    if x.ndim < axis or x.shape[axis] != b:
+      layout = '[' + 'layers, ' * axis + f'batch={b}, ...]'
+      raise ValueError(f'beam search needs cache leaves of shape {layout} or scalars; '
+                       f'got a leaf of shape {x.shape} at {jax.tree_util.keystr(path)}')
+    return jnp.repeat(x, k, axis=axis)
 
   def reorder(cache, origin):  # origin [b, k]: the hypothesis each row continues
     rows = (jnp.arange(b)[:, None] * k + origin).reshape(-1)
-    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0) if x.ndim else x, cache)
+
+    def take(path, x):
+      axis = _batch_axis(path)
+      return jnp.take(x, rows, axis=axis) if x.ndim > axis else x
+    return jax.tree_util.tree_map_with_path(take, cache)
 
   penalty_bound = lambda i: jnp.maximum(length_penalty(i + 1, alpha),
                                         length_penalty(max_steps, alpha))
@@ -135,7 +154,7 @@ def beam_search(tokens_to_logits, cache, prompt, max_steps: int, *, beam_size: i
     origin, token = (jnp.take_along_axis(x, kept, axis=1) for x in (origin, token))
     return origin, token, (seqs, live, fin_seqs, fin_scores)
 
-  cache = jax.tree.map(tile, cache)
+  cache = jax.tree_util.tree_map_with_path(tile, cache)
   logits, cache = tokens_to_logits(jnp.repeat(prompt, k, axis=0), cache)
   empty = jnp.full((b, k, max_steps), PAD_ID, prompt.dtype)
   # The k copies of the prompt are one hypothesis: only the first is extended.

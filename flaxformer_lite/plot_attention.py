@@ -42,6 +42,7 @@ from matplotlib.figure import Figure
 from flaxformer_lite import compilation, config as config_lib
 from flaxformer_lite import data, decoding, models, tokens
 from flaxformer_lite.attention import registry
+from flaxformer_lite.layers import scan
 from flaxformer_lite.train import checkpoints
 from flaxformer_lite.train import state as state_lib
 
@@ -214,7 +215,10 @@ def attention_maps(config, params, inputs, decoded=None, label=None) -> list[Att
     labels.update({'output': [label(t) for t in decoded],
                    'decoder input': [label(t) for t in decoder_inputs[0]]})
   maps = []
-  for key, sown in traverse_util.flatten_dict(state['intermediates']).items():
+  # A scanned stack (model.scan_layers) sows [L, ...] under `layers`: split
+  # it into layer_0 .. layer_{L-1}, the unrolled paths and weights.
+  sown_layers = scan.unstack_layers(state['intermediates'])
+  for key, sown in traverse_util.flatten_dict(sown_layers).items():
     if key[-1] != 'attention_weights':
       continue
     modules = key[:-1]

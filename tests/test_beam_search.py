@@ -3,12 +3,14 @@ and full passes."""
 import functools
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from flaxformer_lite import decoding, models
+from flaxformer_lite.layers import scan
 
 PAD, BOS, EOS = models.PAD_ID, models.BOS_ID, models.EOS_ID
 
@@ -280,7 +282,7 @@ MAX_LEN = 7
 
 def _random_params(model, *args):
   """Random values for every parameter (the initial ones give near-uniform logits)."""
-  shapes = jax.eval_shape(model.init, jax.random.key(0), *args)['params']
+  shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), *args)['params'])
   leaves, tree = jax.tree_util.tree_flatten(shapes)
   rng = np.random.default_rng(3)
   return jax.tree_util.tree_unflatten(
@@ -302,20 +304,26 @@ def _no_pad_bos(logits):
   return logits.at[..., PAD].set(-1e9).at[..., BOS].set(-1e9)
 
 
+def _search_args(model_type, model, decode_model, params, k):
+  """(tokens_to_logits for b * k rows, the empty cache for b, the prompt) of
+  PROMPT (an LM) or of INPUTS from BOS (seq2seq)."""
+  b = PROMPT.shape[0]
+  if model_type == 'decoder_only':
+    cache = decoding.init_cache(decode_model, jnp.zeros((b, PROMPT.shape[1] + MAX_LEN), jnp.int32))
+    return decoding._lm_fn(decode_model, params), cache, PROMPT
+  encoded = model.apply({'params': params}, INPUTS, method='encode')
+  cache = decoding.init_cache(decode_model, INPUTS, jnp.zeros((b, MAX_LEN), jnp.int32))
+  tiled = [jnp.repeat(x, k, axis=0) for x in (encoded, INPUTS)]
+  return decoding._translation_fn(decode_model, params, *tiled), cache, PROMPT[:, :1]
+
+
 @pytest.mark.parametrize('model_type', SEQ2SEQ + ['decoder_only'])
 def test_beam_scores_equal_full_pass_scores(model_type):
   """Each returned hypothesis, re-scored by the uncached model: wrong cache
   rows after reordering would change the numbers."""
   model, decode_model, params = _setup(model_type)
   b, k, alpha = PROMPT.shape[0], 3, 0.6
-  if model_type == 'decoder_only':
-    cache = decoding.init_cache(decode_model, jnp.zeros((b, PROMPT.shape[1] + MAX_LEN), jnp.int32))
-    fn, prompt = decoding._lm_fn(decode_model, params), PROMPT
-  else:
-    encoded = model.apply({'params': params}, INPUTS, method='encode')
-    cache = decoding.init_cache(decode_model, INPUTS, jnp.zeros((b, MAX_LEN), jnp.int32))
-    tiled = [jnp.repeat(x, k, axis=0) for x in (encoded, INPUTS)]
-    fn, prompt = decoding._translation_fn(decode_model, params, *tiled), PROMPT[:, :1]
+  fn, cache, prompt = _search_args(model_type, model, decode_model, params, k)
 
   def masked_fn(tokens, cache):
     logits, cache = fn(tokens, cache)
@@ -338,3 +346,34 @@ def test_beam_scores_equal_full_pass_scores(model_type):
   keep = np.arange(MAX_LEN)[None] < lengths[:, None]
   want = (token_logp * keep).sum(1) / _gnmt_lp(lengths, alpha)
   np.testing.assert_allclose(scores, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize('model_type', ['encoder_decoder', 'decoder_only'])
+def test_a_scanned_stack_finds_the_unrolled_beams_and_scores(model_type):
+  """model.scan_layers: the cache's leaves are [L, b, ...] under `layers`
+  (cache_index [L]), tiled and reordered on axis 1. The unrolled model is the
+  reference: with its weights stacked, the same beams and scores."""
+  cfg = {**CFG, 'type': model_type, 'num_encoder_layers': 2, 'num_decoder_layers': 2}
+  k = 3
+  params = _random_params(models.build(cfg), *((PROMPT,) if model_type == 'decoder_only'
+                                               else (INPUTS, PROMPT)))
+
+  def search(scan_layers, params):
+    c = {**cfg, 'scan_layers': scan_layers}
+    fn, cache, prompt = _search_args(model_type, models.build(c),
+                                     models.build(c, decode=True), params, k)
+    assert scan.is_stacked(cache) == scan_layers
+    return decoding.beam_search(fn, cache, prompt, MAX_LEN, beam_size=k)
+
+  (want_seqs, want_scores), (seqs, scores) = jax.jit(
+      lambda p, q: (search(False, p), search(True, q)))(params, scan.stack_layers(params))
+  np.testing.assert_array_equal(seqs, want_seqs)
+  np.testing.assert_array_equal(scores, want_scores)
+
+
+def test_a_scanned_cache_leaf_without_batch_on_axis_1_is_an_error():
+  cache = {'prev': jnp.zeros((2,), jnp.int32),
+           'layers': {'step': jnp.zeros((2,), jnp.int32), 'key': jnp.zeros((2, 3, 4))}}
+  with pytest.raises(ValueError, match=r"\[layers, batch=2, \.\.\.\].*\(2, 3, 4\).*'key'"):
+    decoding.beam_search(_markov_fn(_table(0, 8)), cache, jnp.asarray(PROMPTS), 3,
+                         beam_size=2)

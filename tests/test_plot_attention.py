@@ -11,6 +11,7 @@ import pytest
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import models, plot_attention
+from flaxformer_lite.layers import scan
 from flaxformer_lite.train import loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,6 +169,27 @@ def test_a_decoder_only_model_attends_over_its_own_input(tfds_dir, tmp_path):
   (png,) = plot_attention.plot([a], str(tmp_path), 'lm')
   with open(png, 'rb') as f:
     assert f.read(8) == PNG_MAGIC
+
+
+def test_a_scanned_model_gives_the_unrolled_maps(tfds_dir):
+  """model.scan_layers sows [L, ...] under `layers`: the maps, their paths and
+  labels are the unrolled model's, with its weights stacked."""
+  c = _tiny(tfds_dir)
+  c.model.num_decoder_layers, c.model.vocab_size = 2, 9
+  inputs, decoded = np.array([5, 3, 4, 2]), np.array([4, 3, 2])
+  shapes = nn.unbox(jax.eval_shape(models.build(c.model).init, jax.random.key(0),
+                                   inputs[None], decoded[None])['params'])
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: rng.normal(0, 0.3, s.shape).astype(s.dtype), shapes)
+  want = plot_attention.attention_maps(c, params, inputs, decoded)
+  c.model.scan_layers = True
+  got = plot_attention.attention_maps(c, scan.stack_layers(params), inputs, decoded)
+  assert [m.path for m in got] == [m.path for m in want]
+  assert len(want) == 6  # 2 encoder self, 2 decoder self, 2 cross
+  for a, b in zip(got, want):
+    assert (a.queries, a.keys, a.query_axis, a.key_axis) == (b.queries, b.keys, b.query_axis,
+                                                             b.key_axis)
+    np.testing.assert_allclose(a.weights, b.weights, rtol=1e-5, atol=1e-6, err_msg=a.path)
 
 
 def test_a_workdir_without_a_run_exits_2(tmp_path, tfds_dir):
