@@ -50,7 +50,7 @@ POLICIES = {
     # The dense backward of a per-pair table lookup adds n * m gradients into
     # a few rows, atomically; the blocks' backward sums them per block first.
     'gpu': Policy(cudnn=True, memory_share=1 / 8, dense_max_mib=2048, chunk_size=1024,
-                  table_bias_max=4096 * 4096),
+                  table_bias_max=1024 * 1024),
     # JAX's Pallas splash kernels would be the TPU's fused path: not wired in yet.
     'tpu': Policy(cudnn=False, memory_share=1 / 8, dense_max_mib=2048, chunk_size=512),
     # On CPU the blocks win only once the scores outgrow the caches by far.

@@ -74,13 +74,13 @@ def test_gpu_takes_cudnn_then_dense_while_an_eighth_of_memory_then_blocks_of_102
     assert select.dense_max_bytes(16) == 16 * MIB
 
 
-def test_gpu_runs_a_per_pair_bias_table_chunked_past_4096_squared_pairs(device_memory):
+def test_gpu_runs_a_per_pair_bias_table_chunked_past_one_block_of_pairs(device_memory):
   """t5_bias looks its bias up per query-key pair from a learned table:
-  chunked on GPU past 4096 x 4096 pairs a head, whatever the memory share;
+  chunked on GPU past 1024 x 1024 pairs a head, whatever the memory share;
   alibi (a formula) and the other platforms keep the size rule; an explicit
   dense_max_mib overrides it."""
-  assert _pick('gpu', 't5_bias', 1, 4096, 4096, dtype='bfloat16') == 'dense'
-  assert _pick('gpu', 't5_bias', 1, 4096, 4097, dtype='bfloat16') == 'chunked'
+  assert _pick('gpu', 't5_bias', 4, 1024, 1024, dtype='bfloat16') == 'dense'
+  assert _pick('gpu', 't5_bias', 1, 1024, 1025, dtype='bfloat16') == 'chunked'
   assert _pick('gpu', 't5_bias', 1, 8192, 8192, dtype='bfloat16',
                dense_max_mib=4096) == 'dense'
   assert _pick('gpu', 'alibi', 1, 8192, 8192, dtype='bfloat16') == 'dense'
