@@ -203,8 +203,11 @@ def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=No
                         dropout_rng=dropout_rng)
 
 
-def _dot_product(query, key, value, *, implementation='auto', dropout_rate=0.0,
-                 deterministic=True, dtype=None, return_weights=False, **common):
+def auto_dot_product(query, key, value, *, implementation='auto', dropout_rate=0.0,
+                     deterministic=True, dtype=None, return_weights=False, **common):
+  """dot_product_attention on `implementation`; 'auto': cuDNN's fused kernel
+  where it runs these inputs (select.cudnn_fits), else the dense path. The
+  variants that only change q and k (rotary) call it on their q and k."""
   if implementation == 'auto':  # the explicit path, unless cuDNN's kernel fits
     fits = select.cudnn_fits(query, key, dtype=dtype, return_weights=return_weights,
                              dropout=not deterministic and dropout_rate > 0.0)
@@ -216,7 +219,7 @@ def _dot_product(query, key, value, *, implementation='auto', dropout_rate=0.0,
 
 registry.register(registry.AttentionVariant(
     name='dot_product',
-    fn=_dot_product,
+    fn=auto_dot_product,
     chunked=dot_product_chunked,
     dense_implementations=('xla', 'cudnn'),
     fused_fits=select.cudnn_fits,

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention import chunked, registry, select
+from flaxformer_lite.attention.dot_product import auto_dot_product
 
 
 SCALINGS = ('none', 'linear', 'ntk', 'yarn')
@@ -126,7 +126,8 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
     key, value: [b, m, h, d], key j at position j.
     positions: None, or int [n] (n = m): query and key i at positions[i].
     max_wavelength .. rotary_layout: apply_rotary's (module docstring).
-    common: dot_product_attention's mask, bias, dropout, dtype and return_weights.
+    common: auto_dot_product's implementation ('auto': cuDNN's fused kernel
+      where it runs), mask, bias, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
@@ -136,7 +137,7 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
   q_pos, k_pos = chunked.query_key_positions(query.shape[1], key.shape[1], q_offset, positions)
   query = apply_rotary(query, q_pos, **rope)
   key = apply_rotary(key, k_pos, **rope)
-  return dot_product_attention(query, key, value, **common)
+  return auto_dot_product(query, key, value, **common)
 
 
 def _terms(num_heads, **rope):
@@ -178,6 +179,9 @@ registry.register(registry.AttentionVariant(
     check_head_dim=_check_head_dim,
     uses_positions=True,
     position_arrays=True,
+    dense_implementations=('xla', 'cudnn'),
+    fused_fits=select.cudnn_fits,
+    grouped_kv=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
         'Su et al. 2021); head_dim must be even; rope_scaling linear (PI) | ntk | yarn '
         'with rope_factor extends a trained context; rotary_fraction < 1: partial RoPE; '

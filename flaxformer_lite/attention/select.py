@@ -179,7 +179,7 @@ def describe(name: str) -> str:
   """What 'auto' runs on platform `name`, in one paragraph."""
   rule = policy(name)
   dtypes = '/'.join(jnp.dtype(t).name for t in CUDNN_DTYPES)
-  fused = (f'dot_product (grouped-query too) in {dtypes} on cuDNN (head dim a multiple '
+  fused = (f'dot_product and rotary (grouped-query too) in {dtypes} on cuDNN (head dim a multiple '
            f'of 8, <= {CUDNN_MAX_HEAD_DIM}; even lengths > 1; no dropout or weights), else '
            if rule.cudnn else '')
   limit = (f'1/{round(1 / rule.memory_share)} of device memory ({rule.dense_max_mib} MiB '

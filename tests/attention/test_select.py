@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite.attention import chunked, masks, registry, select
+from flaxformer_lite.attention import rotary as rotary_lib
 from flaxformer_lite.layers import MultiHeadAttention
 
 MIB = 2**20
@@ -184,6 +185,21 @@ def test_dot_product_in_bf16_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, device_m
   assert '__cudnn$fmhaScaleBiasSoftmaxBackward' in _cuda_hlo(grad=True)
   assert '__cudnn$fmha' not in _cuda_hlo(dtype=jnp.float32)
   assert '__cudnn$fmha' not in _cuda_hlo(implementation='dense')
+
+
+def test_rotary_rotates_q_and_k_then_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, device_memory):
+  """rotary only transforms q and k: its rotated q and k go to cuDNN's
+  kernel (grouped-query too), and its output is dot_product's over the
+  rotated q and k (checked on CPU, where the same call runs dense)."""
+  assert '__cudnn$fmha' in _cuda_hlo('rotary') and '__cudnn$fmha' in _cuda_hlo(
+      'rotary', num_kv_heads=1)
+  assert '__cudnn$fmha' not in _cuda_hlo('rotary', dtype=jnp.float32)
+  rotary = registry.get('rotary')
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 16)) for i in range(3))
+  q_rot, k_rot = (rotary_lib.apply_rotary(x, jnp.arange(8)) for x in (q, k))
+  expected = registry.get('dot_product').fn(q_rot, k_rot, v, implementation='dense')
+  got = rotary.fn(q, k, v, implementation='auto')
+  assert jnp.allclose(got, expected, atol=1e-6)
 
 
 def test_alibi_lowers_dense_for_a_gpu_then_chunked_in_blocks_of_1024_past_its_share(
