@@ -1,5 +1,6 @@
 """One prepared accelerator check: what a GPU user meets, as one table.
-  benchmarks/gpu_check.sh [--quick] [--skip SECTION ...] [--budget SECONDS] [--out DIR]
+  benchmarks/gpu_check.sh [--quick] [--skip SECTION ...] [--only SECTION ...]
+      [--budget SECONDS] [--out DIR]
 Sections, in this order, each in processes of its own (a section that fails or
 outruns its share of --budget prints why, and the rest go on):
   recipe   experiments/tiny_shakespeare.py (the nanoGPT recipe) with an empty
@@ -326,7 +327,7 @@ def tests(rows: Rows, quick: bool, seconds: float):
     rows.add('tests', 'on this device', 'skipped: no time left')
     return
   command = [sys.executable, '-m', 'pytest', 'tests/attention', 'tests/test_decoding.py',
-             'tests/layers', 'tests/test_models.py', '-q', '-rf', '-p', 'no:cacheprovider',
+             'tests/layers', 'tests/test_models.py', '-q', '-rfE', '-p', 'no:cacheprovider',
              '-n', '4', '--maxfail=50']
   try:
     proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
@@ -339,8 +340,8 @@ def tests(rows: Rows, quick: bool, seconds: float):
     ended = [f'stopped at the time limit ({seconds:.0f} s): {progress.count(".")} passed, '
              f'{progress.count("F") + progress.count("E")} failed so far']
   rows.add('tests', 'attention, decoding, layers, models on this device', ended[0])
-  for line in [l for l in out.splitlines() if l.startswith('FAILED ')][:15]:
-    rows.add('tests', '  failed', line[len('FAILED '):][:160])
+  for line in [l for l in out.splitlines() if l.startswith(('FAILED ', 'ERROR '))][:15]:
+    rows.add('tests', '  ' + line.split()[0].lower(), line.split(' ', 1)[1][:160])
 
 
 RUNNERS = {'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha': mha, 'smollm2': smollm2,
@@ -360,6 +361,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--quick', action='store_true')
   parser.add_argument('--skip', nargs='*', default=[], choices=SECTIONS)
+  parser.add_argument('--only', nargs='*', default=[], choices=SECTIONS,
+                      help='run these sections alone (each then gets the whole budget share '
+                           'of the sections skipped, in proportion)')
   parser.add_argument('--budget', type=float, default=510.0, help='seconds for all sections')
   parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results', 'gpu'))
   parser.add_argument('--section', choices=['kernels'], help=argparse.SUPPRESS)
@@ -376,11 +380,12 @@ def main(argv=None) -> int:
   header = f'{_versions()}; {datetime.date.today().isoformat()}'
   print(f'# gpu_check: {header}', flush=True)
   rows, problems = Rows(), []
-  for name in SECTIONS:
-    if name in args.skip:
-      continue
+  chosen = [n for n in SECTIONS if n not in args.skip and (not args.only or n in args.only)]
+  total_share = sum(SHARES.get(n, 0.0) for n in chosen if n != 'tests') or 1.0
+  scale = 1.0 if 'tests' in chosen else 1.0 / total_share
+  for name in chosen:
     left = args.budget - (time.time() - start)
-    seconds = left if name == 'tests' else min(left, SHARES[name] * args.budget)
+    seconds = left if name == 'tests' else min(left, SHARES[name] * scale * args.budget)
     if seconds <= 1:
       problems.append(f'{name}: no time left')
       continue
