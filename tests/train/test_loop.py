@@ -81,32 +81,27 @@ def test_resume_with_a_different_model_is_refused(tiny_config, tmp_path):
     assert json.load(f)['model']['d_model'] == 32  # the saved run is untouched
 
 
-def test_a_checkpoint_resumes_in_the_other_layer_layout(tiny_config, tmp_path, caplog):
-  """model.scan_layers changed between legs: the checkpoint's layers are
-  stacked (unstacked) on restore, and the run reaches the losses of an
-  uninterrupted run in the first leg's layout (the layouts draw different
-  initial weights and dropout masks from one seed: each path has its own
-  reference, and no dropout)."""
+def test_a_run_resumes_with_its_layers_scanned(tiny_config, tmp_path, caplog):
+  """model.scan_layers turned on between legs: the checkpoint's layers are
+  stacked on restore, and the run reaches the losses of an uninterrupted
+  unrolled run (no dropout: the layouts draw their masks differently).
+  test_checkpoints.py reads each layout into the other."""
   c = tiny_config
   c.train.num_steps, c.train.log_every, c.train.checkpoint_every = 4, 2, 2
   c.eval.final_test, c.model.dropout_rate = False, 0.0
-  for first in (False, True):
-    whole = config_lib.from_json(config_lib.to_json(c))
-    whole.model.scan_layers = first
-    loop.train_and_evaluate(whole, str(tmp_path / f'whole_{first}'))
-    workdir = str(tmp_path / f'parts_{first}')
-    leg = config_lib.from_json(config_lib.to_json(whole))
-    leg.train.num_steps = 2
-    loop.train_and_evaluate(leg, workdir)
-    leg.model.scan_layers, leg.train.num_steps = not first, 4
-    with caplog.at_level('INFO', logger='flaxformer_lite'):
-      loop.train_and_evaluate(leg, workdir)
-    assert f"checkpoint 2: layers {'unstacked' if first else 'stacked'}" in caplog.text
-    a, b = _train_points(str(tmp_path / f'whole_{first}')), _train_points(workdir)
-    assert sorted(a) == sorted(b) == [2, 4]
-    for step in (2, 4):
-      np.testing.assert_allclose(b[step]['loss'], a[step]['loss'], rtol=1e-5)
-      np.testing.assert_allclose(b[step]['grad_norm'], a[step]['grad_norm'], rtol=1e-4)
+  loop.train_and_evaluate(c, str(tmp_path / 'whole'))
+  leg = config_lib.from_json(config_lib.to_json(c))
+  leg.train.num_steps = 2
+  loop.train_and_evaluate(leg, str(tmp_path / 'parts'))
+  leg.model.scan_layers, leg.train.num_steps = True, 4
+  with caplog.at_level('INFO', logger='flaxformer_lite'):
+    loop.train_and_evaluate(leg, str(tmp_path / 'parts'))
+  assert 'checkpoint 2: layers stacked' in caplog.text
+  a, b = _train_points(str(tmp_path / 'whole')), _train_points(str(tmp_path / 'parts'))
+  assert sorted(a) == sorted(b) == [2, 4]
+  for step in (2, 4):
+    np.testing.assert_allclose(b[step]['loss'], a[step]['loss'], rtol=1e-5)
+    np.testing.assert_allclose(b[step]['grad_norm'], a[step]['grad_norm'], rtol=1e-4)
 
 
 def test_allow_config_change_resumes_with_the_new_values(tiny_config, tmp_path, caplog):
