@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Prepares .gpu_carry/ for benchmarks/gpu_check.sh on a machine that has JAX
+# but no internet (a lent GPU): the wheels its Python lacks, for Python 3.12
+# on x86_64, and the shared corpora. On that machine:
+#   python3 -m pip install -q --no-deps --no-index --no-build-isolation .gpu_carry/wheels/*
+#   FFL_PYTHON=python3 FFL_SHARED_DATA=$PWD/.gpu_carry/data benchmarks/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .gpu_carry/wheels .gpu_carry/data
+pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 -d .gpu_carry/wheels \
+  ml_collections tensorflow-datasets array-record tensorboardX dm-tree immutabledict \
+  simple-parsing tensorflow-metadata termcolor toml docstring-parser googleapis-common-protos \
+  importlib_resources
+pip download -q --no-deps --no-binary=:all: -d .gpu_carry/wheels promise  # no wheel exists
+data="${FFL_SHARED_DATA:-../shared/data}"
+cp -r "$data"/multi30k "$data"/tiny_shakespeare .gpu_carry/data/
+du -sh .gpu_carry
