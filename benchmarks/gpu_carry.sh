@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares .gpu_carry/ for benchmarks/gpu_check.sh on a machine that has JAX
 # but no internet (a lent GPU): the wheels its Python lacks, for Python 3.12
-# on x86_64, and the shared corpora. On that machine:
+# on x86_64, nanoGPT's source and the shared corpora. On that machine:
 #   python3 -m pip install -q --no-deps --no-index --no-build-isolation .gpu_carry/wheels/*
 #   FFL_PYTHON=python3 FFL_SHARED_DATA=$PWD/.gpu_carry/data benchmarks/gpu_check.sh
 set -euo pipefail
@@ -13,6 +13,11 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   simple-parsing tensorflow-metadata termcolor toml docstring-parser googleapis-common-protos \
   importlib_resources
 pip download -q --no-deps --no-binary=:all: -d .gpu_carry/wheels promise  # no wheel exists
+# nanoGPT's own train.py for gpu_check's side-by-side section (read, never committed)
+if [ ! -f .gpu_carry/nanogpt/train.py ]; then
+  git clone -q --depth 1 https://github.com/karpathy/nanoGPT .gpu_carry/nanogpt ||
+    echo "gpu_carry.sh: could not clone nanoGPT; put a copy in .gpu_carry/nanogpt (gpu_check skips it)" >&2
+fi
 data="${FFL_SHARED_DATA:-../shared/data}"
 cp -r "$data"/multi30k "$data"/tiny_shakespeare .gpu_carry/data/
 du -sh .gpu_carry

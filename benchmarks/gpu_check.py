@@ -18,6 +18,10 @@ outruns its share of --budget prints why, and the rest go on):
   mha      benchmarks/attention.py: our layer against Flax's at n=2048, b=4.
   smollm2  benchmarks/pretrained_speed.py --random_weights: SmolLM2-shaped
            prefill and decode, ours against transformers (same random weights).
+  nanogpt  nanoGPT's own train.py on the same recipe (its source from
+           $FFL_NANOGPT_DIR or .gpu_carry/nanogpt, benchmarks/gpu_carry.sh;
+           torch from this Python or --torch_python): seconds to its first
+           iteration, ms an iteration, the best validation loss.
   tests    as much of the test suite as the time left allows (attention and
            decoding first); not with --quick.
 --quick: tiny sizes and a few steps, for any machine (the test suite runs it on
@@ -42,10 +46,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_DIR = tempfile.gettempdir()  # main() sets --out
-SECTIONS = ('recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'tests')
+SECTIONS = ('recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'nanogpt', 'tests')
 # Each section's share of --budget, in the order they run; 'tests' takes the rest.
-SHARES = {'recipe': 0.45, 'kernels': 0.22, 'scan': 0.08, 'mfu': 0.1, 'mha': 0.05,
-          'smollm2': 0.12}
+SHARES = {'recipe': 0.4, 'kernels': 0.2, 'scan': 0.06, 'mfu': 0.08, 'mha': 0.04,
+          'smollm2': 0.1, 'nanogpt': 0.12}
 # bf16 dense matmul peaks (datasheets), TFLOP/s, for the MFU row.
 PEAK_TFLOPS = {'H100': 989.0, 'H200': 989.0, 'A100': 312.0}
 QUICK_RECIPE = ['--config.model.d_model=32', '--config.model.num_heads=2',
@@ -321,6 +325,77 @@ def smollm2(rows: Rows, quick: bool, seconds: float):
       rows.add('smollm2', 'table', '; '.join(c.strip() for c in line.strip('| ').split('|')))
 
 
+NANOGPT_QUICK = ['--device=cpu', '--compile=False', '--max_iters=2', '--lr_decay_iters=2',
+                 '--eval_interval=2', '--eval_iters=2', '--log_interval=1', '--batch_size=4',
+                 '--block_size=32', '--n_layer=1', '--n_head=2', '--n_embd=32']
+TORCH_PYTHON = None  # main() sets --torch_python
+
+
+def _torch_python() -> str | None:
+  """A Python that imports torch: --torch_python, else this one, else None."""
+  for python in (TORCH_PYTHON, sys.executable):
+    if python and subprocess.run([python, '-c', 'import torch, numpy'],
+                                 capture_output=True, timeout=120).returncode == 0:
+      return python
+  return None
+
+
+def nanogpt(rows: Rows, quick: bool, seconds: float):
+  """nanoGPT's train.py with config/train_shakespeare_char.py, in a copy of its
+  source (never written into), Tiny Shakespeare from the shared corpora."""
+  source = next((d for d in (os.environ.get('FFL_NANOGPT_DIR'),
+                             os.path.join(REPO, '.gpu_carry', 'nanogpt'))
+                 if d and os.path.isfile(os.path.join(d, 'train.py'))), None)
+  python = _torch_python()
+  corpus = os.path.join(os.environ.get('FFL_SHARED_DATA') or
+                        os.path.join(os.path.dirname(REPO), 'shared', 'data'),
+                        'tiny_shakespeare', 'input.txt')
+  missing = [why for why, ok in (('no nanoGPT source (benchmarks/gpu_carry.sh)', source),
+                                 ('no Python with torch', python),
+                                 (f'no {corpus}', os.path.exists(corpus))) if not ok]
+  if missing:
+    rows.add('nanogpt', "nanoGPT's train.py", 'skipped: ' + '; '.join(missing))
+    return
+  work = os.path.join(tempfile.mkdtemp(prefix='gpu_check_nanogpt_'), 'nanogpt')
+  shutil.copytree(source, work)
+  shutil.copy(corpus, os.path.join(work, 'data', 'shakespeare_char', 'input.txt'))
+  subprocess.run([python, 'data/shakespeare_char/prepare.py'], cwd=work, check=True,
+                 capture_output=True, timeout=120)
+  log_path = os.path.join(work, 'train.log')
+  start, deadline = time.time(), time.time() + seconds - 10
+  with open(log_path, 'w') as log_file:
+    proc = subprocess.Popen([python, 'train.py', 'config/train_shakespeare_char.py',
+                             '--out_dir=out', *(NANOGPT_QUICK if quick else [])], cwd=work,
+                            stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    first = None
+    while proc.poll() is None and time.time() < deadline:
+      if first is None and 'iter 0:' in open(log_path).read():
+        first = time.time() - start
+      time.sleep(0.25)
+    stopped = proc.poll() is None
+    if stopped:
+      proc.kill()
+      proc.wait()
+  wall = time.time() - start
+  log = open(log_path).read()
+  shutil.copy(log_path, os.path.join(LOG_DIR, 'nanogpt.log'))
+  if proc.returncode not in (0, None) and not stopped:
+    raise RuntimeError(f'train.py exited {proc.returncode}: {log[-1500:]}')
+  first = first or (wall if 'iter 0:' in log else None)
+  rows.add('nanogpt', 'first iteration (s after launch)', f'{first:.1f}' if first else '-',
+           'ours: recipe, first step')
+  times = [float(t) for t in re.findall(r'time ([\d.]+)ms', log)][5:]
+  rows.add('nanogpt', 'ms an iteration (median after 5)',
+           f'{statistics.median(times):.2f}' if times else '-')
+  iters = re.findall(r'iter (\d+):', log)
+  rows.add('nanogpt', 'whole run, wall (s)' + (
+      f' STOPPED at the time limit, iteration {iters[-1]}' if stopped and iters else ''),
+      f'{wall:.0f}', 'nanoGPT: about 3 minutes on an A100')
+  vals = [(float(v), int(s)) for s, v in re.findall(r'step (\d+): train loss [\d.]+, val loss ([\d.]+)', log)]
+  rows.add('nanogpt', 'best validation loss (at step)',
+           f'{min(vals)[0]:.4f} ({min(vals)[1]})' if vals else '-', 'published: 1.4697')
+
+
 def tests(rows: Rows, quick: bool, seconds: float):
   if quick:
     return
@@ -345,8 +420,8 @@ def tests(rows: Rows, quick: bool, seconds: float):
     rows.add('tests', '  ' + line.split()[0].lower(), line.split(' ', 1)[1][:160])
 
 
-RUNNERS = {'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha': mha, 'smollm2': smollm2,
-           'tests': tests}
+RUNNERS = {'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha': mha,
+           'smollm2': smollm2, 'nanogpt': nanogpt, 'tests': tests}
 
 
 def _versions() -> str:
@@ -369,13 +444,15 @@ def main(argv=None) -> int:
   parser.add_argument('--out', default=os.path.join(REPO, 'benchmarks', 'results', 'gpu'))
   parser.add_argument('--section', choices=['kernels'], help=argparse.SUPPRESS)
   parser.add_argument('--repeats', type=int, default=0)
+  parser.add_argument('--torch_python', default=None,
+                      help="a Python with torch for nanoGPT's train.py (default: this one)")
   args = parser.parse_args(argv)
   if args.section == 'kernels':
     kernels_section(args.quick, args.repeats or (2 if args.quick else 10))
     return 0
 
-  global LOG_DIR
-  LOG_DIR = args.out
+  global LOG_DIR, TORCH_PYTHON
+  LOG_DIR, TORCH_PYTHON = args.out, args.torch_python
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
   header = f'{_versions()}; {datetime.date.today().isoformat()}'
