@@ -7,6 +7,7 @@ describes the commands and flags.
 """
 from __future__ import annotations
 
+import ast
 import gc
 import hashlib
 import logging as std_logging
@@ -148,6 +149,17 @@ def _join_config_path(argv) -> list[str]:
   return out
 
 
+def _top_level_functions(path: str) -> set[str]:
+  """The names of the functions a Python file defines at its top level
+  (none if it does not parse: absl reports that file itself)."""
+  try:
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+  except (OSError, SyntaxError, ValueError):
+    return set()
+  return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
 def parse_flags(argv):
   """absl flag parsing that reports every bad flag as one message and exit 2."""
   argv = _join_config_path(argv)
@@ -158,6 +170,10 @@ def parse_flags(argv):
   if not os.path.isfile(experiment):
     _fail(f'experiment file {experiment!r} not found; experiments: '
           f'{", ".join(sorted(os.listdir("experiments"))) if os.path.isdir("experiments") else "?"}')
+  defined = _top_level_functions(experiment)
+  if 'get_sweep' in defined and 'get_config' not in defined:
+    _fail(f'{experiment} is a sweep grid (get_sweep()), not an experiment; run it with '
+          f'./launch.sh sweep {experiment} (./launch.sh sweep --help)')
   try:
     rest = FLAGS(argv)
   except flags.UnrecognizedFlagError as e:
@@ -182,12 +198,8 @@ def parse_flags(argv):
 def _quiet_libraries():
   """Other libraries (jax, orbax, tfds) at WARNING, set before JAX starts its
   backends: on a host without a TPU, JAX logs at INFO that libtpu.so is
-  missing. tfds warns 'Using custom data configuration' for any builder
-  config its class does not list, which ours never do (data/synthetic.py
-  builds one from config values): a warning on every run with nothing to do."""
+  missing."""
   logging.set_verbosity(logging.WARNING)
-  std_logging.getLogger('absl').addFilter(
-      lambda record: not str(record.msg).startswith('Using custom data configuration'))
 
 
 def _setup_logging(process_index: int = 0):

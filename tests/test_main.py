@@ -81,6 +81,15 @@ def test_a_bad_flag_exits_2_with_what_applies_to_it(parse, capsys, arg, says, no
   assert e.value.code == 2 and err.startswith('error: ') and says in err and not_said not in err
 
 
+def test_a_sweep_grid_given_as_an_experiment_points_to_sweep(parse, capsys):
+  with pytest.raises(SystemExit) as e:
+    parse('--config=experiments/sweeps/two_stream_fusion.py')
+  err = capsys.readouterr().err
+  assert e.value.code == 2
+  assert err.startswith('error: experiments/sweeps/two_stream_fusion.py is a sweep grid')
+  assert './launch.sh sweep experiments/sweeps/two_stream_fusion.py' in err
+
+
 START_ON_DEVICES = '''
 import gc, json, runpy, sys
 import jax, numpy as np

@@ -123,6 +123,7 @@ def test_command_line_writes_one_png_per_attention_layer(workdir):
   out = os.path.join(workdir, 'maps')
   proc = _plot_cli(f'--workdir={workdir}', '--split=test', '--example=1', f'--out={out}')
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stderr == ''  # no library's notices either (tfds's custom-config warning)
   want = ['decoder.layer_0.cross_attention.png', 'decoder.layer_0.self_attention.png',
           'encoder.layer_0.self_attention.png', 'encoder.layer_1.self_attention.png']
   assert sorted(os.listdir(out)) == want

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 
 import numpy as np
 
@@ -29,6 +30,12 @@ try:
   import tensorflow_datasets as tfds
 except ImportError:  # a machine without TFDS (loading.py then calls in_memory)
   tfds = None
+
+# tfds warns 'Using custom data configuration' for any builder config its
+# class does not list, which ours never do (`builder` makes one from config
+# values): a warning on every run and plot with nothing to do.
+logging.getLogger('absl').addFilter(
+    lambda record: not str(record.msg).startswith('Using custom data configuration'))
 
 FIRST_SYMBOL = algorithmic.FIRST_SYMBOL
 TASKS = {

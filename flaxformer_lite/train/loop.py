@@ -455,6 +455,10 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     ckpt = to_close.enter_context(contextlib.closing(
         checkpoints.Checkpointer(workdir, t.keep_checkpoints)))
     state, start = _resume(ckpt, state, train_iter)
+    if start >= t.num_steps:
+      log.info('Nothing to train: %s is already trained to step %d (train.num_steps=%d); its '
+               'results follow. Pass --workdir=DIR, or raise train.num_steps, for more.',
+               os.path.abspath(workdir), start, t.num_steps)
     state = parallel.place_state(state)
     evaluate = Evaluator(config, model, dataset, parallel.place_eval_batch,
                          sample_path=os.path.join(workdir, 'sample.txt'))

@@ -119,13 +119,16 @@ def test_allow_config_change_resumes_with_the_new_values(tiny_config, tmp_path, 
     assert json.load(f)['train']['learning_rate'] == 0.5
 
 
-def test_rerunning_a_finished_run_writes_no_second_record(tiny_config, tmp_path):
+def test_rerunning_a_finished_run_writes_no_second_record(tiny_config, tmp_path, caplog):
   c = tiny_config
   c.train.num_steps = 10
   workdir = str(tmp_path / 'run')
   first = loop.train_and_evaluate(c, workdir)
   records = metrics.read(workdir)
-  again = loop.train_and_evaluate(c, workdir)  # the same command once more
+  with caplog.at_level('INFO', logger='flaxformer_lite'):
+    again = loop.train_and_evaluate(c, workdir)  # the same command once more
+  assert (f'Nothing to train: {os.path.abspath(workdir)} is already trained to step 10 '
+          '(train.num_steps=10)') in caplog.text
   assert metrics.read(workdir) == records  # nothing appended: one test record, one eval
   assert [r['split'] for r in records].count('test') == 1
   for split in ('eval', 'test'):
