@@ -225,6 +225,8 @@ def prepare(builder, **kwargs):
   Unknown size" for data generated here) replaced by one log line: the
   corpora here take seconds to prepare."""
   if is_prepared(builder):
+    log.info('data: %s read from %s (prepared by an earlier run)', builder.name,
+             builder.data_path)
     return builder
   start = time.monotonic()
   tfds.display_progress_bar(False)
