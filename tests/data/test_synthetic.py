@@ -77,12 +77,13 @@ def test_prepare_prints_nothing_of_tfds_and_logs_one_line(tmp_path, capfd, caplo
   builder = synthetic.builder(dict(task='reverse', **SPEC), str(tmp_path))
   with caplog.at_level(logging.INFO, logger='flaxformer_lite'):
     corpora.prepare(builder)
-    corpora.prepare(builder)  # prepared: nothing to do, nothing said
+    corpora.prepare(builder)  # prepared: nothing to do but say where it reads
   out, err = capfd.readouterr()
   assert (out, err) == ('', '')
   assert [r.getMessage().split(' (')[0] for r in caplog.records
           if r.name == 'flaxformer_lite'] == [
-      f'data: prepared synthetic_tasks under {tmp_path}']
+      f'data: prepared synthetic_tasks under {tmp_path}',
+      f'data: synthetic_tasks read from {builder.data_path}']
   assert builder.is_prepared()
 
 
