@@ -476,6 +476,32 @@ def _aligned(header: list[str], rows: list[list[str]], right: set = frozenset())
   return [line(header), *map(line, rows)]
 
 
+def dry_run_summary(all_runs: list[Run], statuses: dict, walls: dict, rates: dict,
+                    jobs: int) -> str:
+  """Runs per study and status, the time left and what it rests on: a dry
+  run's answer without its table (dry_run_report)."""
+  out = []
+  for study in dict.fromkeys(r.study for r in all_runs):
+    runs_of = [r for r in all_runs if r.study == study]
+    counts = {}
+    for r in runs_of:
+      counts[statuses[r.name]] = counts.get(statuses[r.name], 0) + 1
+    out.append(f'  {study}: {_count(len(runs_of), "run")}: '
+               + ', '.join(f'{n} {state}' for state, n in counts.items()))
+  todo = [r for r in all_runs if statuses[r.name] != 'done']
+  seconds, unknown = _total([seconds_left(r, walls, rates, statuses[r.name] == 'changed')
+                             for r in todo], jobs)
+  if not todo:
+    out.append('time left: none (every run is done)')
+  elif seconds is None:
+    out.append('time left: unknown until a run finishes or logs a step rate')
+  else:
+    out.append(f'time left: ~{fmt_time(seconds)} at {jobs} at a time'
+               + (f', and {unknown} runs of unknown length' if unknown else ''))
+  out.append('(--dry_run --table: every run with its status, time left and command)')
+  return '\n'.join(out)
+
+
 def dry_run_report(all_runs: list[Run], statuses: dict, walls: dict, rates: dict,
                    jobs: int) -> str:
   """The table of runs (number, study, row, seed, status, steps and time
@@ -716,7 +742,9 @@ def _parser() -> argparse.ArgumentParser:
                       "(default: the grid's 'results', else the workdirs' root)")
   parser.add_argument('--jobs', type=int, default=1, help='runs at a time (one per core or two)')
   parser.add_argument('--dry_run', action='store_true',
-                      help="each run's status, time left and command; runs nothing")
+                      help='runs per study and status, and the time left; runs nothing')
+  parser.add_argument('--table', action='store_true',
+                      help="with --dry_run: every run's status, time left and command")
   parser.add_argument('--plot_only', action='store_true',
                       help="redraw the figures from the results' results.csv; runs nothing")
   parser.add_argument('--no_figures', action='store_true')
@@ -745,7 +773,8 @@ def main(argv=None) -> int:
         f'{len(todo)} to run {args.jobs} at a time\n  workdirs in {out}\n'
         f'  results (results.csv, tables.md, figures) in {results}', flush=True)
   if args.dry_run:
-    print(dry_run_report(all_runs, statuses, walls, rates, args.jobs))
+    report = dry_run_report if args.table else dry_run_summary
+    print(report(all_runs, statuses, walls, rates, args.jobs))
     return 0
   for run in todo:
     if statuses[run.name] == 'changed':

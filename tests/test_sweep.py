@@ -181,6 +181,12 @@ def test_a_dry_run_tabulates_status_and_time_left_and_prints_commands_to_paste(
   capsys.readouterr()
 
   assert sweep.main([_grid(tmp_path, rows, seeds=(0, 1)), '--dry_run', '--jobs=2']) == 0
+  summary = capsys.readouterr().out
+  assert '  s: 4 runs: 2 done, 1 partial, 1 to run' in summary
+  assert 'time left: ~2m40s at 2 at a time' in summary  # (120 + 200) s over 2 jobs
+  assert '--dry_run --table' in summary and 'commands' not in summary
+  assert sweep.main([_grid(tmp_path, rows, seeds=(0, 1)), '--dry_run', '--table',
+                     '--jobs=2']) == 0
   text = capsys.readouterr().out
   assert len(fake()) == 2  # nothing more ran
   assert _table(text) == {1: ['s', 'small', '0', 'done', '-', '-'],
@@ -277,7 +283,7 @@ def test_the_real_command_line_on_an_algorithmic_task_and_a_changed_row(tmp_path
 
   def dry_run_status():
     capsys.readouterr()
-    assert sweep.main(args + ['--dry_run']) == 0
+    assert sweep.main(args + ['--dry_run', '--table']) == 0
     return _table(capsys.readouterr().out)[1][3]
 
   def final_eval_loss(workdir):
