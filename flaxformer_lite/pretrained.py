@@ -128,18 +128,19 @@ def architecture(path: str) -> dict:
   return out
 
 
-def init_params(fresh, path: str):
+def init_params(fresh, path: str, *, evaluate_only: bool = False):
   """A model's freshly initialised params with the checkpoint's tensors in
-  place (what it lacks keeps its initial value, logged). The tensors are
-  mapped onto the unrolled layout; a scanned model (model.scan_layers) gets
-  them stacked (layers/scan.py)."""
+  place (what it lacks keeps its initial value, logged; with
+  `evaluate_only`, PretrainedError: an untrained part would make every
+  number meaningless). The tensors are mapped onto the unrolled layout; a
+  scanned model (model.scan_layers) gets them stacked (layers/scan.py)."""
   _, mapped = _read(path)
   from flax import traverse_util
   from flaxformer_lite.layers import scan
   if scan.is_stacked(fresh):
     mapped = traverse_util.flatten_dict(
         scan.stack_layers(traverse_util.unflatten_dict(mapped, sep='/')), sep='/')
-  return overlay(fresh, mapped)
+  return overlay(fresh, mapped, path=path, evaluate_only=evaluate_only)
 
 
 def _read(path: str, tensors: bool = True):
@@ -540,9 +541,10 @@ def _dense_leaf(name):
   return 'kernel' if name.endswith('weight') else 'bias'
 
 
-def overlay(fresh, mapped: dict) -> dict:
+def overlay(fresh, mapped: dict, *, path: str = '', evaluate_only: bool = False) -> dict:
   """`fresh` (a parameter tree) with `mapped` ({'a/b/c': array}) in place;
-  the parameters `mapped` lacks keep their value and are logged.
+  the parameters `mapped` lacks keep their value and are logged (with
+  `evaluate_only`, refused: they would be evaluated untrained).
   PretrainedError on a name the tree lacks or a shape that differs."""
   from flax import traverse_util
   flat = traverse_util.flatten_dict(fresh, sep='/')
@@ -553,12 +555,24 @@ def overlay(fresh, mapped: dict) -> dict:
       raise PretrainedError(f'{name}: the checkpoint has shape {tuple(array.shape)}, the model '
                             f'{tuple(flat[name].shape)}')
   missing = sorted(set(flat) - set(mapped))
+  if missing and evaluate_only:
+    raise PretrainedError(
+        f'model.init_from={path!r} lacks {len(missing)} parameters this model needs '
+        f'({", ".join(_parts(missing))}): with train.num_steps=0 they would be evaluated as '
+        'initialised, at random, and every number would mean nothing. Train them '
+        '(train.num_steps > 0), or use a checkpoint that has them (or another model.type)')
   if missing:
-    log.info('init_from: %d parameters the checkpoint lacks are initialised: %s',
-             len(missing), ', '.join(missing))
+    log.warning('init_from: %d parameters the checkpoint lacks start from their random '
+                'initialisation (%s): %s', len(missing), ', '.join(_parts(missing)),
+                ', '.join(missing))
   return traverse_util.unflatten_dict(
       {name: np.asarray(mapped.get(name, value), np.float32) for name, value in flat.items()},
       sep='/')
+
+
+def _parts(names: list[str]) -> list[str]:
+  """The modules parameter paths belong to ('mlm_dense/kernel' -> 'mlm_dense')."""
+  return list(dict.fromkeys(n.rsplit('/', 1)[0] if '/' in n else n for n in names))
 
 
 def fetch(name: str) -> str:

@@ -180,6 +180,14 @@ def test_init_from_takes_the_architecture_and_the_weights(tmp_path):
                                 tensors['encoder.layer.0.output.LayerNorm.bias'])
   assert np.asarray(p['mlm_norm']['scale']).tolist() == [1.0] * 8  # initialised: LayerNorm's 1s
 
+  # evaluated as it is (train.num_steps=0), a checkpoint without the
+  # masked-LM head would score a random head: refused, the head named
+  c.train.num_steps = 0
+  with pytest.raises(pretrained.PretrainedError,
+                     match=r"lacks 5 parameters .*\(mlm_bias, mlm_dense, mlm_norm\): with "
+                           r'train\.num_steps=0'):
+    state_lib.create(model, c, {'inputs': np.ones((1, 6), np.int32)}, jax.random.key(0))
+
   c.model.init_from = str(tmp_path / 'nothing')
   with pytest.raises(config_lib.ConfigError, match="model.init_from=.*nothing' does not exist"):
     main.from_checkpoint(c)

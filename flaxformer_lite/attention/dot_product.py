@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, dropout, registry, select
+from flaxformer_lite.attention import chunked, dropout, masks, registry, select, splash
 
 # Masked logits are set to this (times the dtype's max), not -inf, so that a
 # fully masked row stays finite. Same constant as jax.nn.dot_product_attention.
@@ -203,18 +203,32 @@ def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=No
                         dropout_rng=dropout_rng)
 
 
-def auto_dot_product(query, key, value, *, implementation='auto', dropout_rate=0.0,
+def auto_dot_product(query, key, value, *, implementation='auto', mask=None, dropout_rate=0.0,
                      deterministic=True, dtype=None, return_weights=False, **common):
   """dot_product_attention on `implementation`; 'auto': cuDNN's fused kernel
-  where it runs these inputs (select.cudnn_fits), else the dense path. The
+  (GPU, select.cudnn_fits) or splash's (TPU, select.splash_fits: a causal or
+  full masks.MaskSpec with padding, no bias) where it runs these inputs, else
+  the dense path. `mask` may be a MaskSpec whose causal rule puts query i at
+  position i (select.mask_kind; the layer passes one only then). The
   variants that only change q and k (rotary) call it on their q and k."""
-  if implementation == 'auto':  # the explicit path, unless cuDNN's kernel fits
+  n, m = query.shape[1], key.shape[1]
+  dropout_active = not deterministic and dropout_rate > 0.0
+  if implementation == 'auto':  # the explicit path, unless a fused kernel fits
+    kind = select.mask_kind(mask) if common.get('bias') is None else None
+    if select.splash_fits(query, key, dtype=dtype, dropout=dropout_active,
+                          return_weights=return_weights, mask_kind=kind):
+      spec = mask if isinstance(mask, masks.MaskSpec) else masks.MaskSpec()
+      dtype = dtype or query.dtype
+      return splash.splash_attention(
+          query.astype(dtype), key.astype(dtype), value.astype(dtype),
+          causal=kind == 'causal', query_valid=spec.query_valid, key_valid=spec.key_valid)
     fits = select.cudnn_fits(query, key, dtype=dtype, return_weights=return_weights,
-                             dropout=not deterministic and dropout_rate > 0.0)
+                             dropout=dropout_active)
     implementation = 'cudnn' if fits else 'dense'
   return dot_product_attention(query, key, value, implementation=implementation,
-                               dropout_rate=dropout_rate, deterministic=deterministic,
-                               dtype=dtype, return_weights=return_weights, **common)
+                               mask=masks.as_dense(mask, n, m), dropout_rate=dropout_rate,
+                               deterministic=deterministic, dtype=dtype,
+                               return_weights=return_weights, **common)
 
 
 registry.register(registry.AttentionVariant(
@@ -222,7 +236,7 @@ registry.register(registry.AttentionVariant(
     fn=auto_dot_product,
     chunked=dot_product_chunked,
     dense_implementations=('xla', 'cudnn'),
-    fused_fits=select.cudnn_fits,
+    fused_fits=select.fused_fits,
     grouped_kv=True,
     doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
         'for jax.nn.dot_product_attention'))

@@ -63,9 +63,10 @@ class AttentionVariant:
   chunked: the block-by-block form (module docstring), or None.
   dense_implementations: further `implementation` values that `fn` itself
     takes as its `implementation` argument (dot_product: 'xla', 'cudnn').
-  fused_fits: (query, key, dtype=, dropout=) -> whether a fused kernel of
-    `dense_implementations` runs these inputs; 'auto' then keeps the dense
-    path, where `fn` takes it (dot_product: select.cudnn_fits).
+  fused_fits: (query, key, dtype=, dropout=, mask_kind=) -> whether a fused
+    kernel runs these inputs ('causal', 'full' or None: the mask's kind,
+    select.mask_kind); 'auto' then keeps the dense path, where `fn` takes it
+    (dot_product, rotary: select.fused_fits, cuDNN on a GPU, splash on a TPU).
   grouped_kv: `fn` takes keys and values with g heads, g dividing the
     query heads h (query head i reads head i // (h / g)); without it the
     layer copies each key/value head to its group for `fn`. The chunked

@@ -126,8 +126,9 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
     key, value: [b, m, h, d], key j at position j.
     positions: None, or int [n] (n = m): query and key i at positions[i].
     max_wavelength .. rotary_layout: apply_rotary's (module docstring).
-    common: auto_dot_product's implementation ('auto': cuDNN's fused kernel
-      where it runs), mask, bias, dropout, dtype and return_weights.
+    common: auto_dot_product's implementation ('auto': cuDNN's or splash's
+      fused kernel where it runs), mask (an array, or a causal/full MaskSpec
+      with query i at position i), bias, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
@@ -180,7 +181,7 @@ registry.register(registry.AttentionVariant(
     uses_positions=True,
     position_arrays=True,
     dense_implementations=('xla', 'cudnn'),
-    fused_fits=select.cudnn_fits,
+    fused_fits=select.fused_fits,
     grouped_kv=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
         'Su et al. 2021); head_dim must be even; rope_scaling linear (PI) | ntk | yarn '

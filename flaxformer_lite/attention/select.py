@@ -1,11 +1,13 @@
 """The `auto` kernel policy: which kernel runs one attention call, per platform.
 
 `choose_kernel` answers 'dense' or 'chunked' for a layer's call (registry.py
-re-exports it); `cudnn_fits` says where dot_product's dense path is cuDNN's
-fused kernel; `chunk_size` is the chunked kernel's block. Every threshold is
-in POLICIES, and `describe` says them in words (`--list_attention`). The
-platform is jax.default_backend(), or `target_platform`'s inside one (to
-lower for CUDA on a CPU machine, as the tests do).
+re-exports it); `cudnn_fits` and `splash_fits` say where dot_product's dense
+path is cuDNN's fused kernel (GPU) or JAX's Pallas splash kernel (TPU, for a
+mask `mask_kind` reads); `chunk_size` is the chunked kernel's block. Every
+threshold is in POLICIES, and `describe` says them in words
+(`--list_attention`). The platform is jax.default_backend(), or
+`target_platform`'s inside one (to lower for CUDA or TPU on a CPU machine, as
+the tests do).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import textwrap
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.attention import masks, splash
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -25,6 +29,8 @@ class Policy:
 
   cudnn: dot_product (grouped-query included) on cuDNN's fused kernel
     where `cudnn_fits`.
+  splash: dot_product (grouped-query included) on JAX's Pallas splash
+    kernel where `splash_fits`.
   memory_share: dense while one call's scores (b * h * n * m in the compute
     dtype) take at most this share of the device's memory (its allocator's
     bytes_limit); None: dense_max_mib always.
@@ -42,6 +48,7 @@ class Policy:
   dense_max_mib: int
   chunk_size: int
   table_bias_max: int | None = None
+  splash: bool = False
 
 
 POLICIES = {
@@ -51,8 +58,9 @@ POLICIES = {
     # a few rows, atomically; the blocks' backward sums them per block first.
     'gpu': Policy(cudnn=True, memory_share=1 / 8, dense_max_mib=2048, chunk_size=1024,
                   table_bias_max=1024 * 1024),
-    # JAX's Pallas splash kernels would be the TPU's fused path: not wired in yet.
-    'tpu': Policy(cudnn=False, memory_share=1 / 8, dense_max_mib=2048, chunk_size=512),
+    # Splash is the TPU's fused path: O(n) memory, so it runs at any size.
+    'tpu': Policy(cudnn=False, memory_share=1 / 8, dense_max_mib=2048, chunk_size=512,
+                  splash=True),
     # On CPU the blocks win only once the scores outgrow the caches by far.
     'cpu': Policy(cudnn=False, memory_share=None, dense_max_mib=256, chunk_size=512),
 }
@@ -63,6 +71,15 @@ OTHER = 'tpu'
 # on every GPU generation (head sizes a multiple of 8).
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 128
+# Splash's kernel: its default block (rows and columns; the lengths must be
+# multiples of it), compute dtypes, and head sizes: multiples of the TPU's 128
+# lanes (smaller heads stay dense until tried on a TPU).
+SPLASH_BLOCK = 128
+SPLASH_DTYPES = (jnp.bfloat16, jnp.float32)
+SPLASH_HEAD_DIM = 128
+# The masks a fused kernel reads as structure (`mask_kind`): causal or full,
+# each with query and key padding.
+MASK_KINDS = ('causal', 'full')
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar('target', default=None)
 
@@ -129,22 +146,60 @@ def cudnn_fits(query, key, *, dtype=None, dropout=False, return_weights=False) -
           and n > 1 and m > 1 and n % 2 == 0 and m % 2 == 0)
 
 
+def mask_kind(mask, q_offset=0) -> str | None:
+  """'causal' or 'full' where `mask` (None, a masks.MaskSpec or a boolean
+  array) is that rule with query i at position i, plus padding (key_valid,
+  query_valid) at most; None for anything else (windows, segments, an
+  explicit array, a causal rule offset by q_offset: a decoding step)."""
+  if mask is None:
+    return 'full'
+  if not isinstance(mask, masks.MaskSpec) or mask.window is not None or any(
+      x is not None for x in (mask.query_segments, mask.key_segments, mask.dense)):
+    return None
+  if not mask.causal:
+    return 'full'
+  return 'causal' if isinstance(q_offset, int) and q_offset == 0 else None
+
+
+def splash_fits(query, key, *, dtype=None, dropout=False, return_weights=False,
+                mask_kind=None) -> bool:
+  """Whether dot_product's 'auto' runs query [b, n, h, d], key [b, m, g, d]
+  on JAX's Pallas splash kernel: a platform that has it, a compute dtype of
+  SPLASH_DTYPES, d a multiple of SPLASH_HEAD_DIM, no attention dropout, no
+  weights asked for, n and m multiples of SPLASH_BLOCK (so never a decoding
+  step), and a mask of MASK_KINDS (`mask_kind`; None: not expressible)."""
+  (n, d), m = query.shape[1::2], key.shape[1]
+  return (policy().splash and splash.available() and mask_kind in MASK_KINDS
+          and jnp.dtype(dtype or query.dtype) in SPLASH_DTYPES and d % SPLASH_HEAD_DIM == 0
+          and not dropout and not return_weights and n % SPLASH_BLOCK == 0
+          and m % SPLASH_BLOCK == 0)
+
+
+def fused_fits(query, key, *, dtype=None, dropout=False, return_weights=False,
+               mask_kind=None) -> bool:
+  """Whether dot_product's 'auto' runs a fused kernel: `cudnn_fits` or
+  `splash_fits`."""
+  return (cudnn_fits(query, key, dtype=dtype, dropout=dropout, return_weights=return_weights)
+          or splash_fits(query, key, dtype=dtype, dropout=dropout,
+                         return_weights=return_weights, mask_kind=mask_kind))
+
+
 def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=None,
                   decoding: bool = False, positions: bool = False,
-                  dropout: bool = False) -> str:
+                  dropout: bool = False, mask_kind: str | None = None) -> str:
   """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, g, d].
 
   `variant` is a registry.AttentionVariant, `kernel` its registry.Kernel.
   'auto' keeps the dense path where the weights are asked for (only it has
   them), the variant has no chunked form, or its fused kernel fits
-  (`variant.fused_fits`: dot_product's cuDNN); when `decoding` (queries
-  against a cache) it takes the chunked form where the cache spans more
-  than two blocks, whose causal bounds stop at the cache index where the
-  dense kernel reads all of it; else dense while the scores, b * h * n * m
-  in the compute dtype, fit `dense_max_bytes`. An explicit 'chunked' with
-  return_weights (plots) runs the dense path too, and so does any call
-  given `positions` as data (randomized positions): a chunked form's block
-  terms may read a block's positions as a range.
+  (`variant.fused_fits`: dot_product's cuDNN, or splash for a mask of
+  `mask_kind`); when `decoding` (queries against a cache) it takes the chunked
+  form where the cache spans more than two blocks, whose causal bounds stop at
+  the cache index where the dense kernel reads all of it; else dense while the
+  scores, b * h * n * m in the compute dtype, fit `dense_max_bytes`. An
+  explicit 'chunked' with return_weights (plots) runs the dense path too, and
+  so does any call given `positions` as data (randomized positions): a chunked
+  form's block terms may read a block's positions as a range.
   """
   if positions:
     return 'dense'
@@ -153,7 +208,8 @@ def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=No
   if kernel.implementation != 'auto' or variant.chunked is None or return_weights:
     return 'dense'
   if variant.fused_fits is not None and variant.fused_fits(query, key, dtype=dtype,
-                                                            dropout=dropout):
+                                                            dropout=dropout,
+                                                            mask_kind=mask_kind):
     return 'dense'
   (b, n, h, d), m = query.shape, key.shape[1]
   if decoding and m > 2 * chunk_size(kernel.chunk_size):
@@ -184,6 +240,11 @@ def describe(name: str) -> str:
            if rule.cudnn else '')
   limit = (f'1/{round(1 / rule.memory_share)} of device memory ({rule.dense_max_mib} MiB '
            'where it reports none)' if rule.memory_share else f'{rule.dense_max_mib} MiB')
+  if rule.splash:
+    dtypes = '/'.join(jnp.dtype(t).name for t in SPLASH_DTYPES)
+    fused = (f'dot_product and rotary (grouped-query too) in {dtypes} on Pallas splash for a '
+             f'causal or full mask with padding (lengths multiples of {SPLASH_BLOCK}, head dim '
+             f'a multiple of {SPLASH_HEAD_DIM}; no dropout or weights), else ')
   table = (f' A bias looked up per pair from a learned table (T5\'s buckets) goes chunked '
            f'past n*m = {math.isqrt(rule.table_bias_max)}^2.' if rule.table_bias_max else '')
   return (f'{name}: {fused}dense while scores (b*h*n*m*itemsize) <= {limit}, else chunked '

@@ -133,10 +133,12 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f'attention={self.attention!r} reads positions as q_offset + 0..n-1 '
                        'only; randomized positions need one of '
                        f'{registry.position_array_names()}')
+    # causal/full with padding: a fused kernel (splash) reads its structure
+    kind = select.mask_kind(mask, q_offset) if bias is None else None
     kernel = select.choose_kernel(variant, kernel_options, query, key,
                                   return_weights=want_weights, dtype=self.dtype,
                                   decoding=self.decode, positions=reads_positions,
-                                  dropout=dropout_active)
+                                  dropout=dropout_active, mask_kind=kind)
     if kernel == 'chunked':
       if bias is not None:
         raise ValueError('the chunked attention kernel takes no explicit bias; use '
@@ -152,7 +154,8 @@ class MultiHeadAttention(nn.Module):
     if g != h and not variant.grouped_kv:
       # contiguous groups: heads [0, h/g) read key/value head 0, and so on
       key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
-    mask = masks.as_dense(mask, query.shape[1], key.shape[1], q_offset)
+    if variant.fused_fits is None or kind is None:  # else fn takes the MaskSpec
+      mask = masks.as_dense(mask, query.shape[1], key.shape[1], q_offset)
     if variant.uses_positions:
       kwargs['q_offset'] = q_offset
       if positions is not None:

@@ -52,7 +52,8 @@ def init_params(model, config, example_batch, rng):
   params = nn.unbox(jax.jit(_init_fn(model, config))(rng, batch)['params'])
   if config.model.get('init_from'):
     from flaxformer_lite import pretrained
-    params = pretrained.init_params(params, config.model.init_from)
+    params = pretrained.init_params(params, config.model.init_from,
+                                    evaluate_only=config.train.num_steps == 0)
   return params
 
 

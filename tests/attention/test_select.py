@@ -24,13 +24,13 @@ def device_memory(monkeypatch):
 
 
 def _pick(platform, name, b, n, m, h=8, g=None, d=64, dtype='float32', decoding=False,
-          dropout=False, **options):
+          dropout=False, mask_kind=None, **options):
   query = jax.ShapeDtypeStruct((b, n, h, d), dtype)
   key = jax.ShapeDtypeStruct((b, m, g or h, d), dtype)
   with select.target_platform(platform):
     return select.choose_kernel(registry.get(name), registry.resolve_kernel(name, options),
                                 query, key, return_weights=False, dtype=dtype,
-                                decoding=decoding, dropout=dropout)
+                                decoding=decoding, dropout=dropout, mask_kind=mask_kind)
 
 
 def _fits(platform, n=128, m=None, d=64, dtype='bfloat16', g=8, **kwargs):
@@ -106,6 +106,19 @@ def test_tpu_is_dense_while_an_eighth_of_memory_then_blocks_of_512(device_memory
     assert select.chunk_size() == 512
 
 
+def test_tpu_keeps_splash_at_any_size_where_it_fits(device_memory):
+  """Splash holds no [n, m] scores: dot_product and rotary whose mask it
+  reads stay on the dense path (splash's) past the memory share; alibi, an
+  unreadable mask or dropout keep the size rule."""
+  big = dict(b=64, n=2048, m=2048, h=16, d=128, dtype='bfloat16')
+  assert _pick('tpu', 'dot_product', **big, mask_kind='causal') == 'dense'
+  assert _pick('tpu', 'rotary', **big, mask_kind='full') == 'dense'
+  assert _pick('tpu', 'dot_product', **big) == 'chunked'
+  assert _pick('tpu', 'dot_product', **big, mask_kind='causal', dropout=True) == 'chunked'
+  assert _pick('tpu', 'alibi', **big, mask_kind='causal') == 'chunked'
+  assert _pick('gpu', 'dot_product', **big, mask_kind='causal') == 'dense'  # cuDNN's
+
+
 def test_cpu_is_dense_up_to_256_mib_of_scores_whatever_the_machine(device_memory):
   """A causal LM at b=4, 8 heads, float32: n=1024 (128 MiB) dense, n=2048
   (512 MiB) chunked; the device's memory plays no part on CPU."""
@@ -133,6 +146,8 @@ def test_the_listing_says_each_platforms_thresholds():
           'of 512') in text
   assert 'chunked in blocks of 1024' in select.describe('gpu')
   assert 'cuDNN' in select.describe('gpu') and 'cuDNN' not in select.describe('tpu')
+  assert 'on Pallas splash for a causal or full mask' in ' '.join(select.describe('tpu').split())
+  assert 'splash' not in select.describe('gpu') + select.describe('cpu')
   assert ' '.join(registry.table(72).split()).endswith(text)
 
 
