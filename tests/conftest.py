@@ -3,6 +3,7 @@ attention dropout's keep mask one weight at a time."""
 import contextlib
 import gc
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,10 +13,14 @@ import sys
 # CPU time; its expensive passes alone, 5-10% of a compile-bound test's), and
 # XLA:CPU's MLIR fusion emitters take about twice the compile time of its
 # elemental IR emitters for the same fused HLO.
-# Subprocesses inherit it; those that set XLA_FLAGS append to it.
+# Subprocesses inherit it; those that set XLA_FLAGS append to it. With a GPU
+# or TPU plugin installed (and not JAX_PLATFORMS=cpu) the suite runs on the
+# accelerator, under XLA's own flags: these are tuned for XLA:CPU.
+_ACCELERATOR = os.environ.get('JAX_PLATFORMS', '') != 'cpu' and any(
+    importlib.util.find_spec(name) is not None for name in ('jax_plugins', 'libtpu'))
 for _flag in ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensive_passes=true',
               '--xla_cpu_use_fusion_emitters=false'):
-  if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
+  if not _ACCELERATOR and _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
