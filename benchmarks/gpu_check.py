@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import re
@@ -46,6 +47,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_DIR = tempfile.gettempdir()  # main() sets --out
+TORCH_PYTHON = None  # main() sets --torch_python
 SECTIONS = ('recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'nanogpt', 'tests')
 # Each section's share of --budget, in the order they run; 'tests' takes the rest.
 SHARES = {'recipe': 0.4, 'kernels': 0.2, 'scan': 0.06, 'mfu': 0.08, 'mha': 0.04,
@@ -80,6 +82,51 @@ class Rows:
     print(f'  {section:8} {quantity}: {value}' + (f'   [{target}]' if target else ''), flush=True)
 
 
+def _run_until(command, log_path, deadline, *, cwd, env=None, stop=signal.SIGTERM,
+               grace=25.0, watch=None):
+  """Runs `command` with its output in log_path until it exits or `deadline`
+  (time.time()); then sends `stop` and, after `grace` seconds, kills it.
+  Returns (log, whether it was stopped, exit code, seconds from launch until
+  `watch` first appeared in the log, or None)."""
+  start, seen = time.time(), None
+  with open(log_path, 'w') as log_file:
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log_file,
+                            stderr=subprocess.STDOUT, text=True)
+    while proc.poll() is None and time.time() < deadline:
+      if watch and seen is None:
+        with open(log_path) as f:
+          seen = time.time() - start if watch in f.read() else None
+      time.sleep(0.25)
+    stopped = proc.poll() is None
+    if stopped:
+      proc.send_signal(stop)
+      try:
+        proc.wait(timeout=grace)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+  with open(log_path) as f:
+    log = f.read()
+  if watch and seen is None and watch in log:
+    seen = time.time() - start
+  return log, stopped, proc.returncode, seen
+
+
+def _table_cells(out: str) -> list[str]:
+  """The rows of the markdown tables a script printed, cells joined by '; '."""
+  return ['; '.join(c.strip() for c in line.strip('| ').split('|'))
+          for line in out.splitlines() if line.startswith('|') and not set(line) <= set('|- :')]
+
+
+def _python_with(*modules) -> str | None:
+  """A Python that imports `modules`: --torch_python, else this one, else None."""
+  for python in (TORCH_PYTHON, sys.executable):
+    if python and subprocess.run([python, '-c', f'import {", ".join(modules)}'],
+                                 capture_output=True, timeout=120).returncode == 0:
+      return python
+  return None
+
+
 # ---------------------------------------------------------------- recipe
 
 
@@ -102,24 +149,12 @@ def recipe(rows: Rows, quick: bool, seconds: float):
   deadline = time.time() + seconds
   start = time.time()
   log_path = os.path.join(tmp, 'cold.log')
-  with open(log_path, 'w') as log_file:
-    cold = subprocess.Popen(_recipe_command(os.path.join(tmp, 'cold'), quick), cwd=REPO, env=env,
-                            stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    # Out of time: the run saves its step and stops (SIGTERM), and what it logged is reported.
-    while cold.poll() is None and time.time() < deadline - 40:
-      time.sleep(0.5)
-    stopped = cold.poll() is None
-    if stopped:
-      cold.send_signal(signal.SIGTERM)
-      try:
-        cold.wait(timeout=25)
-      except subprocess.TimeoutExpired:
-        cold.kill()
+  # Out of time: the run saves its step and stops (SIGTERM), and what it logged is reported.
+  log, stopped, code, _ = _run_until(_recipe_command(os.path.join(tmp, 'cold'), quick),
+                                     log_path, deadline - 40, cwd=REPO, env=env)
   wall = time.time() - start
-  with open(log_path) as f:
-    log = f.read()
-  if cold.returncode not in (0, None) and not stopped:
-    raise RuntimeError(f'the recipe exited {cold.returncode}: {log[-1500:]}')
+  if code != 0 and not stopped:
+    raise RuntimeError(f'the recipe exited {code}: {log[-1500:]}')
   rows.add('recipe', 'first step, empty cache (s after launch)', _first_step_seconds(log),
            'target <= 30 s')
   for name, took in re.findall(r'\d\d:\d\d:\d\d (.+?) compiled in ([\d.]+) s', log):
@@ -264,25 +299,18 @@ def _script(args, seconds):
   return proc.stdout
 
 
-def _device_kind() -> str:
-  out = subprocess.run([sys.executable, '-c', 'import jax; print(jax.devices()[0].device_kind)'],
-                       env=_env(), capture_output=True, text=True, timeout=120)
-  return out.stdout.strip() or 'unknown'
-
-
 def scan(rows: Rows, quick: bool, seconds: float):
   """benchmarks/scan_layers.py: the recipe's model unrolled and scanned."""
   args = ['--layers', '1', '--batch', '1', '--repeats', '1'] if quick else ['--layers', '6', '--batch', '64']
   out = _script(['benchmarks/scan_layers.py', *args], seconds)
-  for line in out.splitlines():
-    if line.startswith('|') and not set(line) <= set('|- :'):
-      rows.add('scan', 'unrolled vs scanned', '; '.join(c.strip() for c in line.strip('| ').split('|')))
+  for cells in _table_cells(out):
+    rows.add('scan', 'unrolled vs scanned', cells)
 
 
 def mfu(rows: Rows, quick: bool, seconds: float):
   # --quick: a nominal peak (the MFU is not the point), not the CPU's measured one
-  kind = 'quick' if quick else _device_kind()
-  peak = 1.0 if quick else next((p for name, p in PEAK_TFLOPS.items() if name in kind), 0.0)
+  peak = 1.0 if quick else next((p for name, p in PEAK_TFLOPS.items() if name in _versions()),
+                                 0.0)
   args = (['--preset=tiny', '--vocab=256', '--batch=2', '--src_len=16', '--tgt_len=16', '--steps=2']
           if quick else ['--preset=big', '--dtype=bfloat16', '--batch=64', '--steps=10'])
   out = _script(['benchmarks/train_throughput.py', *args,
@@ -307,10 +335,8 @@ def mha(rows: Rows, quick: bool, seconds: float):
 
 
 def smollm2(rows: Rows, quick: bool, seconds: float):
-  try:
-    subprocess.run([sys.executable, '-c', 'import torch, transformers'], check=True,
-                   capture_output=True, timeout=120)
-  except subprocess.CalledProcessError:
+  python = _python_with('torch', 'transformers')
+  if python is None:
     rows.add('smollm2', 'ours vs transformers', 'skipped: no torch + transformers here')
     return
   args = (['--layers=2', '--vocab=512', '--prefill', '64', '--decode_prompt=16',
@@ -319,34 +345,21 @@ def smollm2(rows: Rows, quick: bool, seconds: float):
            '--repeats=3', '--dtype=bfloat16'])
   out_json = os.path.join(tempfile.mkdtemp(prefix='gpu_check_smollm2_'), 'speed.json')
   out = _script(['benchmarks/pretrained_speed.py', '--random_weights', *args,
-                 f'--hf_python={sys.executable}', f'--out={out_json}'], seconds)
-  for line in out.splitlines():
-    if line.startswith('|') and not set(line) <= set('|- :'):
-      rows.add('smollm2', 'table', '; '.join(c.strip() for c in line.strip('| ').split('|')))
+                 f'--hf_python={python}', f'--out={out_json}'], seconds)
+  for cells in _table_cells(out):
+    rows.add('smollm2', 'table', cells)
 
 
 NANOGPT_QUICK = ['--device=cpu', '--compile=False', '--max_iters=2', '--lr_decay_iters=2',
                  '--eval_interval=2', '--eval_iters=2', '--log_interval=1', '--batch_size=4',
                  '--block_size=32', '--n_layer=1', '--n_head=2', '--n_embd=32']
-TORCH_PYTHON = None  # main() sets --torch_python
-
-
-def _torch_python() -> str | None:
-  """A Python that imports torch: --torch_python, else this one, else None."""
-  for python in (TORCH_PYTHON, sys.executable):
-    if python and subprocess.run([python, '-c', 'import torch, numpy'],
-                                 capture_output=True, timeout=120).returncode == 0:
-      return python
-  return None
-
-
 def nanogpt(rows: Rows, quick: bool, seconds: float):
   """nanoGPT's train.py with config/train_shakespeare_char.py, in a copy of its
   source (never written into), Tiny Shakespeare from the shared corpora."""
   source = next((d for d in (os.environ.get('FFL_NANOGPT_DIR'),
                              os.path.join(REPO, '.gpu_carry', 'nanogpt'))
                  if d and os.path.isfile(os.path.join(d, 'train.py'))), None)
-  python = _torch_python()
+  python = _python_with('torch', 'numpy')
   corpus = os.path.join(os.environ.get('FFL_SHARED_DATA') or
                         os.path.join(os.path.dirname(REPO), 'shared', 'data'),
                         'tiny_shakespeare', 'input.txt')
@@ -362,26 +375,15 @@ def nanogpt(rows: Rows, quick: bool, seconds: float):
   subprocess.run([python, 'data/shakespeare_char/prepare.py'], cwd=work, check=True,
                  capture_output=True, timeout=120)
   log_path = os.path.join(work, 'train.log')
-  start, deadline = time.time(), time.time() + seconds - 10
-  with open(log_path, 'w') as log_file:
-    proc = subprocess.Popen([python, 'train.py', 'config/train_shakespeare_char.py',
-                             '--out_dir=out', *(NANOGPT_QUICK if quick else [])], cwd=work,
-                            stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    first = None
-    while proc.poll() is None and time.time() < deadline:
-      if first is None and 'iter 0:' in open(log_path).read():
-        first = time.time() - start
-      time.sleep(0.25)
-    stopped = proc.poll() is None
-    if stopped:
-      proc.kill()
-      proc.wait()
+  start = time.time()
+  log, stopped, code, first = _run_until(
+      [python, 'train.py', 'config/train_shakespeare_char.py', '--out_dir=out',
+       *(NANOGPT_QUICK if quick else [])], log_path, start + seconds - 10, cwd=work,
+      stop=signal.SIGKILL, grace=10, watch='iter 0:')
   wall = time.time() - start
-  log = open(log_path).read()
   shutil.copy(log_path, os.path.join(LOG_DIR, 'nanogpt.log'))
-  if proc.returncode not in (0, None) and not stopped:
-    raise RuntimeError(f'train.py exited {proc.returncode}: {log[-1500:]}')
-  first = first or (wall if 'iter 0:' in log else None)
+  if code != 0 and not stopped:
+    raise RuntimeError(f'train.py exited {code}: {log[-1500:]}')
   rows.add('nanogpt', 'first iteration (s after launch)', f'{first:.1f}' if first else '-',
            'ours: recipe, first step')
   times = [float(t) for t in re.findall(r'time ([\d.]+)ms', log)][5:]
@@ -424,7 +426,9 @@ RUNNERS = {'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha'
            'smollm2': smollm2, 'nanogpt': nanogpt, 'tests': tests}
 
 
+@functools.cache
 def _versions() -> str:
+  """'DEVICE KIND xN (backend); jax .., jaxlib .., flax ..', from a process like the sections'."""
   code = ('import jax, jaxlib, flax; d = jax.devices()[0]; '
           'print(f"{d.device_kind} x{jax.device_count()} ({jax.default_backend()}); '
           'jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}")')
@@ -445,7 +449,8 @@ def main(argv=None) -> int:
   parser.add_argument('--section', choices=['kernels'], help=argparse.SUPPRESS)
   parser.add_argument('--repeats', type=int, default=0)
   parser.add_argument('--torch_python', default=None,
-                      help="a Python with torch for nanoGPT's train.py (default: this one)")
+                      help="a Python with torch (and transformers) for nanoGPT's train.py and "
+                           "the SmolLM2 comparison (default: this one)")
   args = parser.parse_args(argv)
   if args.section == 'kernels':
     kernels_section(args.quick, args.repeats or (2 if args.quick else 10))

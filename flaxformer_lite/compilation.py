@@ -62,8 +62,7 @@ def _count(event: str, **_):
     _counts[event] += 1
 
 
-def compile_logged(name: str, jitted, *args, log: logging.Logger | None = None,
-                   compiler_options=None):
+def compile_logged(name: str, jitted, *args, log: logging.Logger | None = None):
   """jitted.lower(*args) and its compile, with one log line saying how long
   it took and whether the persistent cache served it ('train step compiled
   in 41.2 s (lowered in 3.0 s)', 'eval step: cache, 0.4 s (lowered in 1.1 s)').
@@ -77,7 +76,7 @@ def compile_logged(name: str, jitted, *args, log: logging.Logger | None = None,
   lowered_seconds = time.perf_counter() - start
   hits, misses = _counts[_HITS], _counts[_MISSES]
   start = time.perf_counter()
-  compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+  compiled = lowered.compile()
   seconds = time.perf_counter() - start
   served = _counts[_HITS] > hits and _counts[_MISSES] == misses
   (log or logging.getLogger('flaxformer_lite')).info(

@@ -82,7 +82,7 @@ class Checkpointer:
     target = {'params': state.params, 'opt_state': state.opt_state, 'step': state.step}
     try:
       tree, data = self._read(jax.tree.map(ocp.utils.to_shape_dtype_struct, target), step)
-    except Exception:  # noqa: BLE001 - maybe the other layer layout (model.scan_layers)
+    except Exception as first:  # noqa: BLE001 - maybe the other layer layout (model.scan_layers)
       scanned = scan.is_stacked(target['params'])
       saved_as = jax.eval_shape(scan.unstack_layers if scanned else scan.stack_layers, target)
       if jax.tree.structure(saved_as) == jax.tree.structure(target):
@@ -90,13 +90,10 @@ class Checkpointer:
       try:
         tree, data = self._read(saved_as, step)
       except Exception:  # noqa: BLE001 - not that either: report the first error
-        pass
-      else:
-        log.info('checkpoint %d: layers %s into this model\'s layout', step,
-                 'stacked' if scanned else 'unstacked')
-        tree = (scan.stack_layers if scanned else scan.unstack_layers)(tree)
-        return state.replace(**tree), data
-      raise
+        raise first from None
+      log.info('checkpoint %d: layers %s into this model\'s layout', step,
+               'stacked' if scanned else 'unstacked')
+      tree = (scan.stack_layers if scanned else scan.unstack_layers)(tree)
     return state.replace(**tree), data
 
   def _read(self, abstract, step):
