@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares .gpu_carry/ for benchmarks/gpu_check.sh on a machine that has JAX
-# but no internet (a lent GPU): the wheels its Python lacks, for Python 3.12
+# but no internet (a lent GPU): the wheels its Python lacks (pytest too, for the
+# check's tests section), for Python 3.12
 # on x86_64, nanoGPT's source and the shared corpora. On that machine:
 #   python3 -m pip install -q --no-deps --no-index --no-build-isolation .gpu_carry/wheels/*
 #   FFL_PYTHON=python3 FFL_SHARED_DATA=$PWD/.gpu_carry/data benchmarks/gpu_check.sh
@@ -11,7 +12,7 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .gpu_carry/wheels \
   ml_collections tensorflow-datasets array-record tensorboardX dm-tree immutabledict \
   simple-parsing tensorflow-metadata termcolor toml docstring-parser googleapis-common-protos \
-  importlib_resources
+  importlib_resources pytest pytest-xdist execnet pluggy iniconfig pygments
 pip download -q --no-deps --no-binary=:all: -d .gpu_carry/wheels promise  # no wheel exists
 # nanoGPT's own train.py for gpu_check's side-by-side section (read, never committed)
 if [ ! -f .gpu_carry/nanogpt/train.py ]; then

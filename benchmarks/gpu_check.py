@@ -3,6 +3,8 @@
       [--budget SECONDS] [--out DIR]
 Sections, in this order, each in processes of its own (a section that fails or
 outruns its share of --budget prints why, and the rest go on):
+  compile  benchmarks/compile_flags.py: the recipe's train step, eval step and
+           sampler compiled under the project's XLA flags and XLA's own.
   recipe   experiments/tiny_shakespeare.py (the nanoGPT recipe) with an empty
            compilation cache: seconds to its first step, steps/s, the whole
            run's wall time, the best validation loss; then the same command
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -48,10 +51,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_DIR = tempfile.gettempdir()  # main() sets --out
 TORCH_PYTHON = None  # main() sets --torch_python
-SECTIONS = ('recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'nanogpt', 'tests')
+SECTIONS = ('compile', 'recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'nanogpt', 'tests')
 # Each section's share of --budget, in the order they run; 'tests' takes the rest.
-SHARES = {'recipe': 0.4, 'kernels': 0.2, 'scan': 0.06, 'mfu': 0.08, 'mha': 0.04,
-          'smollm2': 0.1, 'nanogpt': 0.12}
+SHARES = {'compile': 0.12, 'recipe': 0.3, 'kernels': 0.18, 'scan': 0.06, 'mfu': 0.07,
+          'mha': 0.04, 'smollm2': 0.08, 'nanogpt': 0.1}
 # bf16 dense matmul peaks (datasheets), TFLOP/s, for the MFU row.
 PEAK_TFLOPS = {'H100': 989.0, 'H200': 989.0, 'A100': 312.0}
 QUICK_RECIPE = ['--config.model.d_model=32', '--config.model.num_heads=2',
@@ -125,6 +128,21 @@ def _python_with(*modules) -> str | None:
                                  capture_output=True, timeout=120).returncode == 0:
       return python
   return None
+
+
+# ---------------------------------------------------------------- compile
+
+
+def compile_settings(rows: Rows, quick: bool, seconds: float):
+  """benchmarks/compile_flags.py's settings 'project' and 'xla defaults'."""
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import compile_flags
+  names = ['project', 'xla defaults']
+  results = compile_flags.run(names, timeout=seconds / len(names), quick=quick)
+  for line in compile_flags.table(results)[2:]:
+    name, *cells = [c.strip() for c in line.strip('| ').split('|')]
+    rows.add('compile', f'{name}: state built / train step / eval + sampler s; step ms',
+             ' / '.join(cells[:3]) + f'; {cells[3]}')
 
 
 # ---------------------------------------------------------------- recipe
@@ -272,7 +290,12 @@ def kernels(rows: Rows, quick: bool, seconds: float):
     stdout, failure = proc.stdout, (proc.returncode != 0 and proc.stderr[-1500:])
   except subprocess.TimeoutExpired as e:
     stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or '')
+    stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or '')
     failure = f'stopped at the time limit ({seconds:.0f} s)'
+  else:
+    stderr = proc.stderr
+  with open(os.path.join(LOG_DIR, 'kernels.log'), 'w') as f:
+    f.write(stdout[-100_000:] + stderr[-50_000:])
   cases = [json.loads(line[len('KERNEL '):]) for line in stdout.splitlines()
            if line.startswith('KERNEL ')]
   for c in cases:
@@ -404,15 +427,23 @@ def tests(rows: Rows, quick: bool, seconds: float):
   if seconds < 30:
     rows.add('tests', 'on this device', 'skipped: no time left')
     return
+  workers = ['-n', '4'] if importlib.util.find_spec('xdist') else []
   command = [sys.executable, '-m', 'pytest', 'tests/attention', 'tests/test_decoding.py',
              'tests/layers', 'tests/test_models.py', '-q', '-rfE', '-p', 'no:cacheprovider',
-             '-n', '4', '--maxfail=50']
+             *workers, '--maxfail=50']
+  # Several test processes share the GPU: each takes memory as it needs it,
+  # not JAX's default 75% of the device at start.
+  env = _env(XLA_PYTHON_CLIENT_PREALLOCATE='false')
   try:
-    proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=seconds)
     out, ended = proc.stdout, proc.stdout.strip().splitlines()[-1:] or [proc.stderr[-300:]]
+    with open(os.path.join(LOG_DIR, 'tests.log'), 'w') as f:
+      f.write(proc.stdout[-200_000:] + proc.stderr[-20_000:])
   except subprocess.TimeoutExpired as e:
     out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or '')
+    with open(os.path.join(LOG_DIR, 'tests.log'), 'w') as f:
+      f.write(out[-200_000:])
     progress = ''.join(line.split('[')[0] for line in out.splitlines()
                        if re.fullmatch(r'[.FEsx]+\s*\[\s*\d+%\]', line.strip()))
     ended = [f'stopped at the time limit ({seconds:.0f} s): {progress.count(".")} passed, '
@@ -422,8 +453,14 @@ def tests(rows: Rows, quick: bool, seconds: float):
     rows.add('tests', '  ' + line.split()[0].lower(), line.split(' ', 1)[1][:160])
 
 
-RUNNERS = {'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha': mha,
+RUNNERS = {'compile': compile_settings, 'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha': mha,
            'smollm2': smollm2, 'nanogpt': nanogpt, 'tests': tests}
+
+
+def _xla_flags() -> str:
+  sys.path.insert(0, REPO)
+  from flaxformer_lite import compilation
+  return compilation.xla_flags(os.environ)
 
 
 @functools.cache
@@ -460,7 +497,8 @@ def main(argv=None) -> int:
   LOG_DIR, TORCH_PYTHON = args.out, args.torch_python
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
-  header = f'{_versions()}; {datetime.date.today().isoformat()}'
+  header = (f'{_versions()}; {datetime.date.today().isoformat()}; XLA_FLAGS as the project '
+            f'sets them: {_xla_flags() or "none"}')
   print(f'# gpu_check: {header}', flush=True)
   rows, problems = Rows(), []
   chosen = [n for n in SECTIONS if n not in args.skip and (not args.only or n in args.only)]

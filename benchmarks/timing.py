@@ -8,6 +8,7 @@ import jax
 
 from flaxformer_lite import compilation
 
+compilation.set_xla_flags()
 compilation.enable_cache()
 
 

@@ -8,9 +8,13 @@ FFL_COMPILE_CACHE=DIR moves it and FFL_COMPILE_CACHE=off turns it off. A
 JAX_COMPILATION_CACHE_DIR already set (the test suite's own folder) is kept
 when FFL_COMPILE_CACHE is not given. On a GPU, XLA's autotuning results (which
 algorithm each fusion and matmul takes) are cached in the same folder.
+
+On a machine with JAX's CUDA plugin, `set_xla_flags` adds GPU_XLA_FLAGS to
+XLA_FLAGS (each unless XLA_FLAGS already names it, so a user's setting wins).
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -22,6 +26,32 @@ ENV = 'FFL_COMPILE_CACHE'
 _HITS, _MISSES = '/jax/compilation_cache/cache_hits', '/jax/compilation_cache/cache_misses'
 _counts = {_HITS: 0, _MISSES: 0}
 _listening = False
+# XLA's fusion autotuner compiles every reduction and transpose fusion with
+# each of its emitters and times them on the device: the bulk of a train
+# step's compile (a global gradient norm alone is a reduction per parameter),
+# for a choice that rarely changes the step time (benchmarks/compile_flags.py
+# measures both).
+GPU_XLA_FLAGS = ('--xla_gpu_experimental_enable_fusion_autotuner=false',)
+
+
+def xla_flags(environ) -> str:
+  """XLA_FLAGS with GPU_XLA_FLAGS added where the CUDA plugin is installed."""
+  flags = environ.get('XLA_FLAGS', '')
+  if not any(importlib.util.find_spec(m) for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin')):
+    return flags
+  for flag in GPU_XLA_FLAGS:
+    if flag.split('=')[0] not in flags:
+      flags = f'{flags} {flag}'.strip()
+  return flags
+
+
+def set_xla_flags() -> None:
+  """os.environ's XLA_FLAGS as `xla_flags` gives them (subprocesses inherit
+  them). Call before anything touches a device: XLA reads them once, when
+  JAX first creates its backend."""
+  flags = xla_flags(os.environ)
+  if flags:
+    os.environ['XLA_FLAGS'] = flags
 
 
 def cache_dir(environ=None) -> str | None:

@@ -225,6 +225,8 @@ def main(argv):
     print(registry.table(shutil.get_terminal_size((100, 24)).columns))
     return
   _quiet_libraries()
+  from flaxformer_lite import compilation
+  compilation.set_xla_flags()  # before the backend starts
   from flaxformer_lite.train import multihost
   if FLAGS.local_processes > 1 and not os.environ.get('FFL_PROCESS_ID'):
     sys.exit(multihost.launch_local(
@@ -233,7 +235,6 @@ def main(argv):
   multihost.initialize(auto=FLAGS.multihost)
   import jax
   _setup_logging(jax.process_index())
-  from flaxformer_lite import compilation
   cache = compilation.enable_cache()
   # Imported late: --list_attention stays fast.
   from flaxformer_lite import data, pretrained

@@ -297,6 +297,7 @@ def plot_run(workdir: str, split: str, example: int, out_dir: str,
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  compilation.set_xla_flags()
   compilation.enable_cache()
   if not FLAGS.workdir:
     _fail('--workdir is required: the workdir of a training run')

@@ -61,4 +61,7 @@ def create(model, config, example_batch, rng) -> train_state.TrainState:
   """The parameters (`init_params`) and the optimizer."""
   params = init_params(model, config, example_batch, rng)
   tx = create_optimizer(config.train, config.model.d_model)
-  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  # One program for the optimizer state, not an eager op (a compile of its own
+  # on a GPU) per leaf and shape.
+  return train_state.TrainState(step=0, apply_fn=model.apply, params=params, tx=tx,
+                                opt_state=jax.jit(tx.init)(params))
