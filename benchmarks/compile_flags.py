@@ -11,10 +11,12 @@ train step (sharded jit, donation, the step's metrics and gradient norm),
 then the eval step and the greedy sampler the run compiles beside it, and
 times 20 train steps. Settings:
   project        XLA_FLAGS as flaxformer_lite/compilation.py sets them
-  xla defaults   XLA's own: the project's GPU_XLA_FLAGS switched back
+                 (GPU_XLA_FLAGS on a machine with the CUDA plugin)
+  xla defaults   XLA's own: each of GPU_XLA_FLAGS switched back
   autotune 0     the project's, plus --xla_gpu_autotune_level=0 (no autotuning)
   cache          the project's, the persistent cache on an empty folder, as a
                  first run (XLA's autotuning results written beside it)
+On CPU the GPU flags change nothing; run it on a GPU.
 """
 from __future__ import annotations
 

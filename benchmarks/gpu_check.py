@@ -53,7 +53,7 @@ LOG_DIR = tempfile.gettempdir()  # main() sets --out
 TORCH_PYTHON = None  # main() sets --torch_python
 SECTIONS = ('compile', 'recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'nanogpt', 'tests')
 # Each section's share of --budget, in the order they run; 'tests' takes the rest.
-SHARES = {'compile': 0.12, 'recipe': 0.3, 'kernels': 0.18, 'scan': 0.06, 'mfu': 0.07,
+SHARES = {'compile': 0.22, 'recipe': 0.25, 'kernels': 0.15, 'scan': 0.06, 'mfu': 0.07,
           'mha': 0.04, 'smollm2': 0.08, 'nanogpt': 0.1}
 # bf16 dense matmul peaks (datasheets), TFLOP/s, for the MFU row.
 PEAK_TFLOPS = {'H100': 989.0, 'H200': 989.0, 'A100': 312.0}
@@ -139,10 +139,11 @@ def compile_settings(rows: Rows, quick: bool, seconds: float):
   import compile_flags
   names = ['project', 'xla defaults']
   results = compile_flags.run(names, timeout=seconds / len(names), quick=quick)
-  for line in compile_flags.table(results)[2:]:
-    name, *cells = [c.strip() for c in line.strip('| ').split('|')]
-    rows.add('compile', f'{name}: state built / train step / eval + sampler s; step ms',
-             ' / '.join(cells[:3]) + f'; {cells[3]}')
+  for name, r in results.items():
+    rows.add('compile', f'{name}: state built / train step / eval + sampler compile (s); '
+             'step ms', r if isinstance(r, str) else
+             f"{r['setup_s']:.1f} / {r['compile_s']:.1f} / {r['eval_compile_s']:.1f}; "
+             f"{r['step_ms']:.2f}")
 
 
 # ---------------------------------------------------------------- recipe

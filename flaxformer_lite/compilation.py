@@ -26,12 +26,14 @@ ENV = 'FFL_COMPILE_CACHE'
 _HITS, _MISSES = '/jax/compilation_cache/cache_hits', '/jax/compilation_cache/cache_misses'
 _counts = {_HITS: 0, _MISSES: 0}
 _listening = False
-# XLA's fusion autotuner compiles every reduction and transpose fusion with
-# each of its emitters and times them on the device: the bulk of a train
-# step's compile (a global gradient norm alone is a reduction per parameter),
-# for a choice that rarely changes the step time (benchmarks/compile_flags.py
-# measures both).
-GPU_XLA_FLAGS = ('--xla_gpu_experimental_enable_fusion_autotuner=false',)
+# XLA:GPU's defaults spend a train step's compile on autotuning: Triton
+# matmul kernels, each tried in many tilings (compiled and timed on the
+# device), where cuBLAS's own choice runs the recipe's step as fast; and the
+# fusion autotuner, which compiles each reduction and transpose fusion with
+# several emitters to time them. benchmarks/compile_flags.py measures the
+# compile and step times with and without these ('xla defaults').
+GPU_XLA_FLAGS = ('--xla_gpu_enable_triton_gemm=false',
+                 '--xla_gpu_experimental_enable_fusion_autotuner=false')
 
 
 def xla_flags(environ) -> str:

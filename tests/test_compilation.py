@@ -72,3 +72,48 @@ def test_off_compiles_every_time(tmp_path):
   lines = out.stdout.splitlines()
   assert lines[0] == 'dir None'
   assert [line.split(' in ')[0] for line in lines[1:]] == ['probe compiled'] * 2, lines
+
+
+@pytest.mark.parametrize('plugin', [None, 'jax_cuda12_plugin', 'jax_cuda13_plugin'])
+def test_gpu_xla_flags_are_added_where_the_cuda_plugin_is_and_a_users_setting_wins(
+    monkeypatch, plugin):
+  monkeypatch.setattr(compilation.importlib.util, 'find_spec',
+                      lambda name: object() if name == plugin else None)
+  assert compilation.xla_flags({}) == ('' if plugin is None else
+                                       ' '.join(compilation.GPU_XLA_FLAGS))
+  name = compilation.GPU_XLA_FLAGS[0].split('=')[0]
+  mine = f'--xla_dump_to=/tmp/d {name}=true'
+  flags = compilation.xla_flags({'XLA_FLAGS': mine})
+  assert flags.startswith(mine) and flags.count(name) == 1
+  assert all(f in flags for f in compilation.GPU_XLA_FLAGS[1:]) == (plugin is not None)
+
+
+@pytest.mark.parametrize('backend', ['cpu', 'gpu'])
+def test_the_loop_compiles_the_eval_programs_beside_the_train_step_on_cpu_only(
+    monkeypatch, backend):
+  import threading
+
+  from flaxformer_lite.train import loop
+  events, train_started, eval_done = [], threading.Event(), threading.Event()
+
+  def compile_train():
+    events.append(('train starts', threading.current_thread() is threading.main_thread()))
+    train_started.set()
+    eval_done.wait(timeout=2)  # returns at once where the eval compiles alongside
+    events.append(('train ends', None))
+    return 'lowered', 'compiled'
+
+  def eval_programs(*_):
+    train_started.wait(timeout=10)
+    events.append(('eval', None))
+    eval_done.set()
+    yield 'eval step', None
+
+  monkeypatch.setattr(loop.jax, 'default_backend', lambda: backend)
+  monkeypatch.setattr(loop, '_eval_programs', eval_programs)
+  assert loop._compile_programs(None, None, None, None, compile_train) == ('lowered', 'compiled')
+  order = [name for name, _ in events]
+  if backend == 'gpu':  # one after another, in the main thread
+    assert order == ['train starts', 'train ends', 'eval'] and events[0][1]
+  else:  # the eval program compiled while the train step did, in a thread
+    assert order == ['train starts', 'eval', 'train ends'] and not events[0][1]

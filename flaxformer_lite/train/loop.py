@@ -267,6 +267,32 @@ def _eval_programs(config, dataset, evaluate, params):
     yield f'greedy sample after {prompt.shape[1]} tokens', generate
 
 
+def _compile_programs(config, dataset, evaluate, params, compile_train):
+  """Compiles the train step (`compile_train()`, returning (lowered,
+  compiled)) and every program of `_eval_programs`; returns the train step's.
+
+  On CPU the eval steps and the sampler compile while the train step compiles
+  in a thread (XLA's compiler releases the GIL): the first step waits for the
+  longest compile, not their sum. On a GPU they compile one after another:
+  XLA:GPU autotunes each program by running candidate kernels on the one
+  device, and two compiles at once slow each other down several times over
+  (benchmarks/compile_flags.py compiles them in turn, as here).
+  """
+  if jax.default_backend() == 'gpu':
+    train = compile_train()
+    for _ in _eval_programs(config, dataset, evaluate, params):
+      pass
+    return train
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pending = pool.submit(compile_train)
+    try:
+      for _ in _eval_programs(config, dataset, evaluate, params):
+        pass
+    finally:
+      train = pending.result()  # also when an eval program failed: its error follows
+  return train
+
+
 def _check_needs(config, needs: dict, kept: dict, limit) -> None:
   """ConfigError (exit 2) if the run's peak (memory.peak of the steps'
   `needs`, with the temp buffers `kept` where the host's heap keeps them)
@@ -468,17 +494,10 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     # a run that cannot fit changes nothing in its workdir.
     example = parallel.place_batch(data.pad_rows(first_batch, partitioning.padded_rows(
         len(first_batch['inputs']), row_multiple)))
-    # The eval steps and the sampler compile here while the train step
-    # compiles in a thread (XLA's compiler releases the GIL): the first step
-    # waits for the longest compile, not their sum.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      train_compile = pool.submit(compilation.compile_logged, 'train step', train_step, state,
-                                  example, dropout_rng)
-      try:
-        for _ in _eval_programs(config, dataset, evaluate, parallel.unplace_state(state).params):
-          pass
-      finally:
-        lowered_train, compiled_train = train_compile.result()
+    lowered_train, compiled_train = _compile_programs(
+        config, dataset, evaluate, parallel.unplace_state(state).params,
+        lambda: compilation.compile_logged('train step', train_step, state, example,
+                                           dropout_rng))
     _check_memory(config, dataset, parallel, state, lowered_train, compiled_train, example,
                   evaluate, limit)
     step_flops = profiling.step_flops(compiled_train)
