@@ -22,6 +22,8 @@ import time
 import jax
 from jax import monitoring
 
+from flaxformer_lite.train import preemption
+
 ENV = 'FFL_COMPILE_CACHE'
 _HITS, _MISSES = '/jax/compilation_cache/cache_hits', '/jax/compilation_cache/cache_misses'
 _counts = {_HITS: 0, _MISSES: 0}
@@ -108,7 +110,9 @@ def compile_logged(name: str, jitted, *args, log: logging.Logger | None = None):
   lowered_seconds = time.perf_counter() - start
   hits, misses = _counts[_HITS], _counts[_MISSES]
   start = time.perf_counter()
-  compiled = lowered.compile()
+  # In a thread of its own, so that a signal stops the run mid-compile
+  # (train/preemption.py).
+  compiled = preemption.start(lowered.compile).result()
   seconds = time.perf_counter() - start
   served = _counts[_HITS] > hits and _counts[_MISSES] == misses
   (log or logging.getLogger('flaxformer_lite')).info(

@@ -251,7 +251,17 @@ def main(argv):
     log.info('compilation cache: %s', cache or f'off ({compilation.ENV}=off)')
     for line in checkpoint_lines:
       log.info('%s', line)
-    loop.train_and_evaluate(config, run_dir, allow_config_change=FLAGS.allow_config_change)
+    results = loop.train_and_evaluate(config, run_dir,
+                                      allow_config_change=FLAGS.allow_config_change)
+    if results.get('preempted'):
+      # What was trained is saved; an evaluation or a compile the signal cut
+      # short may still be running in XLA's threads, and a normal exit would
+      # wait for it.
+      for handler in std_logging.getLogger().handlers + log.handlers:
+        handler.flush()
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(0)
   except (config_lib.ConfigError, checkpoints.CheckpointError, data.DataError,
           pretrained.PretrainedError) as e:
     _fail(str(e), 2)

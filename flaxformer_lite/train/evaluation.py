@@ -10,7 +10,7 @@ import numpy as np
 
 from flaxformer_lite import compilation, data, decoding, models, tokens
 from flaxformer_lite.data import tokenizers
-from flaxformer_lite.train import metrics as metrics_lib, partitioning, steps
+from flaxformer_lite.train import metrics as metrics_lib, partitioning, preemption, steps
 
 
 log = logging.getLogger('flaxformer_lite')
@@ -182,6 +182,8 @@ class Evaluator:
       s, rows = step(params, batch, jax.random.fold_in(eval_rng, i)), None
       if self.row_scores:
         s, rows = s
+      # One batch in flight: a signal stops the evaluation within a batch.
+      preemption.wait(sums)
       sums = s if sums is None else metrics_lib.add_sums(sums, s)
       if each_batch:
         each_batch(i, batch, rows)
@@ -198,7 +200,7 @@ class Evaluator:
       def score(i, batch, rows):
         real = self._real(arrays, i)
         scores.append(np.stack([np.asarray(partitioning.to_host(r), np.int64)[:real]
-                                for r in rows], axis=1))
+                                for r in preemption.wait(rows)], axis=1))
 
       out = metrics_lib.summarise(self._sums(params, split, each_batch=score))
       right, answer, exact = np.concatenate(scores).T
@@ -210,7 +212,7 @@ class Evaluator:
     predicted = []
 
     def decode(i, batch, rows):
-      predicted.append(partitioning.to_host(decoder(params, batch['inputs']))[
+      predicted.append(partitioning.to_host(preemption.wait(decoder(params, batch['inputs'])))[
           :self._real(arrays, i)])
 
     out = metrics_lib.summarise(self._sums(params, split, each_batch=decode))
@@ -262,7 +264,8 @@ class Evaluator:
     """Logs a greedy continuation of the split's first tokens (the end of a
     long prompt) and writes its text to sample_path."""
     generate, prompt = self.sample_step(params, split)
-    continuation = self.dataset.tokenizer.decode(np.asarray(generate(params, prompt))[0])
+    ids = np.asarray(preemption.wait(generate(params, prompt)))
+    continuation = self.dataset.tokenizer.decode(ids[0])
     shown = prompt[0, -LOGGED_PROMPT:]
     log.info('  prompt (%d tokens%s) %r\n  greedy %r', prompt.shape[1],
              f', the last {len(shown)}' if len(shown) < prompt.shape[1] else '',

@@ -1,7 +1,6 @@
 """train_and_evaluate(config, workdir): the one training loop, top to bottom."""
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -283,13 +282,12 @@ def _compile_programs(config, dataset, evaluate, params, compile_train):
     for _ in _eval_programs(config, dataset, evaluate, params):
       pass
     return train
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    pending = pool.submit(compile_train)
-    try:
-      for _ in _eval_programs(config, dataset, evaluate, params):
-        pass
-    finally:
-      train = pending.result()  # also when an eval program failed: its error follows
+  pending = preemption.start(compile_train)
+  try:
+    for _ in _eval_programs(config, dataset, evaluate, params):
+      pass
+  finally:
+    train = pending.result()  # also when an eval program failed: its error follows
   return train
 
 
@@ -454,10 +452,23 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains config.train.num_steps steps (resuming from the newest checkpoint
   in workdir), evaluates, and returns the final metrics by split; with
-  train.num_steps=0, `evaluate_only`.
+  train.num_steps=0, `evaluate_only`. A SIGTERM or SIGINT anywhere stops the
+  run within a step (train/preemption.py), keeping every step trained; the
+  result then has 'preempted' (the signal) and 'step'.
   allow_config_change: resume a workdir whose config.json differs (logged)."""
-  if config.train.num_steps == 0:
-    return evaluate_only(config, workdir, allow_config_change=allow_config_change)
+  with preemption.Preemption() as preempt:
+    try:
+      if config.train.num_steps == 0:
+        return evaluate_only(config, workdir, allow_config_change=allow_config_change)
+      return _train(config, workdir, allow_config_change, preempt)
+    except preemption.Preempted as e:  # before the first step, or with nothing to save
+      log.warning('Stopped on %s %s. Re-run the same command to start again.', e,
+                  'before the first step: nothing new to save' if config.train.num_steps else
+                  'while evaluating (train.num_steps=0): nothing was written')
+      return {'preempted': str(e), 'step': None}
+
+
+def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
   # Before the run allocates anything: on CPU its buffers come out of MemAvailable.
   limit = memory.available(jax.devices()[0])
   dataset = _load_dataset(config)
@@ -504,51 +515,65 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     writer = to_close.enter_context(contextlib.closing(metrics_lib.MetricWriter(workdir, start)))
     schedule = schedules.create(t, config.model.d_model)
 
-    window, stop = _TrainWindow(), False
+    window, stop, in_flight = _TrainWindow(), False, None
     train_start, eval_seconds, results = time.time(), 0.0, {}
-    with preemption.Preemption() as preempt:
-      with contextlib.closing(profiling.StepTracer(t.profile_steps, workdir)) as tracer:
-        for step in range(start, t.num_steps):
-          done = step + 1
-          batch = next(train_iter)
-          batch = data.pad_rows(batch, partitioning.padded_rows(len(batch['inputs']),
-                                                                row_multiple))
-          tracer.before(step)
-          state, sums = train_step(state, parallel.place_batch(batch), dropout_rng)
-          if step == start:
-            jax.block_until_ready(sums)
-            log.info('first step done, %.1f s after the process started', _process_age())
-          tracer.after(done, state)
-          window.add(parallel.unplace_sums(sums))
-          if done % t.log_every == 0 or done == t.num_steps:
-            m = window.metrics(done, ckpt)
-            m['learning_rate'] = _applied_learning_rate(schedule, state.opt_state)
-            if step_flops:
-              m['step_flops'] = step_flops
-            _log_train(writer, done, t.num_steps, m)
-            window = _TrainWindow()
-          if done % t.eval_every == 0 or done == t.num_steps:
-            results['eval'], seconds = _validate(evaluate, parallel.unplace_state(state).params,
-                                                 done, writer, config.eval.num_examples_to_log)
-            window.start += seconds
-            eval_seconds += seconds
-          stop = multihost.any_process(preempt.requested is not None)  # all stop at one step
-          if done % t.checkpoint_every == 0 or done == t.num_steps or stop:
-            window.check_finite(done, ckpt)  # never save a non-finite state
-            ckpt.save(done, parallel.unplace_state(state), train_iter.get_state())
-          if stop:
-            break
-      if stop:
-        reason = preempt.requested or 'a signal to another process'
-        to_close.close()  # here, so that a second signal during the last save exits at once
-        log.warning('Stopped on %s at step %d of %d; checkpoint saved in %s. Re-run the '
-                    'same command to resume.', reason, done, t.num_steps, ckpt.directory)
-        return {'preempted': reason, 'step': done, **results}
+    preemption.check()
+    with contextlib.closing(profiling.StepTracer(t.profile_steps, workdir)) as tracer:
+      for step in range(start, t.num_steps):
+        done = step + 1
+        batch = next(train_iter)
+        batch = data.pad_rows(batch, partitioning.padded_rows(len(batch['inputs']),
+                                                              row_multiple))
+        tracer.before(step)
+        state, sums = train_step(state, parallel.place_batch(batch), dropout_rng)
+        if step == start:
+          jax.block_until_ready(sums)
+          log.info('first step done, %.1f s after the process started', _process_age())
+        tracer.after(done, state)
+        # One step in flight: a signal is acted on after the step running
+        # when it came, not after a queue of them.
+        jax.block_until_ready(in_flight)
+        in_flight = sums
+        window.add(parallel.unplace_sums(sums))
+        if done % t.log_every == 0 or done == t.num_steps:
+          m = window.metrics(done, ckpt)
+          m['learning_rate'] = _applied_learning_rate(schedule, state.opt_state)
+          if step_flops:
+            m['step_flops'] = step_flops
+          _log_train(writer, done, t.num_steps, m)
+          window = _TrainWindow()
+        if done % t.eval_every == 0 or done == t.num_steps:
+          try:
+            results['eval'], seconds = _validate(
+                evaluate, parallel.unplace_state(state).params, done, writer,
+                config.eval.num_examples_to_log)
+          except preemption.Preempted:  # the step is saved below
+            seconds = 0.0
+          window.start += seconds
+          eval_seconds += seconds
+        stop = multihost.any_process(preempt.requested is not None)  # all stop at one step
+        if done % t.checkpoint_every == 0 or done == t.num_steps or stop:
+          window.check_finite(done, ckpt)  # never save a non-finite state
+          ckpt.save(done, parallel.unplace_state(state), train_iter.get_state())
+        if stop:
+          break
+    if stop:
+      reason = preempt.requested or 'a signal to another process'
+      to_close.close()  # here, so that a second signal during the last save exits at once
+      log.warning('Stopped on %s at step %d of %d; checkpoint saved in %s. Re-run the '
+                  'same command to resume.', reason, done, t.num_steps, ckpt.directory)
+      return {'preempted': reason, 'step': done, **results}
 
     train_time = time.time() - train_start
     recorded = _recorded_results(workdir, t.num_steps) if start == t.num_steps else {}
-    results = _final_results(config, dataset, evaluate, parallel.unplace_state(state).params,
-                             writer, recorded, results)
+    try:
+      results = _final_results(config, dataset, evaluate, parallel.unplace_state(state).params,
+                               writer, recorded, results)
+    except preemption.Preempted as e:
+      to_close.close()
+      log.warning('Stopped on %s during the final evaluation; the checkpoint at step %d is '
+                  'saved. Re-run the same command for the final results.', e, t.num_steps)
+      return {'preempted': str(e), 'step': t.num_steps, **results}
 
   _log_done(t.num_steps, start, train_time, eval_seconds, results)
   results['train_seconds'] = train_time

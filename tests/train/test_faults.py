@@ -132,6 +132,77 @@ def test_kill_9_at_a_random_moment_then_the_same_command_gives_the_same_run(tmp_
   assert got == want, f'killed after step {killed_at}'  # bitwise: same floats in the JSON
 
 
+# The nanoGPT recipe's experiment, small, at context 2048: a train step takes
+# a good part of a second on 2 CPU cores, an evaluation of the validation
+# split several seconds, and the greedy sample of 1024 tokens several more.
+LONG = ['--config=experiments/tiny_shakespeare.py', '--config.model.d_model=64',
+        '--config.model.num_heads=2', '--config.model.mlp_dim=128',
+        '--config.model.num_decoder_layers=2', '--config.model.max_len=2048',
+        '--config.data.max_len=2048', '--config.model.dropout_rate=0',
+        '--config.train.batch_size=2', '--config.eval.batch_size=2',
+        '--config.eval.final_test=False', '--config.train.checkpoint_every=100000']
+PHASES = {
+    # phase: (overrides, the log line after which the signal is sent)
+    'training': (['--config.train.num_steps=100000', '--config.train.log_every=100000',
+                  '--config.train.eval_every=100000'], 'first step done'),
+    'evaluation': (['--config.train.num_steps=4', '--config.train.log_every=2',
+                    '--config.train.eval_every=2', '--config.eval.num_examples_to_log=0'],
+                   'step 2/4'),
+    'sampling': (['--config.train.num_steps=4', '--config.train.log_every=2',
+                  '--config.train.eval_every=2', '--config.eval.max_examples=2',
+                  '--config.eval.num_examples_to_log=1'], 'step 2/4'),
+}
+
+
+@pytest.mark.parametrize('phase', list(PHASES))
+def test_a_signal_in_each_phase_stops_the_run_within_seconds_and_it_resumes(
+    tmp_path, shared_data, tfds_dir, phase):
+  """Through the command line: SIGTERM while the run trains (a step of its
+  own, not a queue of them), evaluates, or samples. The message comes when
+  the signal does; the run exits 0 within seconds, without finishing the
+  phase, with a checkpoint of the steps it trained; the same command resumes
+  from it."""
+  overrides, marker = PHASES[phase]
+  workdir = str(tmp_path / 'w')
+  command = [sys.executable, '-m', 'flaxformer_lite.main', LONG[0], f'--workdir={workdir}',
+             f'--config.data.data_dir={tfds_dir}', *LONG[1:], *overrides]
+  env = {**os.environ, 'FFL_SHARED_DATA': shared_data}
+  proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if marker in line:
+      break
+  else:
+    raise AssertionError(f'no {marker!r} line: {"".join(lines)[-3000:]}')
+  if phase == 'training':
+    time.sleep(2)  # a few steps into the run
+  sent = time.time()
+  proc.send_signal(signal.SIGTERM)
+  rest, _ = proc.communicate(timeout=120)
+  took = time.time() - sent
+  log = ''.join(lines) + rest
+  assert proc.returncode == 0, log[-3000:]
+  assert 'SIGTERM received' in rest and 'Stopped on SIGTERM' in rest, log[-3000:]
+  assert took < 15, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
+  saved = _steps(workdir)
+  if phase == 'training':  # (a queue of dispatched steps would take minutes to drain)
+    assert saved and f'Stopped on SIGTERM at step {saved[-1]} of 100000' in rest, (saved, log)
+  else:
+    assert saved == [2], (saved, log[-3000:])
+    # the phase did not finish: no evaluation at step 2, no sample written
+    assert 'eval at step 2' not in log, log[-3000:]
+    assert not os.path.exists(os.path.join(workdir, 'sample.txt'))
+
+  if phase != 'training':  # the same command resumes at the saved step and finishes
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f'Resumed from {workdir}/checkpoints at step 2' in proc.stdout + proc.stderr
+    assert _steps(workdir) == [2, 4]
+
+
 def test_second_signal_exits_at_once():
   # A training step here takes ~1 ms, so a second signal to the training loop
   # arrives after it has already saved and left; drive the handler directly
