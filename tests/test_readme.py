@@ -10,6 +10,7 @@ plain ``` block after "Bad values") must print the error shown under them.
 import json
 import os
 import shlex
+import sys
 import subprocess
 
 import pytest
@@ -191,3 +192,32 @@ def test_readme_variant_example_registers_and_equals_its_formula():
       np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-5, err_msg=what)
   finally:
     registry._REGISTRY.pop('learned_alibi', None)  # pylint: disable=protected-access
+
+
+def test_the_generated_parts_match_the_live_registry():
+  """README.md's variant count and variants table are what
+  benchmarks/readme_tables.py writes from the registry today."""
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import readme_tables
+  assert readme_tables.main(['--check']) == 0, 'run ./launch.sh run benchmarks/readme_tables.py'
+
+
+def test_the_readme_check_fails_on_a_stale_count_or_row(tmp_path, capsys):
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import readme_tables
+  from flaxformer_lite.attention import registry
+  # hand-written words, not the script's own table
+  assert [readme_tables.number_word(n) for n in (7, 16, 21, 40, 99)] == [
+      'Seven', 'Sixteen', 'Twenty-one', 'Forty', 'Ninety-nine']
+  with open(os.path.join(REPO, 'README.md')) as f:
+    readme = f.read()
+  count = readme_tables.number_word(len(registry.names()))
+  assert f'attention variants. {count}\n' in readme
+  row = next(line for line in readme.splitlines() if line.startswith('| `alibi` |'))
+  for stale in (readme.replace(f'variants. {count}\n', 'variants. Sixteen\n'),
+                readme.replace(row + '\n', ''),
+                readme.replace(row, row.replace('dense, chunked', 'dense'))):
+    path = tmp_path / 'README.md'
+    path.write_text(stale)
+    assert readme_tables.main(['--check', '--readme', str(path)]) == 1
+  assert 'differs from what benchmarks/readme_tables.py writes' in capsys.readouterr().out
