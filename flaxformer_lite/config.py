@@ -49,7 +49,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = m = ml_collections.ConfigDict()
   m.type = 'encoder_decoder'  # model_types.MODEL_TYPES
-  # A pretrained checkpoint to start from (flaxformer_lite/pretrained.py): its
+  # A pretrained checkpoint to start from (flaxformer_lite/pretrained.py), a path
+  # or a name ('minilm', 'smollm2': fetched into the user cache once): its
   # architecture replaces this section's (pretrained.ARCHITECTURE), its weights
   # the initial ones; the attention variant and its options stay this config's.
   m.init_from = ''
@@ -194,6 +195,9 @@ def base_config() -> ml_collections.ConfigDict:
   e.sample_prompt = 0
   e.sample_len = 0
   e.num_examples_to_log = 3
+  # Also evaluate (and sample) before the first step, at step 0: a pretrained
+  # model as it came, beside the same metrics after training.
+  e.at_start = False
   e.final_test = True  # evaluate 'test' (and 'test_long') after training
   e.max_examples = 0  # > 0: evaluate only the first max_examples of each split (quick looks)
   e.beam_size = 1  # the final test's decoding: 1 = greedy (periodic evals are greedy)

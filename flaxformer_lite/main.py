@@ -71,10 +71,13 @@ def from_checkpoint(config, keep=()) -> list[str]:
     return []
   from flaxformer_lite import pretrained
   path = os.path.expanduser(config.model.init_from)
+  if not os.path.exists(path) and path in pretrained.MODELS:  # a name: the cached copy
+    path = pretrained.fetch(path)
   if not os.path.exists(path):
     raise config_lib.ConfigError(f'model.init_from={path!r} does not exist; give a Hugging '
-                                 'Face-style checkpoint directory or a GGUF file '
-                                 '(./launch.sh fetch minilm | smollm2)')
+                                 'Face-style checkpoint directory, a GGUF file or one of '
+                                 f'{", ".join(pretrained.MODELS)} (fetched into '
+                                 f'{pretrained.cache_dir()})')
   changed, kept = [], []
   with config.unlocked():
     config.model.init_from = path

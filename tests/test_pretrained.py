@@ -708,3 +708,4 @@ def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
   records = [json.loads(l) for l in open(os.path.join(evaluated, 'metrics.jsonl'))]
   assert [(r['step'], r['split']) for r in records] == [(0, 'eval')]  # no test split
   assert not os.path.exists(os.path.join(evaluated, 'checkpoints'))
+

@@ -32,6 +32,11 @@ TINY = {
         '--config.data.max_len=64', '--config.model.max_len=256', '--config.train.batch_size=2',
         '--config.eval.contexts=(128,)', '--config.eval.batch_tokens=2048',
         '--config.eval.sample_prompt=32', '--config.eval.sample_len=8'],
+    # The pretrained model's own sizes (model.* from the command line would be kept).
+    'experiments/smollm2_shakespeare.py': [
+        '--config.data.max_len=16', '--config.train.batch_size=2', '--config.train.num_steps=1',
+        '--config.train.log_every=1', '--config.eval.batch_size=2', '--config.eval.max_examples=2',
+        '--config.eval.sample_prompt=8', '--config.eval.sample_len=4'],
 }
 
 
@@ -149,7 +154,22 @@ def test_quick_start_and_its_plot_run_as_written(env, tmp_path):
 def test_readme_command_runs_as_written(command, env, tmp_path):
   """Each README command apart from the quick start's is its own test, so
   that pytest-xdist's workers share them."""
-  _run_as_written(command, env, tmp_path, tmp_path / 'quick_start')
+  done = _run_as_written(command, env, tmp_path, tmp_path / 'quick_start')
+  if 'smollm2_shakespeare' in command:
+    _pretrained_before_and_after(done, tmp_path / 'run')
+
+
+def _pretrained_before_and_after(done, workdir):
+  """The SmolLM2 experiment: the fetched model by name, its own tokenizer, an
+  evaluation at step 0 and after training, each with a sample."""
+  log = done.stdout + done.stderr
+  assert 'models/smollm2/model.gguf' in log and 'vocab_size=49152' in log, log[-3000:]
+  evals = {m['step']: m for m in map(json.loads, (workdir / 'metrics.jsonl').read_text()
+                                                 .splitlines()) if m['split'] == 'eval'}
+  assert sorted(evals) == [0, 1], evals
+  # the pretrained weights, not random ones (a random 49,152-way LM is near 49,152)
+  assert evals[0]['perplexity'] < 1000, evals
+  assert log.count('\n  greedy ') == 2 and (workdir / 'sample.txt').read_text().strip()
 
 
 def test_readme_error_examples_print_what_they_show(env):

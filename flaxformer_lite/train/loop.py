@@ -518,6 +518,9 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
     window, stop, in_flight = _TrainWindow(), False, None
     train_start, eval_seconds, results = time.time(), 0.0, {}
     preemption.check()
+    if config.eval.at_start and start == 0:
+      _, eval_seconds = _validate(evaluate, parallel.unplace_state(state).params, 0, writer,
+                                  config.eval.num_examples_to_log)
     with contextlib.closing(profiling.StepTracer(t.profile_steps, workdir)) as tracer:
       for step in range(start, t.num_steps):
         done = step + 1
