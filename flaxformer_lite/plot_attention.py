@@ -65,6 +65,7 @@ SPECIAL_TOKENS = {tokens.PAD_ID: '<pad>', tokens.BOS_ID: '<s>', tokens.EOS_ID: '
 MAX_WINDOW = 1024
 # Axes up to this long get one tick label per token; longer ones, positions.
 LABELLED_TOKENS = 64
+HEADS_PER_ROW = 2
 
 
 class UsageError(ValueError):
@@ -241,11 +242,19 @@ def plot(maps: list[AttentionMap], out_dir: str, title: str,
   paths = []
   for m in maps:
     h, n, k = m.weights.shape
-    # 0.3 inch a labelled token; longer axes keep the size of the longest labelled one.
-    width, height = (max(2.5, 0.3 * min(x, LABELLED_TOKENS)) for x in (k, n))
+    # An inch for every 8 labelled tokens (7-point labels fit), at most 8
+    # inches a head: longer axes keep that size. Heads in rows of at most
+    # HEADS_PER_ROW, so that the figure stays legible at a page's width.
+    width, height = (min(8.0, max(2.5, 0.125 * min(x, LABELLED_TOKENS))) for x in (k, n))
+    columns = min(h, HEADS_PER_ROW)
+    rows = -(-h // columns)
     # Figure() without pyplot: the Agg canvas, no global backend state.
-    fig = Figure(figsize=(max(5.0, 1.0 + h * width), 1.5 + height), layout='constrained')
-    axes = fig.subplots(1, h, squeeze=False)[0]
+    fig = Figure(figsize=(max(5.0, 1.5 + columns * width), 1.0 + rows * (0.8 + height)),
+                 layout='constrained')
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    for ax in axes[h:]:
+      ax.set_axis_off()
+    axes = axes[:h]
     for head, ax in enumerate(axes):
       image = ax.imshow(m.weights[head], vmin=0.0, vmax=1.0, cmap='viridis')
       if k <= LABELLED_TOKENS:
@@ -254,8 +263,9 @@ def plot(maps: list[AttentionMap], out_dir: str, title: str,
         ax.set_yticks(range(n), labels=m.queries, fontsize=7)
       ax.set_title(m.heads[head] if m.heads else f'head {head}', fontsize=9)
       ax.set_xlabel(f'key: {m.key_axis} token' + ('' if k <= LABELLED_TOKENS else ' (index)'))
-    axes[0].set_ylabel(f'query: {m.query_axis} token'
-                       + ('' if n <= LABELLED_TOKENS else ' (index)'))
+      if head % columns == 0:
+        ax.set_ylabel(f'query: {m.query_axis} token'
+                      + ('' if n <= LABELLED_TOKENS else ' (index)'))
     fig.colorbar(image, ax=list(axes), shrink=0.8)
     note = (notes or {}).get(m.path, '')
     fig.suptitle(f'{title}\n{m.path}{note}', fontsize=10)

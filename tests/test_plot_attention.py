@@ -266,8 +266,22 @@ def test_long_axes_keep_the_figure_readable(tmp_path):
     header = f.read(24)
   assert header[:8] == PNG_MAGIC
   width, height = int.from_bytes(header[16:20], 'big'), int.from_bytes(header[20:24], 'big')
-  assert width <= 100 * (1.0 + 2 * 0.3 * plot_attention.LABELLED_TOKENS)  # dpi 100
-  assert height <= 100 * (1.5 + 0.3 * plot_attention.LABELLED_TOKENS)
+  # dpi 100: two heads of at most 8 inches, a margin and the colour bar
+  assert width <= 100 * (1.5 + 2 * 8.0) and height <= 100 * (1.0 + 0.8 + 8.0), (width, height)
+
+
+def test_many_heads_wrap_into_rows_that_fit_a_page(tmp_path):
+  """Four labelled 64-token heads: a 2 x 2 grid, not one row 4 heads wide."""
+  n = plot_attention.LABELLED_TOKENS
+  weights = np.full((4, n, n), 1.0 / n, np.float32)
+  labels = [f't{i}' for i in range(n)]
+  a = plot_attention.AttentionMap('attention_heads', weights, labels, labels, 'input', 'input')
+  (png,) = plot_attention.plot([a], str(tmp_path), 'heads')
+  with open(png, 'rb') as f:
+    header = f.read(24)
+  width, height = int.from_bytes(header[16:20], 'big'), int.from_bytes(header[20:24], 'big')
+  assert width <= 100 * (1.5 + 2 * 8.0) and height <= 100 * (1.0 + 2 * (0.8 + 8.0))
+  assert 0.5 < width / height < 2.0, (width, height)
 
 
 def test_a_window_wider_than_the_bound_exits_2_before_loading(tmp_path):
