@@ -226,7 +226,10 @@ if [ "${1:-}" = "test" ]; then
   cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
   workers="${FFL_TEST_WORKERS:-$(( cores < 2 ? 0 : cores < 4 ? cores + 1 : 4 ))}"
   [ "$workers" -ge 2 ] || workers=0
-  exec "$PY" -m pytest -n "$workers" --durations=10 "$@"
+  # worksteal: a worker that runs out takes tests queued for the others, so
+  # the slow ones do not leave the end of the run to one worker.
+  dist=(); [ "$workers" -ge 2 ] && dist=(--dist worksteal)
+  exec "$PY" -m pytest -n "$workers" "${dist[@]}" --durations=10 "$@"
 fi
 if [ "${1:-}" = "run" ]; then
   shift

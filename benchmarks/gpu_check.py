@@ -137,7 +137,7 @@ def compile_settings(rows: Rows, quick: bool, seconds: float):
   """benchmarks/compile_flags.py's settings 'project' and 'xla defaults'."""
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import compile_flags
-  names = ['project', 'xla defaults']
+  names = ['project'] if quick else ['project', 'xla defaults']  # (the same flags on CPU)
   results = compile_flags.run(names, timeout=seconds / len(names), quick=quick)
   for name, r in results.items():
     rows.add('compile', f'{name}: state built / train step / eval + sampler compile (s); '

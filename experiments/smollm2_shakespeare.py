@@ -22,6 +22,7 @@ from flaxformer_lite import config as config_lib
 def get_config():
   config = config_lib.base_config()
   config.model.init_from = 'smollm2'
+  config.model.type = 'decoder_only'  # as the checkpoint's architecture says (its sizes too)
   config.model.scan_layers = True
   config.model.dropout_rate = 0.0
 

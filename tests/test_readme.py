@@ -9,10 +9,12 @@ plain ``` block after "Bad values") must print the error shown under them.
 """
 import json
 import os
+import re
 import shlex
 import sys
 import subprocess
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,6 +159,30 @@ def test_readme_command_runs_as_written(command, env, tmp_path):
   done = _run_as_written(command, env, tmp_path, tmp_path / 'quick_start')
   if 'smollm2_shakespeare' in command:
     _pretrained_before_and_after(done, tmp_path / 'run')
+  if 'flaxformer_lite.embed' in command:
+    _similarity_matrix(done, shlex.split(command)[4:])
+
+
+def _similarity_matrix(done, texts):
+  """The embed command's table: a row per text ending with it, the cosine
+  similarities symmetric with ones on the diagonal, the related pair closer."""
+  lines = done.stdout.splitlines()
+  assert 'embedding dimension 384' in lines[0], done.stdout
+  assert lines[1].split() == [str(i) for i in range(len(texts))] and len(lines) == 2 + len(texts)
+  rows = []
+  for i, (line, text) in enumerate(zip(lines[2:], texts)):
+    assert line.endswith(f'  {text}'), line
+    number, *values = line[:-len(text)].split()
+    assert int(number) == i
+    rows.append([float(v) for v in values])
+  sims = np.array(rows)
+  np.testing.assert_allclose(sims, sims.T, atol=1e-4)
+  np.testing.assert_allclose(np.diag(sims), 1.0, atol=1e-4)
+  assert sims[0, 1] > 0.5 > max(sims[0, 2], sims[1, 2])  # food/pasta close, the baby not
+  # the columns line up: every value ends where its column number does
+  ends = [m.end() for m in re.finditer(r'\d', lines[1])]
+  for line in lines[2:]:
+    assert [m.end() for m in re.finditer(r'-?\d\.\d{4}', line)] == ends, line
 
 
 def _pretrained_before_and_after(done, workdir):
