@@ -100,7 +100,10 @@ n = jax.device_count()
 lower, out = sys.argv[1] == 'lower', {}
 for path in sys.argv[2:]:
   config = runpy.run_path(path)['get_config']()
+  main.from_checkpoint(config)  # a pretrained model's architecture, as a run takes it
   main.validate(config)
+  with config.unlocked():
+    config.model.init_from = ''  # its weights are not read here
   m, t, d = config.model, config.train, config.data
   objective = steps.OBJECTIVES[m.type]
   with config.unlocked():
