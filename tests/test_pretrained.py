@@ -675,6 +675,7 @@ def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
   c.train.num_steps, c.train.batch_size, c.train.label_smoothing = 2, 2, 0.0
   c.train.log_every = c.train.eval_every = c.train.checkpoint_every = 1
   c.eval.max_examples, c.eval.sample_prompt, c.eval.sample_len = 2, 8, 4
+  c.eval.at_start = True  # the checkpoint as it came, at step 0, beside the trained steps
   main.from_checkpoint(c)
   main.validate(c)
   assert c.model.type == 'decoder_only' and c.model.num_kv_heads == 1
@@ -687,7 +688,7 @@ def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
   assert dataset.tokenizer.decode(dataset.tokenizer.encode(text)) == text
   assert dataset.splits['train'][:len(text)].tolist()[:6] == [3 + b for b in b'First ']
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
-  assert [r['step'] for r in records if r['split'] == 'eval'] == [1, 2]
+  assert [r['step'] for r in records if r['split'] == 'eval'] == [0, 1, 2]
   saved = json.loads(open(os.path.join(workdir, 'config.json')).read())
   assert saved['model']['d_model'] == 8 and saved['model']['attention'] == 'rotary'
 
