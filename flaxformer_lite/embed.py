@@ -23,19 +23,16 @@ name or a readable BERT-family checkpoint (named, with what is valid).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
-from flax import traverse_util
 
-from flaxformer_lite import compilation, config as config_lib, models, pretrained
+from flaxformer_lite import compilation, models, pretrained
 
 # The pretrained.MODELS that are sentence encoders (smollm2, a Llama, is not).
 MODELS = ('minilm',)
@@ -63,9 +60,7 @@ def sentence_embeddings(hidden, mask):
 def resolve(model: str) -> str:
   """--model (a name of MODELS, or a path) -> the checkpoint's path; a name
   not yet in the cache is fetched."""
-  path = os.path.expanduser(model)
-  if not os.path.exists(path) and model in MODELS:
-    return pretrained.fetch(model)
+  path = pretrained.resolve(model, names=MODELS)
   if not os.path.exists(path):
     raise pretrained.PretrainedError(
         f'{model!r} is neither a known model nor an existing path; valid: '
@@ -76,40 +71,18 @@ def resolve(model: str) -> str:
 
 def load(path: str):
   """(model, params, tokenizer, max_tokens) of a BERT-family checkpoint, for
-  `model.encode`. Not pretrained.load: it would compile a random
-  initialisation (seconds) for the masked-LM head that a BertModel lacks,
-  never run here, and warn about it. The parameters start as NaN instead:
-  one the checkpoint lacks shows, and is refused unless it is of that head
-  (then set to 0)."""
-  model_config = config_lib.base_config().model
-  for key, value in pretrained.architecture(path).items():
-    node, leaf = config_lib.parent_of(model_config, key)
-    node[leaf] = value
-  if model_config.type != 'encoder_only':
+  `model.encode`. The masked-LM head that a BertModel lacks is never run
+  here: zeros, not a compiled initialisation (pretrained.load's `unused`);
+  any other parameter the checkpoint lacks is refused."""
+  model_type = pretrained.architecture(path)['type']  # before any tensor is read
+  if model_type != 'encoder_only':
     raise pretrained.PretrainedError(
-        f'{path} is a {model_config.type} checkpoint; sentence embeddings need a '
+        f'{path} is a {model_type} checkpoint; sentence embeddings need a '
         f'BERT-family encoder, e.g. {", ".join(MODELS)}')
   _check_pooling(path)
-  model = models.build(model_config)
-  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0),
-                                                      jnp.ones((1, 4), jnp.int32))['params']))
-  nan = jax.tree.map(lambda s: np.full(s.shape, np.nan, np.float32), shapes)
-  # Its warning names the parameters left as they were (the NaNs): checked below.
-  logger = logging.getLogger('flaxformer_lite')
-  level = logger.level
-  logger.setLevel(logging.ERROR)
-  try:
-    flat = traverse_util.flatten_dict(pretrained.init_params(nan, path), sep='/')
-  finally:
-    logger.setLevel(level)
-  missing = [name for name, value in flat.items() if np.isnan(value).all()]
-  lacking = [name for name in missing if not name.startswith('mlm_')]
-  if lacking:
-    raise pretrained.PretrainedError(f'{path} lacks encoder parameters: {", ".join(lacking)}')
-  params = traverse_util.unflatten_dict(
-      {name: np.zeros_like(value) if name in missing else value for name, value in flat.items()},
-      sep='/')
-  return model, params, pretrained.tokenizer(path), _max_tokens(path, model_config.max_len)
+  model_config, params = pretrained.load(path, unused=('mlm_',), strict=True)
+  return (models.build(model_config), params, pretrained.tokenizer(path),
+          _max_tokens(path, model_config.max_len))
 
 
 def _check_pooling(path: str):

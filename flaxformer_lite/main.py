@@ -70,9 +70,7 @@ def from_checkpoint(config, keep=()) -> list[str]:
   if not config.model.init_from:
     return []
   from flaxformer_lite import pretrained
-  path = os.path.expanduser(config.model.init_from)
-  if not os.path.exists(path) and path in pretrained.MODELS:  # a name: the cached copy
-    path = pretrained.fetch(path)
+  path = pretrained.resolve(config.model.init_from)
   if not os.path.exists(path):
     raise config_lib.ConfigError(f'model.init_from={path!r} does not exist; give a Hugging '
                                  'Face-style checkpoint directory, a GGUF file or one of '

@@ -97,9 +97,15 @@ ARCHITECTURE = ('type', 'vocab_size', 'd_model', 'num_heads', 'num_kv_heads',
                 'embed_scale', 'token_types', 'embed_norm', 'attention')
 
 
-def load(path: str):
+def load(path: str, *, unused: tuple[str, ...] = (), strict: bool = False):
   """A checkpoint -> (model_config: the `model` section models.build takes,
-  params: its parameter tree, numpy float32)."""
+  params: its parameter tree, numpy float32).
+
+  unused: prefixes of parameter paths the caller never runs (a sentence
+    encoder's masked-LM head, 'mlm_'): zeros where the checkpoint lacks
+    them, with no initialisation compiled for them.
+  strict: any other parameter the checkpoint lacks is a PretrainedError
+    naming it, instead of starting from its initialisation (logged)."""
   model_config, mapped = _read(path)
   import flax.linen as nn
   import jax
@@ -112,9 +118,25 @@ def load(path: str):
     return nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32))['params'])
 
   shapes = jax.eval_shape(init)
-  names = set(traverse_util.flatten_dict(shapes, sep='/'))
+  flat = traverse_util.flatten_dict(shapes, sep='/')
+  mapped = {**{name: np.zeros(shape.shape, np.float32) for name, shape in flat.items()
+               if name not in mapped and name.startswith(unused)}, **mapped}
+  missing = sorted(set(flat) - set(mapped))
+  if strict and missing:
+    raise PretrainedError(f'{path} lacks parameters: {", ".join(missing)}')
   # Initialised (compiled and run) only when the checkpoint lacks something.
-  return model_config, overlay(shapes if names <= set(mapped) else jax.jit(init)(), mapped)
+  return model_config, overlay(jax.jit(init)() if missing else shapes, mapped)
+
+
+def resolve(init_from: str, names=None) -> str:
+  """model.init_from (or a command's --model) -> the checkpoint's path: a
+  name of `names` (default: every model of MODELS) that is not an existing
+  path is the cached copy, fetched on first use; anything else is a path,
+  `~` expanded (its existence is the caller's to check)."""
+  path = os.path.expanduser(init_from)
+  if not os.path.exists(path) and init_from in (MODELS if names is None else names):
+    return fetch(init_from)
+  return path
 
 
 def architecture(path: str) -> dict:

@@ -147,6 +147,29 @@ def test_what_cannot_be_mapped_is_named(tmp_path):
     pretrained.load(str(tmp_path / 'model.gguf'))
 
 
+def test_load_zero_fills_unused_parts_and_strict_refuses_what_else_is_missing(tmp_path):
+  """A BertModel checkpoint (no masked-LM head): `unused` parts are zeros,
+  the rest as a plain load gives it; `strict` names what the checkpoint lacks."""
+  from flax import traverse_util
+  tensors = tiny_bert(str(tmp_path))
+  _, plain = pretrained.load(str(tmp_path))
+  _, params = pretrained.load(str(tmp_path), unused=('mlm_',), strict=True)
+  plain, params = (traverse_util.flatten_dict(p, sep='/') for p in (plain, params))
+  assert sorted(params) == sorted(plain)
+  for name, value in params.items():
+    if name.startswith('mlm_'):
+      assert not np.any(value), name
+    else:
+      np.testing.assert_array_equal(value, plain[name], err_msg=name)
+  with pytest.raises(pretrained.PretrainedError, match='lacks parameters: mlm_bias'):
+    pretrained.load(str(tmp_path), strict=True)
+  del tensors['pooler.dense.bias'], tensors['encoder.layer.1.output.dense.bias']
+  write_safetensors(str(tmp_path / 'model.safetensors'), tensors)
+  with pytest.raises(pretrained.PretrainedError,
+                     match=r'lacks parameters: encoder/layer_1/.*bias$'):
+    pretrained.load(str(tmp_path), unused=('mlm_',), strict=True)
+
+
 def test_init_from_takes_the_architecture_and_the_weights(tmp_path):
   """model.init_from on the training path: main.from_checkpoint sets the
   checkpoint's architecture and attention variant (a variant given on the
