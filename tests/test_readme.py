@@ -7,6 +7,7 @@ overrides win) and a workdir under tmp_path; everything else runs as it is.
 `./launch.sh test` is this suite. The error examples (the $-lines of the
 plain ``` block after "Bad values") must print the error shown under them.
 """
+import csv
 import json
 import os
 import re
@@ -242,15 +243,16 @@ def test_readme_variant_example_registers_and_equals_its_formula():
     registry._REGISTRY.pop('learned_alibi', None)  # pylint: disable=protected-access
 
 
-def test_the_generated_parts_match_the_live_registry():
-  """README.md's variant count and variants table are what
-  benchmarks/readme_tables.py writes from the registry today."""
+def test_the_generated_parts_match_the_live_registry_and_the_results_files():
+  """README.md's variant count, variants table and headline table, and
+  benchmarks/README.md's results tables, are what benchmarks/readme_tables.py
+  writes from the registry and benchmarks/results/ today."""
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import readme_tables
   assert readme_tables.main(['--check']) == 0, 'run ./launch.sh run benchmarks/readme_tables.py'
 
 
-def test_the_readme_check_fails_on_a_stale_count_or_row(tmp_path, capsys):
+def test_the_readme_check_fails_on_a_stale_count_row_or_number(tmp_path, capsys):
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import readme_tables
   from flaxformer_lite.attention import registry
@@ -262,10 +264,72 @@ def test_the_readme_check_fails_on_a_stale_count_or_row(tmp_path, capsys):
   count = readme_tables.number_word(len(registry.names()))
   assert f'attention variants. {count}\n' in readme
   row = next(line for line in readme.splitlines() if line.startswith('| `alibi` |'))
+  multi30k = readme_tables.load_measurements()['multi30k_cpu']['values']['test_bleu']
+  assert f'BLEU {multi30k:.1f}' in readme
   for stale in (readme.replace(f'variants. {count}\n', 'variants. Sixteen\n'),
                 readme.replace(row + '\n', ''),
-                readme.replace(row, row.replace('dense, chunked', 'dense'))):
+                readme.replace(row, row.replace('dense, chunked', 'dense')),
+                readme.replace(f'BLEU {multi30k:.1f}', f'BLEU {multi30k + 1:.1f}')):
     path = tmp_path / 'README.md'
     path.write_text(stale)
     assert readme_tables.main(['--check', '--readme', str(path)]) == 1
-  assert 'differs from what benchmarks/readme_tables.py writes' in capsys.readouterr().out
+  assert 'differ from what benchmarks/readme_tables.py writes' in capsys.readouterr().out
+
+
+def test_a_new_measurement_reaches_both_readmes_through_its_record():
+  """A record's value changes the headline and its benchmarks/README row; the
+  rows name their machine and date."""
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import readme_tables
+  measurements = readme_tables.load_measurements()
+  changed = json.loads(json.dumps(measurements))
+  changed['tiny_shakespeare_cpu']['values']['eval_loss'] = 1.234
+  changed['tiny_shakespeare_cpu']['wall'] = '9m99s'
+  for name in readme_tables.FILES:
+    with open(os.path.join(REPO, name)) as f:
+      text = f.read()
+    assert '1.234' not in text
+    new = readme_tables.generate(text, changed)
+    assert 'val loss 1.234' in new or 'val loss **1.234**' in new, name
+    assert '9m99s' in new, name
+  with open(os.path.join(REPO, 'benchmarks', 'README.md')) as f:
+    text = f.read()
+  for record in measurements.values():
+    assert f'{record["machine"]}, {record["wall"]}, {record["date"]} |' in text
+  with pytest.raises(KeyError, match='no value'):
+    readme_tables.fill('{missing:.2f}', measurements['multi30k_cpu'])
+  with pytest.raises(ValueError, match='no section'):
+    readme_tables.include('position_study/tables.md#no such study')
+  with pytest.raises(ValueError, match='no record with table'):
+    readme_tables.records_table('no_such_table', measurements)
+
+
+def _csv_mean(path, study, row, metric):
+  values = []
+  with open(path, newline='') as f:
+    for r in csv.DictReader(f):
+      if (r['study'], r['row'], r['metric']) == (study, row, metric):
+        values.append(float(r['value']))
+  return sum(values) / len(values)
+
+
+def test_the_headline_numbers_are_the_results_files_numbers():
+  """Read from the committed results by this test's own arithmetic, not the
+  generator's."""
+  with open(os.path.join(REPO, 'README.md')) as f:
+    readme = f.read()
+  results = os.path.join(REPO, 'benchmarks', 'results')
+  study = os.path.join(results, 'position_study', 'results.csv')
+  for row, name in (('sinusoidal', 'sinusoidal'), ('shaw_k16', 'Shaw'), ('rotary', 'rotary')):
+    assert f'{name} {_csv_mean(study, "multi30k", row, "test.bleu"):.1f} ± ' in readme
+  suite = os.path.join(results, 'length_generalisation_suite', 'results.csv')
+  cells = {}
+  with open(suite, newline='') as f:
+    for r in csv.DictReader(f):
+      if r['metric'] == 'test.accuracy':
+        cells.setdefault((r['study'], r['row']), []).append(float(r['value']))
+  learned = sum(sum(v) / len(v) >= 0.90 for v in cells.values())
+  assert f'{learned} of {len(cells)} cells learned' in readme
+  relative = os.path.join(results, 'length_generalisation', 'results.csv')
+  xl = _csv_mean(relative, 'reverse', 'transformer_xl', 'test.long_sequence_accuracy')
+  assert f'Transformer-XL {xl:.2f}' in readme
