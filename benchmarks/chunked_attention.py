@@ -24,11 +24,11 @@ cuDNN attention; an NVIDIA GPU and --dtype bfloat16), timed interleaved, and
 the chunked time over it (c/cudnn) in dot_product's rows.
 
 --masked_blocks adds the chunked kernel masking every block (its blocks
-below the causal diagonal too: chunked.UNMASKED_MIN_SCORES out of reach),
+below the causal diagonal too: blockwise.UNMASKED_MIN_SCORES out of reach),
 timed interleaved, and the chunked time over it (c/mask).
 
 --no_staircase adds the chunked kernel computing the blocks on the causal
-diagonal whole (chunked.STAIRCASE_ROWS out of reach), timed interleaved, and
+diagonal whole (blockwise.STAIRCASE_ROWS out of reach), timed interleaved, and
 the chunked time over it (c/flat).
 
 --padding adds the chunked kernel under a model's padding mask (key_valid
@@ -56,7 +56,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
-from flaxformer_lite.attention import chunked as chunked_lib, registry  # noqa: E402
+from flaxformer_lite.attention import registry  # noqa: E402
+from flaxformer_lite.attention.kernels import blockwise  # noqa: E402
 from flaxformer_lite.attention.masks import MaskSpec  # noqa: E402
 from flaxformer_lite.layers import MultiHeadAttention  # noqa: E402
 
@@ -90,19 +91,19 @@ def _step(variant, implementation, chunk_size, dropout, args, x, padding=False):
 
 
 class _TracedWith:
-  """A jitted step traced with a module constant of chunked.py set to
+  """A jitted step traced with a module constant of kernels/blockwise.py set to
   another value (--masked_blocks, --no_staircase)."""
 
   def __init__(self, fn, name, value):
     self.fn, self.name, self.value = fn, name, value
 
   def _traced(self, method, *args):
-    saved = getattr(chunked_lib, self.name)
-    setattr(chunked_lib, self.name, self.value)
+    saved = getattr(blockwise, self.name)
+    setattr(blockwise, self.name, self.value)
     try:
       return method(*args)
     finally:
-      setattr(chunked_lib, self.name, saved)
+      setattr(blockwise, self.name, saved)
 
   def __call__(self, *args):
     return self._traced(self.fn, *args)

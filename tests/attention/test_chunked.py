@@ -31,6 +31,7 @@ import pytest
 
 from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.masks import MaskSpec
 
 B, H, D, CHUNK = 3, 2, 4, 8
@@ -431,7 +432,7 @@ def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
   math is the variant's own in both loops (every variant against its dense
   form: test_output_and_every_gradient_equal_the_dense_form); what differs
   is which blocks take which loop, here on dot_product."""
-  monkeypatch.setattr(chunked, 'UNMASKED_MIN_SCORES', 0)
+  monkeypatch.setattr(blockwise, 'UNMASKED_MIN_SCORES', 0)
   index = [i for i, (v, _) in enumerate(VARIANTS) if v == 'dot_product'][0]
   params = _params(index)
   rng = np.random.default_rng(3)
@@ -456,7 +457,7 @@ def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
 
 
 def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch):
-  """The blocks on the causal diagonal as a staircase (chunked._staircase),
+  """The blocks on the causal diagonal as a staircase (blockwise._staircase),
   turned on for small blocks: causal, q_offset 0, n = m = 24 in blocks of 8,
   steps of 4 rows (against 4, then 8 keys), under a padding mask whose
   PAD tokens in row 1 (17, 18 and a tail from 22) fall in the last diagonal
@@ -471,11 +472,11 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
   that output is checked on the variants with and without `rotate` (rotary,
   dot_product). Each variant's trace must have built the steps. (A window,
   as `local` has, leaves every block masked: no staircase to test.)"""
-  monkeypatch.setattr(chunked, 'UNMASKED_MIN_SCORES', 0)
-  monkeypatch.setattr(chunked, 'STAIRCASE_ROWS', 4)
+  monkeypatch.setattr(blockwise, 'UNMASKED_MIN_SCORES', 0)
+  monkeypatch.setattr(blockwise, 'STAIRCASE_ROWS', 4)
   steps = []
-  step_visible = chunked._step_visible
-  monkeypatch.setattr(chunked, '_step_visible', lambda r0, rise: steps.append(r0) or
+  step_visible = blockwise._step_visible
+  monkeypatch.setattr(blockwise, '_step_visible', lambda r0, rise: steps.append(r0) or
                       step_visible(r0, rise))
   n, chunk, spec = 24, 8, MaskSpec(causal=True)
   valid = np.ones((B, n), bool)

@@ -1,0 +1,6 @@
+"""Attention kernels: how the blocks of one call are computed, given a
+variant's block terms and a mask (blockwise.py: the pure-JAX online softmax).
+
+Import a kernel's module itself; this package re-exports nothing, so that
+the modules above it (chunked.py) can import a kernel without a cycle.
+"""

@@ -1,0 +1,589 @@
+"""The blockwise kernel: attention in O(n) memory by an online softmax over
+blocks of queries and keys, for a variant's BlockTerms (chunked.py, whose
+`attend` is the entry point and whose docstring gives the terms' contract).
+
+Queries go in nq blocks of bq rows, keys in nk blocks of bk columns. For
+each query block an online softmax (Milakov & Gimelshein 2018) runs over the
+key blocks it can see: a running row maximum, a running sum of
+exp(s - max) and a running output, each rescaled when the maximum grows.
+
+The backward pass is a `jax.custom_vjp` in FlashAttention-2's order: key
+blocks outside, query blocks inside; each block's probabilities are
+recomputed from q, k and the saved per-row log-sum-exp, so nothing of size
+[n, m] is stored. With delta_i = dO_i . O_i (the output is linear in the
+probabilities, so this is sum_j p_ij dp_ij), ds = p * (dp - delta).
+
+Blocks that the causal or window parts hide are outside the loops' bounds
+(computed, not masked: causal attention does about half the work, a window
+O(n * window)); blocks that key padding, query padding or segments hide for
+every row of the batch are skipped by a `lax.cond` (packed rows do no
+cross-example work where a whole block is cross-example). Large blocks that
+every pair sees (below the causal diagonal, and where padding leaves them
+whole in every row: a model's calls always carry its PAD mask) run in a loop
+of their own without the mask's select (`unmasked_key_blocks`,
+`unmasked_query_blocks`), and the blocks on the causal diagonal as a
+staircase of row steps (`_staircase`) that leaves out most of their hidden
+half.
+
+Layout: `plan` fixes a call's static settings (`Blocks`) once; `attention`
+is the custom_vjp, whose forward is `forward` (one `query_block` per query
+block: a decoding step's few queries are one query block, so `query_block`
+is all of a decode step's work) and whose backward is `backward` (one
+`key_block_grads` per key block). The terms (BlockTerms) and the Blocks are
+the custom_vjp's static arguments; the call's arrays travel as `Call`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import dropout
+from flaxformer_lite.attention.masks import MaskSpec
+
+# Blocks of at least this many scores (b * h * bq * bk) skip the mask where
+# every pair of the block is visible: a pass of the mask's select over the
+# block saved, forward and backward (most of a long causal call's blocks;
+# benchmarks/chunked_attention.py). Those blocks run in a loop of their own,
+# so the block's math is compiled twice; small blocks, where the select
+# costs little, keep one loop.
+UNMASKED_MIN_SCORES = 2**17
+
+# The blocks on the causal diagonal have their upper half hidden. Where the
+# diagonal blocks are whole blocks (_staircase), each runs as a staircase:
+# rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's first
+# r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only (in all
+# of them where there is padding): with blocks of 512, (1 + 4) / 8 of the
+# block's pairs, in 4 products 128 rows tall
+# (benchmarks/chunked_attention.py --no_staircase). Without padding they
+# are the loops' only masked blocks; with it, a cond picks the staircase
+# where a masked block is the diagonal.
+STAIRCASE_ROWS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """A call's static settings: n queries and m keys (before padding) in nq
+  blocks of bq rows and nk blocks of bk columns; the dropout rate (0: none);
+  rise, the staircase's rows a step (_staircase) or None; first_query, the
+  index dropout's hash gives query 0."""
+  n: int
+  m: int
+  bq: int
+  bk: int
+  nq: int
+  nk: int
+  rate: float
+  rise: int | None
+  first_query: int = 0
+
+
+class Call(NamedTuple):
+  """A call's arrays that every block reads."""
+  params: Any  # the terms' pytree of tables, or None
+  mask: MaskSpec  # padded to nq * bq queries and nk * bk keys
+  q_offset: Any  # int32 []: query i sits at q_offset + i
+  seed: Any  # uint32 []: dropout's hash seed
+
+
+def plan(mask: MaskSpec, q_offset, b: int, h: int, n: int, m: int, chunk_size: int,
+         rate: float, first_query: int = 0) -> Blocks:
+  """The Blocks of a call: b rows, h query heads, n queries and m keys in
+  blocks of chunk_size (fewer where a length is shorter); mask unpadded and
+  q_offset as the caller gave them (the staircase needs a Python 0)."""
+  bq, bk = min(chunk_size, n), min(chunk_size, m)
+  nq, nk = -(-n // bq), -(-m // bk)
+  rise = _staircase(mask, q_offset, n, m, bq, bk, b * h * bq * bk)
+  return Blocks(n, m, bq, bk, nq, nk, rate, rise, first_query)
+
+
+def repeat_heads(x, h: int):
+  """[b, L, g, d] -> [b, L, h, d]: group i's head for query heads i*h/g ..
+  (i+1)*h/g - 1 (the identity when g = h)."""
+  g = x.shape[2]
+  return x if g == h else jnp.repeat(x, h // g, axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def attention(blocks: Blocks, terms, q, k, v, params, mask, q_offset, seed):
+  """(q [b, nq*bq, h, d], k [b, nk*bk, g, d], v [b, nk*bk, g, dv], params,
+  mask, q_offset, seed) -> (out float32 [b, nq*bq, h, dv], lse float32
+  [b, h, nq*bq], -inf where a query sees no key); terms a BlockTerms."""
+  # Without a gradient (evaluation, prefill) the keys and values go heads
+  # first (_heads_first); under a gradient not, where the two copies would
+  # add to the training step's peak memory for no gain in its time.
+  return forward(blocks, terms, q, k, v, params, mask, q_offset, seed,
+                 heads_first=blocks.nq > 1)
+
+
+def _attention_fwd(blocks: Blocks, terms, q, k, v, params, mask, q_offset, seed):
+  out, lse = forward(blocks, terms, q, k, v, params, mask, q_offset, seed)
+  return (out, lse), (q, k, v, params, mask, q_offset, seed, out, lse)
+
+
+# ---------------------------------------------------------------------------
+# Block math shared by the forward and the backward.
+
+
+def _block_logits(terms, q, k, params, q_idx, k_idx, q_offset, rotated=False):
+  """Scores of queries q_idx [rows] against keys k_idx [cols] (indices into
+  the call; query i sits at q_offset + i) -> float32 [b, h, rows, cols]."""
+  q_pos = q_offset + q_idx
+  if terms.rotate is not None and not rotated:  # k's g heads, before repeat_heads
+    q, k = terms.rotate(q, q_pos), terms.rotate(k, k_idx)
+  return terms.logits(q, repeat_heads(k, q.shape[2]), params, q_pos, k_idx)
+
+
+def _block_values(terms, p, v, params, q_idx, k_idx, q_offset):
+  return terms.values(p, repeat_heads(v, p.shape[1]), params, q_offset + q_idx, k_idx)
+
+
+def _dropped(blocks: Blocks, x, seed, q_idx, k_idx):
+  """x [b, h, rows, cols] with dropout applied: keep / (1 - rate), else 0."""
+  if not blocks.rate:
+    return x
+  return dropout.drop(x, seed, blocks.rate, blocks.first_query + q_idx[:, None],
+                      k_idx[None, :])
+
+
+# ---------------------------------------------------------------------------
+# Forward: query blocks outside (lax.map), key blocks inside (_loops).
+
+
+class _Source(NamedTuple):
+  """The forward's queries, keys and values, as its blocks read them."""
+  q: Any  # [b, nq*bq, h, d]
+  k: Any  # [b, nk*bk, g, d], or heads first [b, g, nk*bk, d]
+  v: Any  # as k, with dv
+  heads_first: bool
+  rotated: bool  # terms.rotate already applied to every query and key
+
+
+class _QueryRows(NamedTuple):
+  """One query block of the forward: block qb, first row qs, rows idx [bq]
+  and their queries q [b, bq, h, d]."""
+  qb: Any
+  qs: Any
+  idx: Any
+  q: Any
+
+
+def forward(blocks: Blocks, terms, q, k, v, params, mask, q_offset, seed, heads_first=False):
+  """attention's value -> (out float32 [b, nq*bq, h, dv], lse float32
+  [b, h, nq*bq]). heads_first: read the keys and values heads first and
+  apply terms.rotate once to every query and key (without a gradient)."""
+  rotated = heads_first and terms.rotate is not None
+  if rotated:  # each query and key once, not once a block (BlockTerms.rotate)
+    q = terms.rotate(q, q_offset + jnp.arange(q.shape[1]))
+    k = terms.rotate(k, jnp.arange(k.shape[1]))
+  if heads_first:  # each key block is read by every query block: heads first once
+    k, v = _heads_first(k), _heads_first(v)
+  # else under a gradient, or one query block (a decode step: no cache copy)
+  src = _Source(q, k, v, heads_first, rotated)
+  one = functools.partial(query_block, blocks, terms, Call(params, mask, q_offset, seed), src)
+  out, lse = jax.lax.map(one, jnp.arange(blocks.nq))  # [nq, b, bq, h, dv], [nq, b, h, bq]
+  return _unblock(out, 1), _unblock(lse, 2)
+
+
+def query_block(blocks: Blocks, terms, call: Call, src: _Source, qb):
+  """The online softmax of query block qb over every key block it sees ->
+  (out float32 [b, bq, h, dv], lse float32 [b, h, bq]). A decoding step's
+  queries are one block: this is the whole of its work."""
+  b, _, h, _ = src.q.shape
+  dv = src.v.shape[-1]
+  bq, bk = blocks.bq, blocks.bk
+  qs = qb * bq
+  rows = _QueryRows(qb, qs, qs + jnp.arange(bq),
+                    jax.lax.dynamic_slice_in_dim(src.q, qs, bq, axis=1))
+  lo, hi = call.mask.key_block_range(call.q_offset + qs, call.q_offset + qs + bq - 1, bk,
+                                     blocks.nk)
+  init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
+          jnp.zeros((b, h, bq, dv), jnp.float32))
+  unmasked = unmasked_key_blocks(call.mask, qs, bq, bk, lo, hi, call.q_offset, blocks.n,
+                                 blocks.m, b * h * bq * bk)
+  body = functools.partial(_forward_key_block, blocks, terms, call, src, rows)
+  row_max, row_sum, acc = _loops(lo, hi, unmasked, body, init)
+  seen = row_sum > 0
+  out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
+  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+  return out.transpose(0, 2, 1, 3), lse  # [b, bq, h, dv], [b, h, bq]
+
+
+def _key_rows(src: _Source, start, size: int):
+  """Keys and values start .. start + size - 1 -> ([b, size, g, d], [b, size, g, dv])."""
+  if src.heads_first:
+    return _block(src.k, start, size), _block(src.v, start, size)
+  return (jax.lax.dynamic_slice_in_dim(src.k, start, size, axis=1),
+          jax.lax.dynamic_slice_in_dim(src.v, start, size, axis=1))
+
+
+def _update(blocks: Blocks, terms, call: Call, carry, s, v_blk, q_idx, k_idx, visible):
+  """The online softmax carried over one more block of scores s [b, h, rows, cols]."""
+  row_max, row_sum, acc = carry
+  if visible is not None:
+    s = jnp.where(visible, s, -jnp.inf)
+  new_max = jnp.maximum(row_max, jnp.max(s, -1))
+  shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # no key seen yet: any value
+  p = jnp.exp(s - shift[..., None])  # hidden pairs: exp(-inf) = 0
+  scale = jnp.exp(row_max - shift)
+  row_sum = row_sum * scale + jnp.sum(p, -1)
+  acc = acc * scale[..., None] + _block_values(terms, _dropped(blocks, p, call.seed, q_idx, k_idx),
+                                               v_blk, call.params, q_idx, k_idx, call.q_offset)
+  return new_max, row_sum, acc
+
+
+def _forward_key_block(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, kb,
+                       carry, masked):
+  """_loops' body. Under the staircase the masked blocks are the diagonal
+  and, where there is padding, the blocks it hides."""
+  if not (masked and blocks.rise):
+    return _forward_whole(blocks, terms, call, src, rows, kb, carry, masked)
+  diagonal = functools.partial(_forward_diagonal, blocks, terms, call, src, rows)
+  if not call.mask.has_arrays():
+    return diagonal(carry, kb * blocks.bk)
+  return jax.lax.cond(kb == rows.qb, lambda c: diagonal(c, kb * blocks.bk),
+                      lambda c: _forward_whole(blocks, terms, call, src, rows, kb, c, True), carry)
+
+
+def _forward_whole(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, kb, carry,
+                   masked):
+  """Key block kb against the whole query block, its mask applied if masked."""
+  ks = kb * blocks.bk
+  k_idx = ks + jnp.arange(blocks.bk)
+  visible = _visible(call.mask, rows.qs, ks, blocks.bq, blocks.bk, call.q_offset, blocks.n,
+                     blocks.m)
+
+  def compute(carry):
+    k_blk, v_blk = _key_rows(src, ks, blocks.bk)
+    s = _block_logits(terms, rows.q, k_blk, call.params, rows.idx, k_idx, call.q_offset,
+                      src.rotated)
+    return _update(blocks, terms, call, carry, s, v_blk, rows.idx, k_idx,
+                   visible if masked else None)
+  return _unless_hidden(call.mask, visible, compute, carry) if masked else compute(carry)
+
+
+def _forward_diagonal(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, carry,
+                      ks):
+  """The block on the causal diagonal (ks = qs, _staircase): its rows
+  r0 .. r0 + rise - 1 against its first r0 + rise keys, step by step."""
+  rise = blocks.rise
+  k_blk, v_blk = _key_rows(src, ks, blocks.bk)
+  steps = []
+  for r0 in range(0, blocks.bq, rise):
+    r1 = r0 + rise
+    i_idx, j_idx = rows.idx[r0:r1], ks + jnp.arange(r1)
+    s = _block_logits(terms, rows.q[:, r0:r1], k_blk[:, :r1], call.params, i_idx, j_idx,
+                      call.q_offset, src.rotated)
+    steps.append(_update(blocks, terms, call, tuple(x[:, :, r0:r1] for x in carry), s,
+                         v_blk[:, :r1], i_idx, j_idx, _step_mask(call.mask, ks, r0, rise)))
+  return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*steps))
+
+
+# ---------------------------------------------------------------------------
+# Backward: key blocks outside (fori_loop), query blocks inside (_loops).
+
+
+class _Grads(NamedTuple):
+  """The backward's arrays by query row."""
+  q: Any  # [b, nq*bq, h, d]
+  lse: Any  # float32 [b, h, nq*bq], 0 where a query sees no key
+  d_out: Any  # float32 [b, nq*bq, h, dv]
+  delta: Any  # float32 [b, h, nq*bq]: dO_i . O_i - dlse_i
+
+
+class _KeyRows(NamedTuple):
+  """One key block of the backward: block kb, first key ks, its keys k
+  [b, bk, g, d] and values v [b, bk, g, dv]."""
+  kb: Any
+  ks: Any
+  k: Any
+  v: Any
+
+
+def _zeros(x):
+  return jnp.zeros(x.shape, jnp.float32)
+
+
+def backward(blocks: Blocks, terms, res, cotangents):
+  """attention's vjp: the saved (q, k, v, params, mask, q_offset, seed, out,
+  lse) and the cotangents of (out, lse) -> the gradients of q, k, v and
+  params (None for the mask, q_offset and seed)."""
+  q, k, v, params, mask, q_offset, seed, out, lse = res
+  d_out, d_lse = (x.astype(jnp.float32) for x in cotangents)
+  # D_i = dO_i . O_i = sum_j p_ij dp_ij, dropout included (dp_ij is then
+  # keep_ij / (1 - rate) times the gradient of the dropped weight). The
+  # lse's own gradient (return_lse) is d lse_i / d s_ij = p_ij, so
+  # ds_ij = p_ij (dp_ij - D_i + dlse_i): it joins D.
+  delta = jnp.einsum('bnhd,bnhd->bhn', d_out, out) - d_lse  # [b, h, nq*bq]
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  # dq starts from a zero computed from d_out: XLA shares constant zeros
+  # with the forward pass's buffers and allocates them before it, where
+  # they would sit through the forward. XLA keeps s * 0.0 (it is NaN for
+  # s = inf).
+  s = d_out[0, 0, 0, 0]
+  zero = jnp.where(jnp.isfinite(s), s * 0.0, 0.0)
+  init = (jnp.full(q.shape, zero), k, v, jax.tree.map(_zeros, params))
+  body = functools.partial(key_block_grads, blocks, terms, Call(params, mask, q_offset, seed),
+                           _Grads(q, lse, d_out, delta))
+  dq, dk, dv, dparams = jax.lax.fori_loop(0, blocks.nk, body, init)
+  dparams = jax.tree.map(lambda g, p: g.astype(p.dtype), dparams, params)
+  return (dq.astype(q.dtype), dk, dv, dparams, None, None, None)
+
+
+attention.defvjp(_attention_fwd, backward)
+
+
+def key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry):
+  """The fori_loop's body: carry (dq, k_dk, v_dv, dparams) with key block kb's
+  gradients added. Key block kb is read only in step kb, so its dk and dv
+  are written over it: the loop carries k and v and returns dk and dv in
+  their buffers (XLA updates them in place), two [b, m, g, d] arrays fewer
+  at the backward's peak."""
+  dq, k_dk, v_dv, dparams = carry
+  bq, bk = blocks.bq, blocks.bk
+  ks = kb * bk
+  keys = _KeyRows(kb, ks, jax.lax.dynamic_slice_in_dim(k_dk, ks, bk, axis=1),
+                  jax.lax.dynamic_slice_in_dim(v_dv, ks, bk, axis=1))
+  lo, hi = call.mask.query_block_range(ks, ks + bk - 1, bq, blocks.nq, call.q_offset)
+  q = grads.q
+  unmasked = unmasked_query_blocks(call.mask, ks, bq, bk, lo, hi, call.q_offset, blocks.n,
+                                   blocks.m, q.shape[0] * q.shape[2] * bq * bk)
+  body = functools.partial(_backward_query_block, blocks, terms, call, grads, keys)
+  dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, body,
+                                       (dq, _zeros(keys.k), _zeros(keys.v), dparams))
+  k_dk = jax.lax.dynamic_update_slice_in_dim(k_dk, dk_blk.astype(k_dk.dtype), ks, axis=1)
+  v_dv = jax.lax.dynamic_update_slice_in_dim(v_dv, dv_blk.astype(v_dv.dtype), ks, axis=1)
+  return dq, k_dk, v_dv, dparams
+
+
+def _backward_query_block(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, qb,
+                          carry, masked):
+  """_loops' body (_forward_key_block's rule, from the keys' side)."""
+  if not (masked and blocks.rise):
+    return _backward_whole(blocks, terms, call, grads, keys, qb, carry, masked)
+  diagonal = functools.partial(_backward_diagonal, blocks, terms, call, grads, keys)
+  if not call.mask.has_arrays():
+    return diagonal(carry)
+  return jax.lax.cond(qb == keys.kb, diagonal,
+                      lambda c: _backward_whole(blocks, terms, call, grads, keys, qb, c, True),
+                      carry)
+
+
+def _backward_whole(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, qb, carry,
+                    masked):
+  """Query block qb against the whole key block, its mask applied if masked."""
+  qs = qb * blocks.bq
+  visible = _visible(call.mask, qs, keys.ks, blocks.bq, blocks.bk, call.q_offset, blocks.n,
+                     blocks.m)
+
+  def compute(carry):
+    return _pair_grads(blocks, terms, call, grads, carry, qs, blocks.bq, keys.k, keys.v,
+                       keys.ks + jnp.arange(blocks.bk), visible if masked else None)
+  return _unless_hidden(call.mask, visible, compute, carry) if masked else compute(carry)
+
+
+def _backward_diagonal(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, carry):
+  """The block on the causal diagonal (query block kb), _staircase."""
+  rise, ks = blocks.rise, keys.ks
+  for r0 in range(0, blocks.bq, rise):
+    r1 = r0 + rise
+    carry = _pair_grads(blocks, terms, call, grads, carry, ks + r0, rise, keys.k[:, :r1],
+                        keys.v[:, :r1], ks + jnp.arange(r1), _step_mask(call.mask, ks, r0, rise))
+  return carry
+
+
+def _pair_grads(blocks: Blocks, terms, call: Call, grads: _Grads, carry, qs, rows: int, k_part,
+                v_part, k_idx, visible):
+  """carry (dq, dk_blk, dv_blk, dparams) with the gradients of queries
+  qs .. qs + rows - 1 against the keys k_idx (k_part, v_part: the key
+  block's first len(k_idx)) added."""
+  dq, dk_blk, dv_blk, dparams = carry
+  params, q_offset, seed = call.params, call.q_offset, call.seed
+  q_idx = qs + jnp.arange(rows)
+  q_blk = jax.lax.dynamic_slice_in_dim(grads.q, qs, rows, axis=1)
+  s, pull_s = jax.vjp(lambda q_, k_, p_: _block_logits(terms, q_, k_, p_, q_idx, k_idx, q_offset),
+                      q_blk, k_part, params)
+  lse_blk = jax.lax.dynamic_slice_in_dim(grads.lse, qs, rows, axis=2)
+  p = jnp.exp(s - lse_blk[..., None])
+  if visible is not None:
+    p = jnp.where(visible, p, 0.0)
+  _, pull_v = jax.vjp(
+      lambda p_, v_, pr_: _block_values(terms, p_, v_, pr_, q_idx, k_idx, q_offset),
+      _dropped(blocks, p, seed, q_idx, k_idx), v_part, params)
+  d_out_blk = jax.lax.dynamic_slice_in_dim(grads.d_out, qs, rows, axis=1).transpose(0, 2, 1, 3)
+  dp, dv_part, dparams_v = pull_v(d_out_blk)
+  dp = _dropped(blocks, dp, seed, q_idx, k_idx)
+  ds = p * (dp - jax.lax.dynamic_slice_in_dim(grads.delta, qs, rows, axis=2)[..., None])
+  dq_part, dk_part, dparams_s = pull_s(ds)
+  dparams = jax.tree.map(
+      lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
+      dparams, dparams_v, dparams_s)
+  return (_add_at(dq, dq_part, qs), _add_at(dk_blk, dk_part, 0),
+          _add_at(dv_blk, dv_part, 0), dparams)
+
+
+# ---------------------------------------------------------------------------
+# The mask's block plan: which blocks are hidden, whole or on the diagonal.
+
+
+def _visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m):
+  """bool [b | 1, h | 1, bq, bk]: the block's pairs that may attend, real
+  keys (< m) and real queries (< n) only."""
+  real = ((qs + jnp.arange(bq))[:, None] < n) & ((ks + jnp.arange(bk))[None, :] < m)
+  ok = mask.block(qs, ks, bq, bk, q_offset)
+  return real[None, None] if ok is None else ok & real[None, None]
+
+
+def _unless_hidden(mask: MaskSpec, visible, compute, carry):
+  """compute(carry), or carry itself when no pair of the block is visible
+  (`visible` bool [..., bq, bk]) and the mask has arrays (padding, segments:
+  the causal and window parts are already in the loop bounds)."""
+  if not mask.has_arrays():
+    return compute(carry)
+  return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
+
+
+def _may_skip_mask(mask: MaskSpec, scores: int) -> bool:
+  """Whether some blocks may need no mask: none of segments, an explicit mask
+  or a window, and blocks of at least UNMASKED_MIN_SCORES scores. Padding
+  may leave whole blocks visible (a model's calls always carry its PAD
+  mask): which ones is read from the arrays at run time (_first_partial)."""
+  return (mask.query_segments is None and mask.dense is None and mask.window is None
+          and scores >= UNMASKED_MIN_SCORES)
+
+
+def _first_partial(valid, size: int, start):
+  """The first block of `size` tokens at or after block `start` (int32
+  scalar) where some row of the batch has a padding token: valid bool [b, L]
+  (L a multiple of size; None: no padding) -> int32 scalar, L // size if
+  none."""
+  if valid is None:
+    return jnp.int32(2**30)
+  count = valid.shape[1] // size
+  whole = valid.reshape(valid.shape[0], count, size).all((0, 2))
+  index = jnp.arange(count, dtype=jnp.int32)
+  return jnp.min(jnp.where(~whole & (index >= start), index, count))
+
+
+def _all_valid(valid, start, size: int):
+  """Whether tokens start .. start + size - 1 are valid in every row: valid
+  bool [b, L] or None (no padding) -> bool scalar."""
+  if valid is None:
+    return jnp.bool_(True)
+  return jax.lax.dynamic_slice_in_dim(valid, start, size, axis=1).all()
+
+
+def unmasked_key_blocks(mask: MaskSpec, qs, bq, bk, lo, hi, q_offset, n, m, scores: int):
+  """(first, last): the key blocks [first, last) of [lo, hi) that every
+  query of the block at qs sees whole (below the causal diagonal, real
+  queries < n and keys < m, no padding token in any row of the batch up to
+  the last one): a prefix of [lo, hi), int32 scalars; None where
+  _may_skip_mask says no."""
+  if not _may_skip_mask(mask, scores):
+    return None
+  last = jnp.minimum(m // bk, _first_partial(mask.key_valid, bk, lo))
+  if mask.causal:  # key block kb ends at or before the block's first query
+    last = jnp.minimum(last, (q_offset + qs + 1) // bk)
+  whole = (qs + bq <= n) & _all_valid(mask.query_valid, qs, bq)
+  return lo, jnp.where(whole, jnp.clip(last, lo, hi), lo)
+
+
+def unmasked_query_blocks(mask: MaskSpec, ks, bq, bk, lo, hi, q_offset, n, m, scores: int):
+  """(first, last): the query blocks [first, last) of [lo, hi) that see the
+  whole key block at ks (unmasked_key_blocks' rule, from the keys' side),
+  int32 scalars; None where _may_skip_mask says no."""
+  if not _may_skip_mask(mask, scores):
+    return None
+  first = lo
+  if mask.causal:  # query block qb starts at or after the key block's last key
+    first = jnp.maximum(lo, -((q_offset - ks - bk + 1) // bq))
+  first = jnp.minimum(first, hi)
+  last = jnp.clip(jnp.minimum(n // bq, _first_partial(mask.query_valid, bq, first)), first, hi)
+  whole = (ks + bk <= m) & _all_valid(mask.key_valid, ks, bk)
+  return jnp.where(whole, first, hi), jnp.where(whole, last, hi)
+
+
+def _loops(lo, hi, unmasked, body, carry):
+  """body(i, carry, masked) for i in [lo, hi): masked=False for i in
+  unmasked = [first, last) (lo <= first <= last <= hi), masked=True for the
+  rest, those first (in order: [lo, first), then [last, hi)). unmasked None:
+  one loop, every block masked."""
+  if unmasked is None:
+    return jax.lax.fori_loop(lo, hi, lambda i, c: body(i, c, True), carry)
+  first, last = unmasked
+  before = first - lo
+
+  def masked(t, carry):
+    return body(jnp.where(t < before, lo + t, last + t - before), carry, True)
+  carry = jax.lax.fori_loop(0, before + hi - last, masked, carry)
+  return jax.lax.fori_loop(first, last, lambda i, c: body(i, c, False), carry)
+
+
+def _staircase(mask: MaskSpec, q_offset, n: int, m: int, bq: int, bk: int, scores: int):
+  """The rows a step of the diagonal blocks' staircase (STAIRCASE_ROWS), or
+  None: the mask causal, with no window or segments (_may_skip_mask;
+  padding may be), q_offset a Python 0 (training, evaluation), bq = bk
+  dividing n <= m, so that the diagonal blocks are whole blocks, and the
+  block more than one step tall."""
+  if not (mask.causal and _may_skip_mask(mask, scores) and type(q_offset) is int
+          and q_offset == 0 and bq == bk and n <= m and not n % bq and not m % bk):
+    return None
+  rise = STAIRCASE_ROWS
+  return rise if bq > rise and not bq % rise else None
+
+
+def _step_visible(r0: int, rise: int):
+  """bool [rise, r0 + rise]: rows r0 .. r0 + rise - 1 of a diagonal block
+  against its keys 0 .. r0 + rise - 1, key j seen by row i where j <= i."""
+  return jnp.arange(r0 + rise)[None, :] <= (r0 + jnp.arange(rise))[:, None]
+
+
+def _step_mask(mask: MaskSpec, start, r0: int, rise: int):
+  """_step_visible with the padding of the diagonal block at `start` (its
+  queries and keys both): bool [rise, r0 + rise], or [b, 1, rise, r0 + rise]
+  where the mask has padding."""
+  visible = _step_visible(r0, rise)
+  if mask.key_valid is not None:
+    keys = jax.lax.dynamic_slice_in_dim(mask.key_valid, start, r0 + rise, axis=1)
+    visible = visible & keys[:, None, None, :]
+  if mask.query_valid is not None:
+    queries = jax.lax.dynamic_slice_in_dim(mask.query_valid, start + r0, rise, axis=1)
+    visible = visible & queries[:, None, :, None]
+  return visible
+
+
+# ---------------------------------------------------------------------------
+# Block layout.
+
+
+def _heads_first(x):
+  """[b, L, h, d] <-> [b, h, L, d]. Heads first, the key block that every
+  query block slices again is one contiguous piece a head, which the block's
+  einsums read as it is (the terms' [b, bk, h, d] view of it, _block, is a
+  transpose that XLA folds into them), at the cost of a copy of the keys
+  and values. The backward keeps [b, L, h, d], where heads first is slower
+  (benchmarks/chunked_attention.py)."""
+  return x.transpose(0, 2, 1, 3)
+
+
+def _block(x_t, start, size: int):
+  """x_t [b, h, L, d] (heads first) -> rows [start, start + size) as [b, size, h, d]."""
+  return _heads_first(jax.lax.dynamic_slice_in_dim(x_t, start, size, axis=2))
+
+
+def _add_at(x, part, start):
+  """x with `part` added to rows start .. start + len(part) - 1 (axis 1): a
+  slice and an update in place, not `.at[].add`'s scatter; where `part` is
+  all of x, XLA makes it a plain add."""
+  rows = part.shape[1]
+  return jax.lax.dynamic_update_slice_in_dim(
+      x, jax.lax.dynamic_slice_in_dim(x, start, rows, axis=1) + part, start, axis=1)
+
+
+def _unblock(x, axis: int):
+  """Blocks stacked first, [nb, ..., block (at axis), ...] -> [..., nb * block, ...]."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
