@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, masks, registry
-from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_weights
+from flaxformer_lite.attention.from_terms import dot_product_chunked
+from flaxformer_lite.attention.softmax import softmax_weights
 
 
 def window_softmax(logits, in_window, mask, *, dropout_rate=0.0, dropout_rng=None,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention.dot_product import masked_logits, softmax_weights
+from flaxformer_lite.attention.softmax import masked_logits, softmax_weights
 
 # bucket_sum's far-left bucket is summed per block of this many keys (a small
 # matmul, [b*h*n, m] @ [m, m/B]) plus one partial block read by a gather: a
