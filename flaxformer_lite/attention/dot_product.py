@@ -21,12 +21,11 @@ from flaxformer_lite.attention.softmax import softmax_weights
 
 
 # Both products take heads-major operands ([b, h, L, d]; the g key/value
-# heads repeated to h). Written on [b, L, h, d] operands, or grouped in place
-# as [b, n, g, h/g, d], XLA:CPU transposes [b, h, n, m]-sized arrays around
-# the backward's matmuls, which costs more than the matmuls' own transposes
-# of [b, L, h, d] inputs (benchmarks/attention.py: ours against flax's
-# layer). A decoding step (one query) keeps the grouped form: it reads the
-# cache's g heads in place, with no copy of the cache.
+# heads repeated to h): XLA:CPU then transposes the [b, L, h, d] inputs, where
+# on [b, L, h, d] operands, or grouped in place as [b, n, g, h/g, d], it
+# transposes [b, h, n, m]-sized arrays around the backward's matmuls. A
+# decoding step (one query) keeps the grouped form: it reads the cache's g
+# heads in place, with no copy of the cache.
 
 
 def _heads_major(x, h: int):
@@ -99,10 +98,9 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
       `jax.nn.dot_product_attention`. None does not defer to
       `jax.nn.dot_product_attention`: there (JAX 0.10) None means 'xla',
       never cuDNN, and its XLA path (a vmap over head groups, logits scaled
-      after the matmul) costs a third more time for forward+backward and
-      two thirds more temp memory on CPU than the same math written out here
-      (benchmarks/attention.py, its jax.nn column). Ask for 'cudnn' to get
-      the fused GPU kernel.
+      after the matmul) takes more time and temp memory on CPU than the same
+      math written out here (benchmarks/attention.py, its jax.nn column).
+      Ask for 'cudnn' to get the fused GPU kernel.
     return_weights: also return the weights [b, h, n, m] (always computed on
       the reference path, whatever `implementation` says).
   Returns:
@@ -131,7 +129,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     bias = jnp.broadcast_to(bias, jnp.broadcast_shapes(bias.shape, (1, 1, n, m)))
     # XLA adds the bias to its float32 logits, so it gets the bias in float32.
     # cuDNN's kernel takes it in the compute dtype: with a float32 bias its
-    # gradients came out NaN (jax-ml/jax#32242).
+    # gradients are NaN (jax-ml/jax#32242).
     bias = bias.astype(jnp.promote_types(dtype, jnp.float32) if implementation == 'xla'
                        else dtype)
   return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
