@@ -98,8 +98,8 @@ def _count(event: str, **_):
 
 def compile_logged(name: str, jitted, *args, log: logging.Logger | None = None):
   """jitted.lower(*args) and its compile, with one log line saying how long
-  it took and whether the persistent cache served it ('train step compiled
-  in 41.2 s (lowered in 3.0 s)', 'eval step: cache, 0.4 s (lowered in 1.1 s)').
+  each took and whether the persistent cache served it ('NAME compiled in
+  ... s (lowered in ... s)' or 'NAME: cache, ... s (lowered in ... s)').
   Returns (lowered, compiled)."""
   global _listening
   if not _listening:

@@ -61,7 +61,7 @@ flags.DEFINE_string('out', None, 'Output folder (default: WORKDIR/attention).',
 
 SPECIAL_TOKENS = {tokens.PAD_ID: '<pad>', tokens.BOS_ID: '<s>', tokens.EOS_ID: '</s>'}
 # Tokens a plot runs through the model: the sown weights of every layer are
-# dense [h, n, m] float32 (4 MiB a head at 1024), and no image shows more.
+# dense [h, n, m] float32, quadratic in this, and no image shows more.
 MAX_WINDOW = 1024
 # Axes up to this long get one tick label per token; longer ones, positions.
 LABELLED_TOKENS = 64

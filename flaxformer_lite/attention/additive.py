@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.luong import attend, per_head_matrix
 
-# The chunked form's largest block: its [b, h, bq, bk, d] float32 tanh is
-# 8 MiB at b*h = 8, d = 64.
+# The chunked form's largest block: its tanh is [b, h, bq, bk, d] float32,
+# d times the size of a block of scores.
 ADDITIVE_CHUNK_SIZE = 64
 
 

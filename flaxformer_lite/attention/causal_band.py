@@ -23,9 +23,9 @@ from flaxformer_lite.attention import dropout
 
 
 # Rows per window: queries rB .. rB + B - 1 meet the B + k - 1 keys from
-# rB - k + 1 in one small matmul, of which each row keeps its k lags. On CPU
-# a sum of k shifted slices is no faster, and XLA:CPU hands such sums to a
-# library fusion that keeps the k slices as k arrays of [b, n, h, d].
+# rB - k + 1 in one small matmul, of which each row keeps its k lags. Not a
+# sum of k shifted slices: XLA:CPU hands such sums to a library fusion that
+# keeps the k slices as k arrays of [b, n, h, d].
 _ROWS = 16
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
-from flaxformer_lite.attention.dot_product import softmax_weights
+from flaxformer_lite.attention.softmax import softmax_weights
 
 
 def cope_positions(gates):

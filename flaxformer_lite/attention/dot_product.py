@@ -6,78 +6,26 @@ Shapes follow `jax.nn.dot_product_attention`:
   `bias` is added to the scaled logits, broadcastable to [b, h, n, m], in
   float32 (at least) whatever the compute dtype, except by cuDNN's kernel.
 
-A query row whose keys are all masked gets uniform weights over the keys (the
-same rule as `jax.nn.dot_product_attention` and flax): finite, never NaN.
+A query row whose keys are all masked gets uniform weights over the keys
+(softmax.py; the same rule as `jax.nn.dot_product_attention` and flax):
+finite, never NaN.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, dropout, masks, registry, select, splash
-
-# Masked logits are set to this (times the dtype's max), not -inf, so that a
-# fully masked row stays finite. Same constant as jax.nn.dot_product_attention.
-_MASK_VALUE = -0.7
-
-
-def masked_logits(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
-  """Replaces logits where `mask` is False by a large finite negative number."""
-  if mask is None:
-    return logits
-  big_neg = _MASK_VALUE * jnp.finfo(logits.dtype).max
-  return jnp.where(mask.astype(bool), logits, big_neg)
-
-
-@jax.custom_jvp
-def _softmax(z):
-  """softmax over the last axis of float32 z [..., m].
-
-  The derivative is written out, dw = w * (dz - sum(w * dz)), so that the
-  backward pass needs the weights only. With jax.nn.softmax instead (the
-  same formula behind its `where`/`initial` handling) forward+backward of
-  MultiHeadAttention, b=4, n=256, d_model=512, took about 25% more time and
-  38% more XLA temp memory on CPU (benchmarks/attention.py). A JVP rule, not
-  a VJP, so forward mode (jax.jvp, jax.linearize) works too.
-  """
-  e = jnp.exp(z - jnp.max(z, -1, keepdims=True))
-  return e / jnp.sum(e, -1, keepdims=True)
-
-
-@_softmax.defjvp
-def _softmax_jvp(primals, tangents):
-  (z,), (dz,) = primals, tangents
-  w = _softmax(z)
-  return w, w * (dz - jnp.sum(w * dz, -1, keepdims=True))
-
-
-def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
-                    deterministic=True, dtype=None, q_idx=None, k_idx=None):
-  """Masked float32 softmax over the last axis, then dropout.
-
-  logits [b, h, n, m] -> weights [b, h, n, m] in `dtype` (default: logits'
-  dtype). Dropout zeroes weights with probability `dropout_rate` and rescales
-  the rest by 1/(1-rate), as in the paper's attention dropout; its keep mask
-  is dropout.py's, the chunked kernel's (q_idx, k_idx: dropout.apply). A
-  fully masked row's uniform weights are not dropped.
-  """
-  dtype = dtype or logits.dtype
-  weights = _softmax(masked_logits(logits.astype(jnp.float32), mask)).astype(dtype)
-  dropped = dropout.apply(weights, dropout_rate, dropout_rng, deterministic, q_idx, k_idx)
-  if deterministic or dropout_rate == 0.0 or mask is None:
-    return dropped
-  # A row that sees no key keeps its uniform weights whole, as in the
-  # chunked kernel (which never draws dropout for such a row).
-  return jnp.where(jnp.any(mask, -1, keepdims=True), dropped, weights)
+from flaxformer_lite.attention import chunked, masks, registry, select, splash
+from flaxformer_lite.attention.from_terms import dot_product_chunked
+from flaxformer_lite.attention.softmax import softmax_weights
 
 
 # Both products take heads-major operands ([b, h, L, d]; the g key/value
-# heads repeated to h). Written on [b, L, h, d] operands, or grouped in place
-# as [b, n, g, h/g, d], XLA:CPU transposes [b, h, n, m]-sized arrays around
-# the backward's matmuls, which costs more than the matmuls' own transposes
-# of [b, L, h, d] inputs (benchmarks/attention.py: ours against flax's
-# layer). A decoding step (one query) keeps the grouped form: it reads the
-# cache's g heads in place, with no copy of the cache.
+# heads repeated to h): XLA:CPU then transposes the [b, L, h, d] inputs, where
+# on [b, L, h, d] operands, or grouped in place as [b, n, g, h/g, d], it
+# transposes [b, h, n, m]-sized arrays around the backward's matmuls. A
+# decoding step (one query) keeps the grouped form: it reads the cache's g
+# heads in place, with no copy of the cache.
 
 
 def _heads_major(x, h: int):
@@ -150,10 +98,9 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
       `jax.nn.dot_product_attention`. None does not defer to
       `jax.nn.dot_product_attention`: there (JAX 0.10) None means 'xla',
       never cuDNN, and its XLA path (a vmap over head groups, logits scaled
-      after the matmul) costs a third more time for forward+backward and
-      two thirds more temp memory on CPU than the same math written out here
-      (benchmarks/attention.py, its jax.nn column). Ask for 'cudnn' to get
-      the fused GPU kernel.
+      after the matmul) takes more time and temp memory on CPU than the same
+      math written out here (benchmarks/attention.py, its jax.nn column).
+      Ask for 'cudnn' to get the fused GPU kernel.
     return_weights: also return the weights [b, h, n, m] (always computed on
       the reference path, whatever `implementation` says).
   Returns:
@@ -182,25 +129,11 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     bias = jnp.broadcast_to(bias, jnp.broadcast_shapes(bias.shape, (1, 1, n, m)))
     # XLA adds the bias to its float32 logits, so it gets the bias in float32.
     # cuDNN's kernel takes it in the compute dtype: with a float32 bias its
-    # gradients came out NaN (jax-ml/jax#32242).
+    # gradients are NaN (jax-ml/jax#32242).
     bias = bias.astype(jnp.promote_types(dtype, jnp.float32) if implementation == 'xla'
                        else dtype)
   return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
                                       implementation=implementation)
-
-
-def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
-                        mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
-                        dropout_rng=None):
-  """dot_product_attention block by block (chunked.attend): mask a
-  masks.MaskSpec; O(n) memory, the same attention dropout. The queries are scaled by
-  1/sqrt(d) here, once; `terms` and `params` add a variant's own block terms
-  to q.k (alibi, t5_bias, shaw, local)."""
-  dtype = dtype or query.dtype
-  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
-  return chunked.attend(scaled, key, value, terms, params, mask=mask, q_offset=q_offset,
-                        chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
-                        dropout_rng=dropout_rng)
 
 
 def auto_dot_product(query, key, value, *, implementation='auto', mask=None, dropout_rate=0.0,

@@ -43,8 +43,7 @@ def fire_bias(params, q_pos, k_pos):
     out = mlp(x)
   else:
     # Row tiles, each recomputed in the backward pass: the hidden units of a
-    # whole block ([bq, bk, w] and their gradient) would double a chunked
-    # call's temp memory (benchmarks/chunked_attention.py).
+    # whole block ([bq, bk, w]) and their gradient are never held at once.
     tiles = jax.lax.map(jax.checkpoint(mlp), x.reshape(bq // TILE_ROWS, TILE_ROWS, -1))
     out = jnp.moveaxis(tiles, 0, 1).reshape(tiles.shape[1], bq, -1)  # [h, bq, bk]
   return out + p['fire_b2'][:, None, None]

@@ -4,11 +4,12 @@ A variant registered with `terms` (registry.AttentionVariant) is a function
   terms(num_heads, **options) -> chunked.BlockTerms
 and nothing else: the dense path evaluates the same terms on the whole
 [n, m] as one block (`dense_attention`: queries at q_offset + 0..n-1, keys at
-0..m-1, the masked softmax and dropout of dot_product), the chunked path runs
-them block by block (chunked.attend). Decoding, packing and grouped-query
-attention come with the two kernels. A hand-written dense form (Shaw's
-reshape-and-matmul trick, the paper's reference) may still be registered as
-`fn`; the registry-wide tests hold it to the derived one.
+0..m-1, the masked softmax and dropout of softmax.py), the chunked path runs
+them block by block (`dot_product_chunked`: chunked.attend). Decoding,
+packing and grouped-query attention come with the two kernels. A
+hand-written dense form (Shaw's reshape-and-matmul trick, the paper's
+reference) may still be registered as `fn`; the registry-wide tests hold it
+to the derived one.
 
 `check_terms` runs at a variant's first lookup (registry.get; not at import,
 which must run no JAX computation): `values` must be linear in the weights
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked
-from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_weights
+from flaxformer_lite.attention.softmax import softmax_weights
 
 
 def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *, mask=None,
@@ -61,6 +62,20 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   out = terms.values(weights, value.astype(dtype), params, q_pos, k_pos)  # [b, h, n, dv]
   out = out.transpose(0, 2, 1, 3).astype(dtype)
   return (out, weights.astype(dtype)) if return_weights else out
+
+
+def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
+                        mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
+                        dropout_rng=None):
+  """dot_product_attention block by block (chunked.attend): mask a
+  masks.MaskSpec; O(n) memory, the same attention dropout. The queries are scaled by
+  1/sqrt(d) here, once; `terms` and `params` add a variant's own block terms
+  to q.k (alibi, t5_bias, shaw, local)."""
+  dtype = dtype or query.dtype
+  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  return chunked.attend(scaled, key, value, terms, params, mask=mask, q_offset=q_offset,
+                        chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
+                        dropout_rng=dropout_rng)
 
 
 def variant_fns(make_terms: Callable[..., chunked.BlockTerms], option_names) -> tuple:

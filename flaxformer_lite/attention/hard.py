@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import dropout, registry
-from flaxformer_lite.attention.dot_product import masked_logits
+from flaxformer_lite.attention.softmax import masked_logits
 
 
 def hard_attention(query, key, value, *, rng=None, temperature=1.0, mask=None, bias=None,

@@ -14,9 +14,8 @@ keep mask is a function of the query and key indices):
     block and the previous one (and the next one if not causal): logits
     [b, h, n/w, w, 2w or 3w], so time and memory grow with n * window.
     Needs q_offset == 0 (a python int), n == m, n % window == 0; taken when
-    that context is at most half of m (benchmarks/local_attention.py: on CPU
-    the blocked form lost at n=256, window 64, context 192, and won 1.3x at
-    n=512 and 2-3x at n=1024-2048).
+    that context is at most half of m: with more, it saves too little of the
+    [n, m] work to pay for the blocking (benchmarks/local_attention.py).
   plain: [b, h, n, m] logits under an explicit band mask; for decoding with
     a cache (traced q_offset), ragged lengths, and return_weights (whose
     [b, h, n, m] result costs O(nm) anyway).
@@ -29,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, masks, registry
-from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_weights
+from flaxformer_lite.attention.from_terms import dot_product_chunked
+from flaxformer_lite.attention.softmax import softmax_weights
 
 
 def window_softmax(logits, in_window, mask, *, dropout_rate=0.0, dropout_rng=None,
@@ -53,7 +53,7 @@ def window_softmax(logits, in_window, mask, *, dropout_rate=0.0, dropout_rng=Non
 
 
 # The blocked form is taken when m is at least this many times its context
-# (2 or 3 windows); see the module docstring for the measurements.
+# (2 or 3 windows; the module docstring says why).
 _BLOCKED_MIN_RATIO = 2
 
 
@@ -176,9 +176,7 @@ def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask
   """local_attention block by block: the window joins the mask description,
   so only the key blocks that meet a query block's window are computed,
   O(n * window). Blocks are at most max(32, 4 * window) wide: wider ones
-  mostly compute pairs outside the window (benchmarks/chunked_attention.py,
-  window 8, n 2048: 2.1x the blocked form's time with blocks of 512, 1.1x
-  with 32 or 128)."""
+  mostly compute pairs outside the window."""
   chunk_size = min(chunk_size or chunked.DEFAULT_CHUNK_SIZE, max(32, 4 * window))
   mask = (mask if mask is not None else masks.MaskSpec()).replace(
       window=window, window_causal=causal)

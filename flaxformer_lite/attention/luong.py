@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import softmax_weights
+from flaxformer_lite.attention.softmax import softmax_weights
 from flaxformer_lite.attention.local import window_softmax
 
 

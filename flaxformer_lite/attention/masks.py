@@ -13,9 +13,8 @@ A query may attend to a key where every given part allows it.
 
 The dense path asks for the whole [b, 1, n, m] array (`to_dense`); the chunked
 path asks for one block at a time (`block`) and for the range of key blocks
-a query block can see at all (`key_block_range`), so at n = 16k it never
-holds the 256 MiB-per-example boolean array that `nn.make_attention_mask`
-would build.
+a query block can see at all (`key_block_range`), so it never holds the
+[b, 1, n, m] boolean array that `nn.make_attention_mask` would build.
 """
 from __future__ import annotations
 

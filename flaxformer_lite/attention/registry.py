@@ -32,7 +32,7 @@ import textwrap
 from typing import Any, Callable, Mapping, NamedTuple
 
 from flaxformer_lite import model_types
-from flaxformer_lite.attention import select
+from flaxformer_lite.attention import from_terms, select
 
 TRANSFORMER_MODELS = model_types.TRANSFORMER_TYPES
 ALL_MODELS = tuple(model_types.MODEL_TYPES)
@@ -193,8 +193,6 @@ def register(variant: AttentionVariant) -> AttentionVariant:
 def _with_terms(variant: AttentionVariant) -> AttentionVariant:
   """`variant` with the kernels its `terms` give where it names none; its
   values term is checked at its first `get` (_check_terms)."""
-  # from_terms needs dot_product, which registers itself here: imported late.
-  from flaxformer_lite.attention import from_terms  # pylint: disable=import-outside-toplevel
   kwargs = dict(variant.kwargs)
   if variant.validate is not None:
     variant.validate(kwargs)
@@ -232,7 +230,6 @@ _UNCHECKED: set[str] = set()
 def _check_terms(variant: AttentionVariant) -> None:
   """from_terms.check_terms on `variant`'s terms (default options, 2 heads
   of 4); a variant that fails leaves the registry."""
-  from flaxformer_lite.attention import from_terms  # pylint: disable=import-outside-toplevel
   _UNCHECKED.discard(variant.name)
   kwargs = dict(variant.kwargs)
   specs = variant.params(2, 4, kwargs) if variant.params else {}

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 from flaxformer_lite.attention import chunked, masks, registry
 from flaxformer_lite.attention import dropout as dropout_lib
 from flaxformer_lite.attention.causal_band import causal_band
-from flaxformer_lite.attention.dot_product import dot_product_chunked, softmax_weights
+from flaxformer_lite.attention.from_terms import dot_product_chunked
 from flaxformer_lite.attention.relative_banded import (_banded_attention, band_indices,
                                                        bucket_spread, bucket_sum)
+from flaxformer_lite.attention.softmax import softmax_weights
 
 FORMS = ('auto', 'naive', 'matmul', 'banded')
 # 'auto' picks 'banded' once a materialised [n, m, d] table would have this many

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention.dot_product import masked_logits, softmax_weights
+from flaxformer_lite.attention.softmax import masked_logits, softmax_weights
 
 # bucket_sum's far-left bucket is summed per block of this many keys (a small
 # matmul, [b*h*n, m] @ [m, m/B]) plus one partial block read by a gather: a
@@ -157,8 +157,7 @@ def _relative_softmax_bwd(k, res, g):
   if visible is not None:
     weights = weights * visible
   # Without the barrier XLA folds the next line into delta's reduction and
-  # materialises the gather beside it; with it, one elementwise pass and a
-  # third less temp memory (benchmarks/relative_attention.py).
+  # materialises the gather beside it; with it, one elementwise pass.
   weights, g_weights, delta = jax.lax.optimization_barrier((weights, g_weights, delta))
   dz = weights * (g_weights + _spread(k, g_buckets, ix, weights.shape[-1]) - delta)
   return dz, _bucket_sums(k, dz, ix), None, None

@@ -70,9 +70,8 @@ def temperature(scaling='none', factor=1.0) -> float:
 
 def _cos_sin(angle):
   """(cos, sin) of angle [n, r/2], computed once. Fused into the rotation,
-  XLA:CPU evaluates them again for every element of the rotated [b, n, h, r]
-  (a rotation of q at [4, 512, 8, 64] took 3.2 ms against 0.4 ms); a
-  conditional is not fused into its users, so its outputs are computed once.
+  XLA:CPU evaluates them again for every element of the rotated [b, n, h, r];
+  a conditional is not fused into its users, so its outputs are computed once.
   Both branches are the same: the predicate only has to be one XLA cannot
   fold."""
   same = lambda a: (jnp.cos(a), jnp.sin(a))  # noqa: E731

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention, dot_product_chunked
+from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.from_terms import dot_product_chunked
 
 
 def sinusoid(distances, width: int):

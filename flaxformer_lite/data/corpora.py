@@ -322,7 +322,7 @@ def _examples(builder, split: str) -> list[dict]:
   source = builder.as_data_source(split)
   keys = list(range(len(source)))
   try:
-    return source.__getitems__(keys)  # one batched read: ~4x faster than item by item
+    return source.__getitems__(keys)  # one batched read, not a read per item
   except TypeError:  # tfds.testing.mock_data's source: its __getitems__ is set without `self`
     return [source[i] for i in keys]
 

@@ -197,7 +197,7 @@ def _numeric_grad(f, args, eps=1e-6):
 
 
 def test_gradients_and_jvp_match_finite_differences_of_the_loop():
-  # The softmax's derivative is written by hand (dot_product._masked_softmax):
+  # The softmax's derivative is written by hand (softmax._softmax):
   # check reverse and forward mode against central differences of the loop
   # reference, with a random mask, a fully masked row and a bias.
   q, k, v = _qkv(11, n=3, m=4, h=2, d=2)
