@@ -131,10 +131,12 @@ setup_venv() {
     local py; py=$(find_python)
     echo "launch.sh: installing into $VENV with $py (first run takes a few minutes)" >&2
     [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+    # --no-compile: Python writes the bytecode of the modules a run imports as
+    # it imports them, not of every module of every package at install time.
+    "$VENV/bin/python" -m pip install -q --no-compile --upgrade pip >&2
     # setuptools' notice on every editable install of a flat layout is not an error.
     PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation" \
-      "$VENV/bin/python" -m pip install -q -e ".[test${FFL_EXTRAS:+,$FFL_EXTRAS}]" 2>&1 \
+      "$VENV/bin/python" -m pip install -q --no-compile -e ".[test${FFL_EXTRAS:+,$FFL_EXTRAS}]" 2>&1 \
       | grep -v "is ignored: it is neither" >&2 || true
     "$VENV/bin/python" -c "import flaxformer_lite, jax, flax, optax, orbax.checkpoint" \
       || { echo "launch.sh: installation into $VENV failed (see above)" >&2; exit 1; }

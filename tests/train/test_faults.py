@@ -65,8 +65,8 @@ def _wait_for_training(proc, workdir, after=0, timeout=240):
 
 def test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes(tmp_path, tfds_dir):
   """SIGTERM, then SIGINT to the same command run again (which resumes from
-  the SIGTERM's checkpoint): each saves a checkpoint at the step it stops and
-  exits 0; a run to a few steps later resumes from the last."""
+  the SIGTERM's checkpoint, its train step read from the compilation cache):
+  each saves a checkpoint at the step it stops and exits 0."""
   workdir, saved = str(tmp_path / 'w'), []
   for signum in (signal.SIGTERM, signal.SIGINT):
     proc = _start(workdir, tfds_dir)
@@ -82,17 +82,7 @@ def test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes(tmp_path,
     # no checkpoint_every step was reached: the newest is this signal's
     steps = _steps(workdir)
     assert steps[:-1] == saved and steps[-1] >= (saved[-1] + 1 if saved else 5), (saved, steps)
-    saved.append(last := steps[-1])
-
-  proc = subprocess.run(
-      [sys.executable, '-m', 'flaxformer_lite.main', f'--workdir={workdir}',
-       f'--config.data.data_dir={tfds_dir}', *TINY, f'--config.train.num_steps={last + 3}',
-       '--config.train.log_every=5', '--config.train.checkpoint_every=100000',
-       '--config.train.eval_every=100000', '--config.eval.final_test=False'],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f'at step {last}' in proc.stdout
-  assert _steps(workdir)[-1] == last + 3
+    saved.append(steps[-1])
 
 
 def _train_points(workdir):
