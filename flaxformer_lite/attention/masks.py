@@ -18,7 +18,8 @@ a query block can see at all (`key_block_range`), so it never holds the
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -194,3 +195,115 @@ def as_dense(mask, n: int, m: int, q_offset=0):
   if isinstance(mask, MaskSpec):
     return mask.to_dense(n, m, q_offset)
   return mask
+
+
+# ------------------------------------------------------------ masks as functions
+#
+# A Mask is FlexAttention's mask_mod kept to JAX: a function of (batch, head,
+# query index, key index) -> bool, True = may attend, evaluated on int arrays
+# that broadcast ([B,1,1,1], [1,H,1,1], [1,1,N,1], [1,1,1,M]). A query's index
+# counts from the sequence's first query (a decoding step's offset included),
+# a key's from the first key. Masks combine with &, | and ~; `block_mask`
+# classifies each block of a call once, for the blocked kernels.
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+  """fn(b, h, q, k) -> bool (section comment above); `name` for messages."""
+  fn: Callable[..., Any]
+  name: str = 'mask'
+
+  def __call__(self, b, h, q, k):
+    return self.fn(b, h, q, k)
+
+  def __and__(self, other: Mask) -> Mask:
+    return Mask(lambda *a: jnp.logical_and(self(*a), other(*a)), f'({self.name} & {other.name})')
+
+  def __or__(self, other: Mask) -> Mask:
+    return Mask(lambda *a: jnp.logical_or(self(*a), other(*a)), f'({self.name} | {other.name})')
+
+  def __invert__(self) -> Mask:
+    return Mask(lambda *a: jnp.logical_not(self(*a)), f'~{self.name}')
+
+
+def causal() -> Mask:
+  return Mask(lambda b, h, q, k: k <= q, 'causal')
+
+
+def sliding_window(window: int, causal_: bool = False) -> Mask:
+  """|k - q| < window; causal_: q - window < k <= q (local attention's band)."""
+  return Mask(lambda b, h, q, k: band(q, k, window, causal_), f'window({window})')
+
+
+def key_padding(key_valid) -> Mask:
+  """key_valid bool [B, M]: False keys are seen by no query."""
+  key_valid = jnp.asarray(key_valid, bool)
+  return Mask(lambda b, h, q, k: key_valid[b, k], 'key_padding')
+
+
+def query_padding(query_valid) -> Mask:
+  """query_valid bool [B, N]: False queries see no key."""
+  query_valid = jnp.asarray(query_valid, bool)
+  return Mask(lambda b, h, q, k: query_valid[b, q], 'query_padding')
+
+
+def segments(query_segments, key_segments) -> Mask:
+  """int [B, N] and [B, M]: a query sees the keys of its own segment
+  (packed examples, documents)."""
+  query_segments, key_segments = jnp.asarray(query_segments), jnp.asarray(key_segments)
+  return Mask(lambda b, h, q, k: query_segments[b, q] == key_segments[b, k], 'segments')
+
+
+def prefix_lm(prefix_len) -> Mask:
+  """int [B]: every query sees the first prefix_len[b] keys (the prompt,
+  attended bidirectionally), and the keys before it causally."""
+  prefix_len = jnp.asarray(prefix_len)
+  return Mask(lambda b, h, q, k: (k <= q) | (k < prefix_len[b]), 'prefix_lm')
+
+
+def chunked_causal(chunk: int) -> Mask:
+  """Causal inside chunks of `chunk` positions, nothing across them."""
+  return Mask(lambda b, h, q, k: (k <= q) & (k // chunk == q // chunk), f'chunked_causal({chunk})')
+
+
+def _indices(batch: int, heads: int, q, k):
+  b = jnp.arange(batch)[:, None, None, None]
+  h = jnp.arange(heads)[None, :, None, None]
+  return b, h, q[None, None, :, None], k[None, None, None, :]
+
+
+def evaluate(mask: Mask, batch: int, heads: int, n: int, m: int, q_offset=0):
+  """The mask as a boolean array broadcastable to [batch, heads, n, m]
+  (queries at indices q_offset .. q_offset + n - 1)."""
+  return jnp.asarray(mask(*_indices(batch, heads, q_offset + jnp.arange(n), jnp.arange(m))),
+                     bool)
+
+
+def block_mask(mask: Mask, batch: int, heads: int, n: int, m: int, bq: int, bk: int,
+               q_offset=0):
+  """Each block's state, computed once per call -> int8 [batch | 1, heads | 1,
+  ceil(n / bq), ceil(m / bk)]: EMPTY (no pair visible: skip it), FULL (every
+  pair visible: no select needed) or PARTIAL. Keys past m are hidden, queries
+  past n do not count. One query block at a time: the memory is a block row's,
+  as broadcast as the mask's own arrays."""
+  nq, nk = -(-n // bq), -(-m // bk)
+  k = jnp.arange(nk * bk)
+  k_real = (k < m)[None, None, None, :]
+
+  def row(qb):
+    q = q_offset + qb * bq + jnp.arange(bq)
+    q_real = (qb * bq + jnp.arange(bq) < n)[None, None, :, None]
+    seen = jnp.logical_and(mask(*_indices(batch, heads, q, k)), k_real)  # [.., bq, nk * bk]
+    shape = jnp.broadcast_shapes(seen.shape, (1, 1, bq, nk * bk))
+    seen = jnp.broadcast_to(seen, shape).reshape(shape[:2] + (bq, nk, bk))
+    real = q_real[..., None]
+    any_ = jnp.any(seen & real, axis=(2, 4))
+    all_ = jnp.all(seen | ~real, axis=(2, 4))
+    return jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+  # Indices past the arrays' ends (the last blocks' tails) read clamped
+  # values; k_real and q_real leave those pairs out.
+  rows = jax.lax.map(row, jnp.arange(nq))  # [nq, b | 1, h | 1, nk]
+  return jnp.moveaxis(rows, 0, 2)

@@ -1,0 +1,78 @@
+"""Masks as functions (masks.Mask) against loops over every (batch, query, key)
+written from each mask's definition, and block_mask against the blocks of
+those loops' arrays."""
+import itertools
+
+import numpy as np
+import pytest
+
+from flaxformer_lite.attention import masks
+
+B, H, N, M = 2, 3, 11, 13
+
+
+def _loop(rule, n=N, m=M, q_offset=0):
+  out = np.zeros((B, H, n, m), bool)
+  for b, h, i, j in itertools.product(range(B), range(H), range(n), range(m)):
+    out[b, h, i, j] = rule(b, h, q_offset + i, j)
+  return out
+
+
+RNG = np.random.default_rng(0)
+KEY_VALID = RNG.random((B, M)) > 0.3
+QUERY_VALID = RNG.random((B, N)) > 0.2
+Q_SEG = np.sort(RNG.integers(0, 3, (B, N)), axis=1)
+K_SEG = np.sort(RNG.integers(0, 3, (B, M)), axis=1)
+PREFIX = np.array([4, 0])
+
+CASES = {
+    'causal': (masks.causal(), lambda b, h, i, j: j <= i),
+    'window': (masks.sliding_window(3), lambda b, h, i, j: abs(j - i) <= 2),
+    'causal window': (masks.sliding_window(3, True), lambda b, h, i, j: i - 3 < j <= i),
+    'key padding': (masks.key_padding(KEY_VALID), lambda b, h, i, j: KEY_VALID[b, j]),
+    'segments': (masks.segments(Q_SEG, K_SEG), lambda b, h, i, j: Q_SEG[b, i] == K_SEG[b, j]),
+    'prefix_lm': (masks.prefix_lm(PREFIX), lambda b, h, i, j: j <= i or j < PREFIX[b]),
+    'chunked causal': (masks.chunked_causal(4), lambda b, h, i, j: j <= i and j // 4 == i // 4),
+    'causal & padding | prefix': (
+        (masks.causal() & masks.key_padding(KEY_VALID)) | masks.prefix_lm(PREFIX),
+        lambda b, h, i, j: (j <= i and KEY_VALID[b, j]) or j <= i or j < PREFIX[b]),
+    'not causal': (~masks.causal(), lambda b, h, i, j: j > i),
+    'per head': (masks.Mask(lambda b, h, q, k: (k + h) % 3 != 0, 'heads'),
+                 lambda b, h, i, j: (j + h) % 3 != 0),
+}
+
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_each_mask_is_its_definition(name):
+  mask, rule = CASES[name]
+  got = np.broadcast_to(np.asarray(masks.evaluate(mask, B, H, N, M)), (B, H, N, M))
+  np.testing.assert_array_equal(got, _loop(rule))
+
+
+def _blocks_by_hand(dense, n, m, bq, bk):
+  nq, nk = -(-n // bq), -(-m // bk)
+  out = np.zeros(dense.shape[:2] + (nq, nk), np.int8)
+  for qb, kb in itertools.product(range(nq), range(nk)):
+    block = dense[:, :, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]  # real rows and keys only
+    whole = block.shape[3] == bk  # a block that runs past m has keys that are not there
+    for b, h in itertools.product(range(dense.shape[0]), range(dense.shape[1])):
+      cells = block[b, h]
+      out[b, h, qb, kb] = (masks.EMPTY if not cells.any() else
+                           masks.FULL if whole and cells.all() else masks.PARTIAL)
+  return out
+
+
+@pytest.mark.parametrize('name', list(CASES))
+@pytest.mark.parametrize('bq,bk', [(4, 4), (3, 5), (11, 13)])
+def test_block_mask_marks_each_block_empty_partial_or_full(name, bq, bk):
+  mask, rule = CASES[name]
+  q_offset = 2 if name == 'causal' else 0  # a decoding call's later queries
+  got = np.asarray(masks.block_mask(mask, B, H, N, M, bq, bk, q_offset=q_offset))
+  want = _blocks_by_hand(_loop(rule, q_offset=q_offset), N, M, bq, bk)
+  np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+
+
+def test_causal_blocks_are_the_staircase():
+  got = np.asarray(masks.block_mask(masks.causal(), 1, 1, 8, 8, 4, 4))[0, 0]
+  np.testing.assert_array_equal(got, [[masks.PARTIAL, masks.EMPTY],
+                                      [masks.FULL, masks.PARTIAL]])
