@@ -19,7 +19,9 @@ SPEC -->` and `<!-- end of generated part -->`; SPEC says what fills it:
 
 results/measurements.json holds one record per measured row: its command, the
 machine, wall time and date, a result sentence with {placeholders}, and the
-values that fill them. `benchmarks/record.py` writes a record's values from a
+values that fill them; a record of an experiment names its file, and its
+"expected" templates must read the same in that file's 'Expected:' lines
+(--check fails otherwise). `benchmarks/record.py` writes a record's values from a
 run; a benchmark's new numbers reach the READMEs only through this script,
 and tests/test_readme.py fails when a committed README differs from what it
 writes.
@@ -313,6 +315,31 @@ def generate(text: str, measurements: dict | None = None) -> str:
 FILES = ('README.md', os.path.join('benchmarks', 'README.md'))
 
 
+def expected_text(path: str) -> str:
+  """An experiment's docstring from its 'Expected' line to the next blank line."""
+  import ast
+  with open(os.path.join(REPO, path)) as f:
+    doc = ast.get_docstring(ast.parse(f.read())) or ''
+  start = doc.find('Expected')
+  return '' if start < 0 else ' '.join(doc[start:].split('\n\n')[0].split())
+
+
+def stale_expectations(measurements: dict) -> list[str]:
+  """Where an experiment's 'Expected:' lines lack a number of its record
+  (a record's "expected": the templates whose filled text must appear there)."""
+  problems = []
+  for key, record in measurements.items():
+    if 'experiment' not in record:
+      continue
+    text = expected_text(record['experiment'])
+    for template in record.get('expected', []):
+      want = fill(template, record)
+      if want not in text:
+        problems.append(f'{record["experiment"]}: its Expected lines do not say {want!r} '
+                        f'(results/measurements.json, {key!r})')
+  return problems
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--check', action='store_true',
@@ -340,8 +367,10 @@ def main(argv=None) -> int:
         f.write(new)
   if stale:
     print(f'{", ".join(stale)} differ from what benchmarks/readme_tables.py writes: run it.')
-    return 1
-  return 0
+  problems = stale_expectations(measurements)
+  for problem in problems:
+    print(problem)
+  return 1 if stale or problems else 0
 
 
 if __name__ == '__main__':

@@ -11,8 +11,8 @@ Data: Multi30k task 1 (29,000 / 1,014 / 1,000 pairs; test = test2016), raw
 cased text from data.manual_dir (train/val/test_2016_flickr .en/.de, .gz or
 plain), else the shared corpora (README, "Data"), else downloaded from
 github.com/multi30k/dataset.
-Expected: test2016 BLEU 33.5 (beam 4), validation 32.4 (greedy); 36 minutes
-on one CPU core.
+Expected: test2016 BLEU 33.5 (beam 4), validation 32.4 (greedy); 36 min
+on one core of 2 (another run beside it).
 """
 import os
 import runpy

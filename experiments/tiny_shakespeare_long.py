@@ -15,7 +15,7 @@ after the validation split's first 14,000 and writes it to
 WORKDIR/sample.txt. A step that would not fit in memory stops the run before
 training (exit 2).
 Expected: validation loss 2.053 nats per character at 4096, 2.051 at 16384
-(ALiBi extrapolates) after 200 steps of 4 x 4096 characters; 20 minutes
+(ALiBi extrapolates) after 200 steps of 4 x 4096 characters; 20 min
 on 2 CPU cores (16 training, 4 evaluating and sampling), peak RSS 4.2 GiB.
 The greedy continuation of a model this short-trained falls into a loop
 ("the the the ..."): greedy decoding, not a kernel's fault (the test of

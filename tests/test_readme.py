@@ -333,3 +333,18 @@ def test_the_headline_numbers_are_the_results_files_numbers():
   relative = os.path.join(results, 'length_generalisation', 'results.csv')
   xl = _csv_mean(relative, 'reverse', 'transformer_xl', 'test.long_sequence_accuracy')
   assert f'Transformer-XL {xl:.2f}' in readme
+
+
+def test_an_experiments_expected_lines_say_what_its_record_measured():
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import readme_tables
+  measurements = readme_tables.load_measurements()
+  tied = {r['experiment'] for r in measurements.values() if 'experiment' in r}
+  assert {'experiments/reverse.py', 'experiments/tiny_shakespeare_cpu.py',
+          'experiments/smollm2_shakespeare.py'} <= tied
+  assert readme_tables.stale_expectations(measurements) == []
+  changed = json.loads(json.dumps(measurements))
+  changed['tiny_shakespeare_cpu']['values']['eval_loss'] = 1.5
+  problems = readme_tables.stale_expectations(changed)
+  assert len(problems) == 1 and 'experiments/tiny_shakespeare_cpu.py' in problems[0]
+  assert "'1.500'" in problems[0]
