@@ -146,6 +146,31 @@ class MaskSpec:
         key_segments=None if self.key_segments is None else pad_to(self.key_segments, 1, m_pad),
         dense=dense)
 
+  def to_mask(self) -> Mask:
+    """The same rules as a Mask (a function of indices; query i at q_offset + i)."""
+    parts = []
+    if self.causal:
+      parts.append(causal())
+    if self.window is not None:
+      parts.append(sliding_window(self.window, self.window_causal))
+    if self.key_valid is not None:
+      parts.append(key_padding(self.key_valid))
+    if self.query_valid is not None:
+      parts.append(query_padding(self.query_valid))
+    if self.query_segments is not None:
+      parts.append(segments(self.query_segments, self.key_segments))
+    if self.dense is not None:
+      dense = _dense4(self.dense)
+      parts.append(Mask(lambda b, h, q, k: dense[b % dense.shape[0], h % dense.shape[1],
+                                                 q % dense.shape[2], k % dense.shape[3]],
+                        'dense'))
+    if not parts:
+      return Mask(lambda b, h, q, k: jnp.ones((), bool), 'everything')
+    mask = parts[0]
+    for part in parts[1:]:
+      mask = mask & part
+    return mask
+
   def key_block_range(self, q_first, q_last, bk: int, num_blocks: int):
     """Key blocks [lo, hi) that queries at absolute positions q_first..q_last
     may see under the causal and window parts (int32 scalars, may be traced)."""

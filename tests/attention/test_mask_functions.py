@@ -76,3 +76,17 @@ def test_causal_blocks_are_the_staircase():
   got = np.asarray(masks.block_mask(masks.causal(), 1, 1, 8, 8, 4, 4))[0, 0]
   np.testing.assert_array_equal(got, [[masks.PARTIAL, masks.EMPTY],
                                       [masks.FULL, masks.PARTIAL]])
+
+
+@pytest.mark.parametrize('parts', [
+    dict(causal=True), dict(window=3), dict(window=3, window_causal=True),
+    dict(causal=True, key_valid=KEY_VALID[:, :N], query_valid=QUERY_VALID),
+    dict(query_segments=Q_SEG, key_segments=Q_SEG, key_valid=KEY_VALID[:, :N]),
+    dict(dense=RNG.random((1, 1, N, N)) > 0.5, causal=True), dict()])
+def test_a_mask_spec_as_a_function_is_its_dense_mask(parts):
+  spec = masks.MaskSpec(**parts)
+  want = spec.to_dense(N, N)
+  want = np.ones((1, 1, N, N), bool) if want is None else np.asarray(want)
+  got = masks.evaluate(spec.to_mask(), B, H, N, N)
+  np.testing.assert_array_equal(np.broadcast_to(got, (B, H, N, N)),
+                                np.broadcast_to(want, (B, H, N, N)))
