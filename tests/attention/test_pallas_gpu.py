@@ -14,11 +14,21 @@ SLOPES = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
 
 
 def alibi(s, q_pos, k_pos, head, tables):
-  (slope,) = tables  # this head's: [1]
-  return s - slope * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+  (slope,) = tables  # this head's row of the slopes: [1]
+  return s - slope[...] * jnp.abs(q_pos - k_pos).astype(jnp.float32)
 
 
-def _reference(q, k, v, *, slopes=None, causal=False, q_offset=0, q_pos=None, k_pos=None):
+BUCKETS = np.random.default_rng(9).normal(size=(4, 8)).astype(np.float32)  # [h, buckets]
+
+
+def bucket_bias(s, q_pos, k_pos, head, tables):
+  """A table lookup, T5's kind: this head's bias by clipped signed distance."""
+  (row,) = tables  # this head's row: [8]
+  return s + row[jnp.clip(k_pos - q_pos, -4, 3) + 4]
+
+
+def _reference(q, k, v, *, slopes=None, buckets=None, causal=False, q_offset=0, q_pos=None,
+               k_pos=None):
   """float64 numpy: softmax(q.k / sqrt(d) + score) v per head."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, n, h, d = q.shape
@@ -32,6 +42,8 @@ def _reference(q, k, v, *, slopes=None, causal=False, q_offset=0, q_pos=None, k_
       s = q[bi, :, hi] @ k[bi, :, kh].T / np.sqrt(d)
       if slopes is not None:
         s = s - slopes[hi] * np.abs(q_pos[:, None] - k_pos[None, :])
+      if buckets is not None:
+        s = s + buckets[hi][np.clip(k_pos[None, :] - q_pos[:, None], -4, 3) + 4]
       if causal:
         s = np.where(np.arange(m)[None, :] <= q_offset + np.arange(n)[:, None], s, -np.inf)
       p = np.exp(s - s.max(axis=1, keepdims=True))
@@ -44,6 +56,7 @@ CASES = {
     'alibi causal': dict(score=True, causal=True),
     'alibi causal, decoding offset, GQA': dict(score=True, causal=True, q_offset=5, g=2, n=7),
     'randomized positions': dict(score=True, positions=True),
+    'bucket table, causal, GQA': dict(buckets=True, causal=True, g=1),
 }
 
 
@@ -67,14 +80,19 @@ def test_output_and_gradients_equal_the_written_out_attention(name):
     positions = dict(q_pos=np.sort(np.random.default_rng(1).choice(100, n, replace=False)))
     positions['k_pos'] = positions['q_pos']
   slopes = SLOPES if case.get('score') else None
-  kwargs = dict(score=alibi if slopes is not None else None,
-                tables=(jnp.asarray(SLOPES),) if slopes is not None else (),
+  buckets = BUCKETS if case.get('buckets') else None
+  score, tables = None, ()
+  if slopes is not None:
+    score, tables = alibi, (jnp.asarray(SLOPES),)
+  if buckets is not None:
+    score, tables = bucket_bias, (jnp.asarray(BUCKETS),)
+  kwargs = dict(score=score, tables=tables,
                 causal=case.get('causal', False), q_offset=offset, block_q=4, block_k=8,
                 interpret=True,
                 q_positions=positions.get('q_pos'), k_positions=positions.get('k_pos'))
   out = pallas_gpu.flash_attention(q, k, v, **kwargs)
-  want = _reference(q, k, v, slopes=slopes, causal=kwargs['causal'], q_offset=offset,
-                    **positions)
+  want = _reference(q, k, v, slopes=slopes, buckets=buckets, causal=kwargs['causal'],
+                    q_offset=offset, **positions)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
   cot = np.random.default_rng(2).normal(size=want.shape).astype(np.float32)
@@ -86,8 +104,8 @@ def test_output_and_gradients_equal_the_written_out_attention(name):
     def loss(t, i=i, direction=direction):
       args = [np.asarray(a, np.float64) for a in (q, k, v)]
       args[i] = args[i] + t * direction
-      return np.sum(_reference(*args, slopes=slopes, causal=kwargs['causal'], q_offset=offset,
-                               **positions) * cot)
+      return np.sum(_reference(*args, slopes=slopes, buckets=buckets, causal=kwargs['causal'],
+                               q_offset=offset, **positions) * cot)
     numeric = (loss(eps) - loss(-eps)) / (2 * eps)
     np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction), numeric,
                                rtol=1e-3, atol=1e-3)
@@ -95,15 +113,17 @@ def test_output_and_gradients_equal_the_written_out_attention(name):
 
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 @pytest.mark.parametrize('head_dim', [64, 128])
-def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu(dtype, head_dim):
+@pytest.mark.parametrize('score,table', [(alibi, SLOPES), (bucket_bias, BUCKETS)],
+                         ids=['alibi', 'bucket table'])
+def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu(dtype, head_dim, score, table):
   """Lowered for the CUDA platform on this machine (no GPU needed): the
   forward is one Triton call, its gradient two more (dk and dv; dq)."""
   q = jnp.zeros((1, 256, 4, head_dim), dtype)
   k = v = jnp.zeros((1, 256, 2, head_dim), dtype)
 
   def out(q, k, v):
-    return pallas_gpu.flash_attention(q, k, v, causal=True, score=alibi,
-                                      tables=(jnp.asarray(SLOPES),), block_q=64, block_k=64)
+    return pallas_gpu.flash_attention(q, k, v, causal=True, score=score,
+                                      tables=(jnp.asarray(table),), block_q=64, block_k=64)
 
   def loss(q, k, v):
     return out(q, k, v).astype(jnp.float32).sum()

@@ -12,8 +12,10 @@ scores s [bq, bk] float32 elementwise, given the block's query positions
 [bq, 1] and key positions [1, bk] (int32 arrays: decoding offsets, packing
 and randomized positions reach it as data), the head's index and its rows
 of the per-call tables (per-head arrays [h, ...]: ALiBi's slopes [h], T5's
-bucket table transposed [h, buckets]): Triton reads a program's row as its
-block, where indexing a table by a traced head would not lower. The mask is causal by index (query i at q_offset + i
+bucket table transposed [h, buckets]). Each program gets its head's rows as
+its blocks, and `score` reads them as `row[...]` or `row[indices]` (a
+gather load in Triton; the same code indexes arrays in the other kernels):
+indexing a loaded value by a traced head or bucket does not lower. The mask is causal by index (query i at q_offset + i
 sees keys j <= q_offset + i) and hides the keys past m; key blocks past a
 causal query block's diagonal are not visited.
 
@@ -84,7 +86,7 @@ def _scores(st: Settings, q, k, q_pos, k_pos, q_idx, k_idx, head, tables):
 def _forward_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, kpos_ref,
                     offset_ref, *refs):
   """One query block of one (batch, head): an online softmax over its key blocks."""
-  tables = tuple(r[...] for r in refs[:num_tables])
+  tables = refs[:num_tables]
   o_ref, lse_ref = refs[num_tables:]
   bq, bk = st.block_q, st.block_k
   head, qb = pl.program_id(1), pl.program_id(2)
@@ -157,7 +159,7 @@ def _dkdv_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, k
                  offset_ref, do_ref, lse_ref, delta_ref, *refs):
   """One key block of one (batch, query head): its dk and dv over the query
   blocks that see it."""
-  tables = tuple(r[...] for r in refs[:num_tables])
+  tables = refs[:num_tables]
   dk_ref, dv_ref = refs[num_tables:]
   bq, bk = st.block_q, st.block_k
   head, kb = pl.program_id(1), pl.program_id(2)
@@ -191,7 +193,7 @@ def _dkdv_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, k
 def _dq_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, kpos_ref,
                offset_ref, do_ref, lse_ref, delta_ref, *refs):
   """One query block of one (batch, head): its dq over the key blocks it sees."""
-  tables = tuple(r[...] for r in refs[:num_tables])
+  tables = refs[:num_tables]
   (dq_ref,) = refs[num_tables:]
   bq, bk = st.block_q, st.block_k
   head, qb = pl.program_id(1), pl.program_id(2)
@@ -274,7 +276,8 @@ def flash_attention(q, k, v, *, score=None, tables=(), q_positions=None, k_posit
     score: (s [bq, bk], q_pos [bq, 1], k_pos [1, bk], head, head's tables) -> s,
       elementwise; None: plain dot-product attention.
     tables: a tuple of per-head arrays [h, ...]; `score` gets its head's rows
-      ([1] for a [h] table); no gradient flows into them.
+      ([1] for a [h] table) to read by `[...]` or `[indices]`; no gradient
+      flows into them.
     q_positions: int [n] (default q_offset + 0..n-1); k_positions: int [m]
       (default 0..m-1): what `score` sees as positions.
     causal: query i (index q_offset + i) sees the keys j <= q_offset + i.
