@@ -15,9 +15,10 @@ of the per-call tables (per-head arrays [h, ...]: ALiBi's slopes [h], T5's
 bucket table transposed [h, buckets]). Each program gets its head's rows as
 its blocks, and `score` reads them as `row[...]` or `row[indices]` (a
 gather load in Triton; the same code indexes arrays in the other kernels):
-indexing a loaded value by a traced head or bucket does not lower. The mask is causal by index (query i at q_offset + i
-sees keys j <= q_offset + i) and hides the keys past m; key blocks past a
-causal query block's diagonal are not visited.
+indexing a loaded value by a traced head or bucket does not lower. The
+mask is causal by index (query i at q_offset + i sees keys j <= q_offset + i)
+and hides the keys past m; key blocks past a causal query block's diagonal
+are not visited.
 
 The forward saves each row's log-sum-exp; the backward recomputes the
 probabilities block by block in two kernels, one per key block (dk, dv) and
