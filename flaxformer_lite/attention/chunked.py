@@ -57,7 +57,7 @@ from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.kernels.blockwise import (  # noqa: F401
     STAIRCASE_ROWS, UNMASKED_MIN_SCORES, repeat_heads, unmasked_key_blocks,
     unmasked_query_blocks)
-from flaxformer_lite.attention.masks import MaskSpec, pad_to
+from flaxformer_lite.attention.masks import Mask, MaskSpec, pad_to
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -251,7 +251,7 @@ class BlockTerms:
 
 
 def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
-           mask: MaskSpec | None = None, q_offset=0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+           mask: MaskSpec | Mask | None = None, q_offset=0, chunk_size: int = DEFAULT_CHUNK_SIZE,
            dtype=None, dropout_rate: float = 0.0, dropout_rng=None, return_lse: bool = False,
            dropout_first_query: int = 0):
   """Attention over blocks, never holding an [n, m] array.
@@ -262,7 +262,7 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
       [b, m, g, dv], g dividing h (g < h: grouped-query attention).
     terms: the variant's block math (BlockTerms), called with h heads.
     params: a pytree of arrays `terms` uses (position tables), or None.
-    mask: a MaskSpec (None: every key visible).
+    mask: a MaskSpec or a Mask (None: every key visible).
     q_offset: int, may be traced (decoding with a cache).
     chunk_size: rows and columns per block; lengths need not divide it.
     dropout_rate, dropout_rng: attention dropout (dropout.py's keep mask);
@@ -291,10 +291,14 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
   rate = dropout_rate if dropout_rng is not None else 0.0
   seed = dropout.seed(dropout_rng) if rate else jnp.uint32(0)
   mask = mask if mask is not None else MaskSpec()
-  may_hide_rows = mask.may_hide_rows(n, m, q_offset)
+  # A Mask may hide any row: the uniform rule's output is always made.
+  may_hide_rows = isinstance(mask, Mask) or mask.may_hide_rows(n, m, q_offset)
   blocks = blockwise.plan(mask, q_offset, b, h, n, m, chunk_size, rate, dropout_first_query)
   n_pad, m_pad = blocks.nq * blocks.bq, blocks.nk * blocks.bk
-  mask = mask.padded(n_pad, m_pad)
+  if isinstance(mask, Mask):
+    mask = blockwise.mask_blocks(mask, q_offset, b, h, blocks)
+  else:
+    mask = mask.padded(n_pad, m_pad)
   q_offset = jnp.asarray(q_offset, jnp.int32)
   out, lse = blockwise.attention(blocks, terms, pad_to(query, 1, n_pad), pad_to(key, 1, m_pad),
                                  pad_to(value, 1, m_pad), params, mask, q_offset, seed)

@@ -64,12 +64,15 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
   Args:
     query: [b, n, h, d].
     key: [b, m, g, d], g dividing h: query head i reads key head i // (h / g).
-    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
+      masks.Mask or MaskSpec (query i at index i), evaluated here.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
   Returns:
     weights [b, h, n, m], rows summing to 1 (before dropout).
   """
   dtype = dtype or query.dtype
+  (b, n, h, _), m = query.shape, key.shape[1]
+  mask = masks.as_dense(mask, b, h, n, m)
   query = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
   logits = _scores(query, key.astype(dtype))
   if bias is not None:
@@ -91,7 +94,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     query: [b, n, h, d].
     key, value: [b, m, g, d], g dividing h (grouped-query attention: query
       head i reads head i // (h / g), in place).
-    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
+      masks.Mask or MaskSpec (query i at index i), evaluated here.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
     implementation: None or 'dense' (the default path: explicit
       weights; of these three, the one with dropout), or 'xla'/'cudnn' for
@@ -123,6 +127,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   b, n, h, _ = query.shape
   m = key.shape[1]
+  mask = masks.as_dense(mask, b, h, n, m)
   if mask is not None:
     mask = jnp.broadcast_to(mask.astype(bool), jnp.broadcast_shapes(mask.shape, (1, 1, n, m)))
   if bias is not None:
@@ -142,9 +147,10 @@ def auto_dot_product(query, key, value, *, implementation='auto', mask=None, dro
   (GPU, select.cudnn_fits) or splash's (TPU, select.splash_fits: a causal or
   full masks.MaskSpec with padding, no bias) where it runs these inputs, else
   the dense path. `mask` may be a MaskSpec whose causal rule puts query i at
-  position i (select.mask_kind; the layer passes one only then). The
+  position i (select.mask_kind; the layer passes one only then), or a
+  masks.Mask (query i at index i; never splash's: its kind is None). The
   variants that only change q and k (rotary) call it on their q and k."""
-  n, m = query.shape[1], key.shape[1]
+  (b, n, h, _), m = query.shape, key.shape[1]
   dropout_active = not deterministic and dropout_rate > 0.0
   if implementation == 'auto':  # the explicit path, unless a fused kernel fits
     kind = select.mask_kind(mask) if common.get('bias') is None else None
@@ -159,7 +165,7 @@ def auto_dot_product(query, key, value, *, implementation='auto', mask=None, dro
                              dropout=dropout_active)
     implementation = 'cudnn' if fits else 'dense'
   return dot_product_attention(query, key, value, implementation=implementation,
-                               mask=masks.as_dense(mask, n, m), dropout_rate=dropout_rate,
+                               mask=masks.as_dense(mask, b, h, n, m), dropout_rate=dropout_rate,
                                deterministic=deterministic, dtype=dtype,
                                return_weights=return_weights, **common)
 

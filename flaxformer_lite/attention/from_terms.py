@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked
+from flaxformer_lite.attention import chunked, masks
 from flaxformer_lite.attention.softmax import softmax_weights
 
 
@@ -39,7 +39,8 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
     terms, params: the variant's block terms and their arrays.
     positions: None, or int [n] (n = m, self-attention): the positions of
       the queries and of the keys, in place of q_offset + i and j.
-    mask: boolean, broadcastable to [b, h, n, m]; True = may attend.
+    mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
+      masks.Mask or MaskSpec (query i at index q_offset + i), evaluated here.
     bias: broadcastable to [b, h, n, m]; added to the terms' logits.
   Returns:
     [b, n, h, dv] in `dtype` (default: query's dtype); with return_weights,
@@ -49,6 +50,7 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   """
   dtype = dtype or query.dtype
   b, n, h, d = query.shape
+  mask = masks.as_dense(mask, b, h, n, key.shape[1], q_offset)
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
   q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
   key = key.astype(dtype)
@@ -68,7 +70,7 @@ def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=No
                         mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
                         dropout_rng=None):
   """dot_product_attention block by block (chunked.attend): mask a
-  masks.MaskSpec; O(n) memory, the same attention dropout. The queries are scaled by
+  masks.MaskSpec or masks.Mask; O(n) memory, the same attention dropout. The queries are scaled by
   1/sqrt(d) here, once; `terms` and `params` add a variant's own block terms
   to q.k (alibi, t5_bias, shaw, local)."""
   dtype = dtype or query.dtype

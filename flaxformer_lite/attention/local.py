@@ -178,8 +178,11 @@ def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask
   O(n * window). Blocks are at most max(32, 4 * window) wide: wider ones
   mostly compute pairs outside the window."""
   chunk_size = min(chunk_size or chunked.DEFAULT_CHUNK_SIZE, max(32, 4 * window))
-  mask = (mask if mask is not None else masks.MaskSpec()).replace(
-      window=window, window_causal=causal)
+  if isinstance(mask, masks.Mask):  # the kernel skips the blocks outside the window
+    mask = mask & masks.sliding_window(window, causal)
+  else:
+    mask = (mask if mask is not None else masks.MaskSpec()).replace(
+        window=window, window_causal=causal)
   terms = chunked.BlockTerms(uniform=functools.partial(_window_mean, window, causal))
   return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
                              chunk_size=chunk_size, dtype=dtype, **dropout)

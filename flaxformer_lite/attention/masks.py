@@ -215,10 +215,14 @@ def _and(a, b):
   return b if a is None else jnp.logical_and(a, b)
 
 
-def as_dense(mask, n: int, m: int, q_offset=0):
-  """A MaskSpec, a boolean array or None -> a boolean array or None (the dense path's form)."""
+def as_dense(mask, batch: int, heads: int, n: int, m: int, q_offset=0):
+  """A MaskSpec, a Mask, a boolean array or None -> a boolean array
+  broadcastable to [batch, heads, n, m], or None (the dense path's form);
+  query i sits at q_offset + i."""
   if isinstance(mask, MaskSpec):
     return mask.to_dense(n, m, q_offset)
+  if isinstance(mask, Mask):
+    return evaluate(mask, batch, heads, n, m, q_offset)
   return mask
 
 
@@ -299,11 +303,16 @@ def _indices(batch: int, heads: int, q, k):
   return b, h, q[None, None, :, None], k[None, None, None, :]
 
 
+def at(mask: Mask, batch: int, heads: int, q, k):
+  """The mask at query indices q int [n] and key indices k int [m], for
+  every row and head -> bool broadcastable to [batch, heads, n, m]."""
+  return jnp.asarray(mask(*_indices(batch, heads, q, k)), bool)
+
+
 def evaluate(mask: Mask, batch: int, heads: int, n: int, m: int, q_offset=0):
   """The mask as a boolean array broadcastable to [batch, heads, n, m]
   (queries at indices q_offset .. q_offset + n - 1)."""
-  return jnp.asarray(mask(*_indices(batch, heads, q_offset + jnp.arange(n), jnp.arange(m))),
-                     bool)
+  return at(mask, batch, heads, q_offset + jnp.arange(n), jnp.arange(m))
 
 
 def block_mask(mask: Mask, batch: int, heads: int, n: int, m: int, bq: int, bk: int,

@@ -18,8 +18,8 @@ from `config.model.attention_kwargs`. Some variants receive more:
 The kernel is chosen apart from the variant, by two options every variant
 takes (KERNEL_OPTIONS): `implementation` ('auto' | 'dense' | 'chunked';
 dot_product also 'xla' | 'cudnn') and `chunk_size`. A variant that can run
-block by block has `chunked`, called as `fn` but with a masks.MaskSpec (or
-None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
+block by block has `chunked`, called as `fn` but with a masks.MaskSpec or a
+masks.Mask (or None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
 when `dropout_rng` is given), bias or weights (chunked.py); keys and values
 may have fewer heads than the queries there (grouped-query attention).
 `choose_kernel` (select.py: the `auto` policy, per platform) decides which

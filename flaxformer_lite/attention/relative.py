@@ -324,7 +324,7 @@ def _splits_by_lag(mask, q_offset, k: int, n: int, m: int) -> bool:
   """Whether shaw_chunked splits the call by lag: causal self-attention (n =
   m, the queries at 0..n-1, padding allowed, no segments or window), with
   keys beyond lag k."""
-  return (mask is not None and mask.causal and mask.window is None
+  return (isinstance(mask, masks.MaskSpec) and mask.causal and mask.window is None
           and mask.query_segments is None and mask.dense is None
           and type(q_offset) is int and q_offset == 0 and n == m and 0 < k < n)
 

@@ -147,10 +147,11 @@ def cudnn_fits(query, key, *, dtype=None, dropout=False, return_weights=False) -
 
 
 def mask_kind(mask, q_offset=0) -> str | None:
-  """'causal' or 'full' where `mask` (None, a masks.MaskSpec or a boolean
-  array) is that rule with query i at position i, plus padding (key_valid,
-  query_valid) at most; None for anything else (windows, segments, an
-  explicit array, a causal rule offset by q_offset: a decoding step)."""
+  """'causal' or 'full' where `mask` (None, a masks.MaskSpec, a masks.Mask or
+  a boolean array) is that rule with query i at position i, plus padding
+  (key_valid, query_valid) at most; None for anything else (windows,
+  segments, an explicit array, a Mask: a function no fused kernel reads, a
+  causal rule offset by q_offset: a decoding step)."""
   if mask is None:
     return 'full'
   if not isinstance(mask, masks.MaskSpec) or mask.window is not None or any(

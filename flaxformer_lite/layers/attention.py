@@ -51,10 +51,12 @@ class MultiHeadAttention(nn.Module):
   `return_weights=True` returns (output, weights [b, h, n, m]), for callers
   that use the weights (the RNN decoder's cumulative alignment).
 
-  `mask` is a boolean array broadcastable to [b, h, n, m] or a
-  `masks.MaskSpec` (causal, key padding, query validity): the kernel that
-  `attention_kwargs.implementation` picks (select.choose_kernel) builds it
-  whole (dense) or one block at a time (chunked).
+  `mask` is a boolean array broadcastable to [b, h, n, m], a
+  `masks.MaskSpec` (causal, key padding, query validity) or a `masks.Mask`
+  (any function of batch, head, query and key index; query i at index
+  q_offset + i): the kernel that `attention_kwargs.implementation` picks
+  (select.choose_kernel) builds it whole (dense) or one block at a time
+  (chunked). With decode=True a Mask is and-ed with the cache's causal rule.
   """
   num_heads: int
   num_kv_heads: int | None = None
@@ -143,7 +145,8 @@ class MultiHeadAttention(nn.Module):
       if bias is not None:
         raise ValueError('the chunked attention kernel takes no explicit bias; use '
                          "attention_kwargs.implementation='dense'")
-      spec = mask if isinstance(mask, masks.MaskSpec) else masks.MaskSpec(dense=mask)
+      spec = (mask if isinstance(mask, (masks.MaskSpec, masks.Mask))
+              else masks.MaskSpec(dense=mask))
       x = variant.chunked(query, key, value, mask=spec, q_offset=q_offset,
                           chunk_size=select.chunk_size(kernel_options.chunk_size),
                           dtype=self.dtype, dropout_rate=self.dropout_rate,
@@ -155,7 +158,7 @@ class MultiHeadAttention(nn.Module):
       # contiguous groups: heads [0, h/g) read key/value head 0, and so on
       key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
     if variant.fused_fits is None or kind is None:  # else fn takes the MaskSpec
-      mask = masks.as_dense(mask, query.shape[1], key.shape[1], q_offset)
+      mask = masks.as_dense(mask, query.shape[0], h, query.shape[1], key.shape[1], q_offset)
     if variant.uses_positions:
       kwargs['q_offset'] = q_offset
       if positions is not None:
@@ -226,6 +229,8 @@ class MultiHeadAttention(nn.Module):
     # here: it would align query 0 with key 0.
     if mask is None:  # described: each kernel builds it (j <= index + i)
       return key, value, masks.MaskSpec(causal=True), index
+    if isinstance(mask, masks.Mask):  # a function of absolute indices: q_offset = index
+      return key, value, mask & masks.causal(), index
     q_pos = index + jnp.arange(length)
     visible = jnp.arange(max_len)[None, :] <= q_pos[:, None]  # [L, max_len]
     return key, value, jnp.logical_and(mask, visible[None, None]), index

@@ -98,10 +98,10 @@ def test_to_dense_window_and_dense_part_equal_the_rule(causal, window, window_ca
 
 def test_to_dense_of_nothing_is_none_and_as_dense_passes_arrays_through():
   assert MaskSpec().to_dense(3, 4) is None
-  assert as_dense(None, 3, 4) is None
+  assert as_dense(None, 2, 1, 3, 4) is None
   arr = jnp.ones((1, 1, 3, 4), bool)
-  assert as_dense(arr, 3, 4) is arr
-  np.testing.assert_array_equal(as_dense(MaskSpec(causal=True), 3, 4),
+  assert as_dense(arr, 2, 1, 3, 4) is arr
+  np.testing.assert_array_equal(as_dense(MaskSpec(causal=True), 2, 1, 3, 4),
                                 np.tril(np.ones((3, 4), bool))[None, None])
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import masks, registry
 from flaxformer_lite.layers import MultiHeadAttention
 
 B, N, M, F, H = 2, 5, 4, 6, 2
@@ -230,6 +230,27 @@ def test_decode_chunks_after_prefill_match_causal_forward():
   for start, size in [(0, 2), (2, 2), (4, 1)]:
     got, mutated = decoder.apply({'params': params, 'cache': cache}, x[:, start:start + size],
                                  mutable=['cache'])
+    cache = mutated['cache']
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, start:start + size]),
+                               atol=1e-5, rtol=1e-5, err_msg=f'positions {start}+{size}')
+
+
+@pytest.mark.parametrize('implementation', ['dense', 'chunked'])
+def test_decode_with_a_mask_function_ands_it_with_the_cache_rule(implementation):
+  """A masks.Mask reads absolute query indices: a prefill, then one token at
+  a time, give the full pass under mask & causal."""
+  x, params, _, _, _ = _decode_setup(3)
+  mask = masks.Mask(lambda b, h, q, k: (k % 2 == 0) | (q - k < 2), 'even_or_near')
+  kwargs = {'implementation': implementation, 'chunk_size': 2}
+  full = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5,
+                            attention_kwargs=kwargs)
+  want = full.apply({'params': params}, x, mask=masks.evaluate(mask & masks.causal(), B, H, L, L))
+  decoder = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, decode=True,
+                               attention_kwargs=kwargs)
+  cache = decoder.init(jax.random.PRNGKey(0), x)['cache']
+  for start, size in [(0, 2)] + [(t, 1) for t in range(2, L)]:
+    got, mutated = decoder.apply({'params': params, 'cache': cache}, x[:, start:start + size],
+                                 mask=mask, mutable=['cache'])
     cache = mutated['cache']
     np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, start:start + size]),
                                atol=1e-5, rtol=1e-5, err_msg=f'positions {start}+{size}')

@@ -25,6 +25,14 @@ of their own without the mask's select (`unmasked_key_blocks`,
 staircase of row steps (`_staircase`) that leaves out most of their hidden
 half.
 
+A `masks.Mask` (a function of indices, any rule) runs by its blocks' states
+instead, computed once per call (`mask_blocks`: masks.block_mask, for every
+row and head of the call at once): each query block runs the key blocks from
+its first non-empty one to its last (`_state_loop`), skipping the empty ones
+inside that range by a `lax.switch`, running the full ones without the
+select and the partial ones with the mask evaluated on the block's indices;
+the backward the same from the keys' side. No kernel code knows a mask's rule.
+
 Layout: `plan` fixes a call's static settings (`Blocks`) once; `attention`
 is the custom_vjp, whose forward is `forward` (one `query_block` per query
 block: a decoding step's few queries are one query block, so `query_block`
@@ -39,9 +47,10 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import dropout
+from flaxformer_lite.attention import dropout, masks
 from flaxformer_lite.attention.masks import MaskSpec
 
 # Blocks of at least this many scores (b * h * bq * bk) skip the mask where
@@ -62,6 +71,12 @@ UNMASKED_MIN_SCORES = 2**17
 # are the loops' only masked blocks; with it, a cond picks the staircase
 # where a masked block is the diagonal.
 STAIRCASE_ROWS = 128
+
+# None, or a function(pass_name, masked, qb, kb) that a Mask's call reports
+# each block it computes to (jax.debug.callback; pass_name 'forward' or
+# 'backward', masked False for a full block): set while tracing, tests count
+# the blocks visited against block_mask.
+VISIT_HOOK = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,19 +99,20 @@ class Blocks:
 class Call(NamedTuple):
   """A call's arrays that every block reads."""
   params: Any  # the terms' pytree of tables, or None
-  mask: MaskSpec  # padded to nq * bq queries and nk * bk keys
+  mask: MaskSpec | MaskBlocks  # a MaskSpec padded to nq * bq queries and nk * bk keys
   q_offset: Any  # int32 []: query i sits at q_offset + i
   seed: Any  # uint32 []: dropout's hash seed
 
 
-def plan(mask: MaskSpec, q_offset, b: int, h: int, n: int, m: int, chunk_size: int,
+def plan(mask: MaskSpec | masks.Mask, q_offset, b: int, h: int, n: int, m: int, chunk_size: int,
          rate: float, first_query: int = 0) -> Blocks:
   """The Blocks of a call: b rows, h query heads, n queries and m keys in
   blocks of chunk_size (fewer where a length is shorter); mask unpadded and
   q_offset as the caller gave them (the staircase needs a Python 0)."""
   bq, bk = min(chunk_size, n), min(chunk_size, m)
   nq, nk = -(-n // bq), -(-m // bk)
-  rise = _staircase(mask, q_offset, n, m, bq, bk, b * h * bq * bk)
+  rise = (_staircase(mask, q_offset, n, m, bq, bk, b * h * bq * bk)
+          if isinstance(mask, MaskSpec) else None)
   return Blocks(n, m, bq, bk, nq, nk, rate, rise, first_query)
 
 
@@ -183,7 +199,8 @@ def forward(blocks: Blocks, terms, q, k, v, params, mask, q_offset, seed, heads_
     k, v = _heads_first(k), _heads_first(v)
   # else under a gradient, or one query block (a decode step: no cache copy)
   src = _Source(q, k, v, heads_first, rotated)
-  one = functools.partial(query_block, blocks, terms, Call(params, mask, q_offset, seed), src)
+  step = mask_query_block if isinstance(mask, MaskBlocks) else query_block
+  one = functools.partial(step, blocks, terms, Call(params, mask, q_offset, seed), src)
   out, lse = jax.lax.map(one, jnp.arange(blocks.nq))  # [nq, b, bq, h, dv], [nq, b, h, bq]
   return _unblock(out, 1), _unblock(lse, 2)
 
@@ -193,19 +210,44 @@ def query_block(blocks: Blocks, terms, call: Call, src: _Source, qb):
   (out float32 [b, bq, h, dv], lse float32 [b, h, bq]). A decoding step's
   queries are one block: this is the whole of its work."""
   b, _, h, _ = src.q.shape
-  dv = src.v.shape[-1]
   bq, bk = blocks.bq, blocks.bk
-  qs = qb * bq
-  rows = _QueryRows(qb, qs, qs + jnp.arange(bq),
-                    jax.lax.dynamic_slice_in_dim(src.q, qs, bq, axis=1))
+  rows = _query_rows(blocks, src, qb)
+  qs = rows.qs
   lo, hi = call.mask.key_block_range(call.q_offset + qs, call.q_offset + qs + bq - 1, bk,
                                      blocks.nk)
-  init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
-          jnp.zeros((b, h, bq, dv), jnp.float32))
+  init = _no_key_yet(src, bq)
   unmasked = unmasked_key_blocks(call.mask, qs, bq, bk, lo, hi, call.q_offset, blocks.n,
                                  blocks.m, b * h * bq * bk)
   body = functools.partial(_forward_key_block, blocks, terms, call, src, rows)
-  row_max, row_sum, acc = _loops(lo, hi, unmasked, body, init)
+  return _normalised(*_loops(lo, hi, unmasked, body, init))
+
+
+def mask_query_block(blocks: Blocks, terms, call: Call, src: _Source, qb):
+  """query_block for a Mask (call.mask a MaskBlocks): key blocks by their
+  states (_state_loop) -> (out float32 [b, bq, h, dv], lse float32 [b, h, bq])."""
+  rows = _query_rows(blocks, src, qb)
+  body = functools.partial(_forward_visit, blocks, terms, call, src, rows)
+  return _normalised(*_state_loop(call.mask.states[qb], body, _no_key_yet(src, blocks.bq)))
+
+
+def _query_rows(blocks: Blocks, src: _Source, qb) -> _QueryRows:
+  """Query block qb's rows (_QueryRows)."""
+  qs = qb * blocks.bq
+  return _QueryRows(qb, qs, qs + jnp.arange(blocks.bq),
+                    jax.lax.dynamic_slice_in_dim(src.q, qs, blocks.bq, axis=1))
+
+
+def _no_key_yet(src: _Source, bq: int):
+  """The online softmax's carry before any key: (row_max -inf, row_sum 0,
+  acc 0) for bq rows."""
+  b, _, h, _ = src.q.shape
+  return (jnp.full((b, h, bq), -jnp.inf, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
+          jnp.zeros((b, h, bq, src.v.shape[-1]), jnp.float32))
+
+
+def _normalised(row_max, row_sum, acc):
+  """The online softmax's carry after the last key block -> (out float32
+  [b, bq, h, dv], lse float32 [b, h, bq], -inf where a row saw no key)."""
   seen = row_sum > 0
   out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
   lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
@@ -326,7 +368,8 @@ def backward(blocks: Blocks, terms, res, cotangents):
   s = d_out[0, 0, 0, 0]
   zero = jnp.where(jnp.isfinite(s), s * 0.0, 0.0)
   init = (jnp.full(q.shape, zero), k, v, jax.tree.map(_zeros, params))
-  body = functools.partial(key_block_grads, blocks, terms, Call(params, mask, q_offset, seed),
+  step = mask_key_block_grads if isinstance(mask, MaskBlocks) else key_block_grads
+  body = functools.partial(step, blocks, terms, Call(params, mask, q_offset, seed),
                            _Grads(q, lse, d_out, delta))
   dq, dk, dv, dparams = jax.lax.fori_loop(0, blocks.nk, body, init)
   dparams = jax.tree.map(lambda g, p: g.astype(p.dtype), dparams, params)
@@ -344,9 +387,8 @@ def key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry)
   at the backward's peak."""
   dq, k_dk, v_dv, dparams = carry
   bq, bk = blocks.bq, blocks.bk
-  ks = kb * bk
-  keys = _KeyRows(kb, ks, jax.lax.dynamic_slice_in_dim(k_dk, ks, bk, axis=1),
-                  jax.lax.dynamic_slice_in_dim(v_dv, ks, bk, axis=1))
+  keys = _key_block(blocks, k_dk, v_dv, kb)
+  ks = keys.ks
   lo, hi = call.mask.query_block_range(ks, ks + bk - 1, bq, blocks.nq, call.q_offset)
   q = grads.q
   unmasked = unmasked_query_blocks(call.mask, ks, bq, bk, lo, hi, call.q_offset, blocks.n,
@@ -354,9 +396,31 @@ def key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry)
   body = functools.partial(_backward_query_block, blocks, terms, call, grads, keys)
   dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, body,
                                        (dq, _zeros(keys.k), _zeros(keys.v), dparams))
-  k_dk = jax.lax.dynamic_update_slice_in_dim(k_dk, dk_blk.astype(k_dk.dtype), ks, axis=1)
-  v_dv = jax.lax.dynamic_update_slice_in_dim(v_dv, dv_blk.astype(v_dv.dtype), ks, axis=1)
-  return dq, k_dk, v_dv, dparams
+  return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, ks), dparams)
+
+
+def mask_key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry):
+  """key_block_grads for a Mask (call.mask a MaskBlocks): query blocks by
+  their states (_state_loop)."""
+  dq, k_dk, v_dv, dparams = carry
+  keys = _key_block(blocks, k_dk, v_dv, kb)
+  body = functools.partial(_backward_visit, blocks, terms, call, grads, keys)
+  dq, dk_blk, dv_blk, dparams = _state_loop(call.mask.states[:, kb], body,
+                                            (dq, _zeros(keys.k), _zeros(keys.v), dparams))
+  return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, keys.ks), dparams)
+
+
+def _key_block(blocks: Blocks, k_dk, v_dv, kb) -> _KeyRows:
+  """Key block kb's keys and values, read from the carry (key_block_grads)."""
+  ks = kb * blocks.bk
+  return _KeyRows(kb, ks, jax.lax.dynamic_slice_in_dim(k_dk, ks, blocks.bk, axis=1),
+                  jax.lax.dynamic_slice_in_dim(v_dv, ks, blocks.bk, axis=1))
+
+
+def _written(k_dk, v_dv, dk_blk, dv_blk, ks):
+  """(k_dk, v_dv) with the key block at ks replaced by its gradients."""
+  return (jax.lax.dynamic_update_slice_in_dim(k_dk, dk_blk.astype(k_dk.dtype), ks, axis=1),
+          jax.lax.dynamic_update_slice_in_dim(v_dv, dv_blk.astype(v_dv.dtype), ks, axis=1))
 
 
 def _backward_query_block(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, qb,
@@ -429,7 +493,7 @@ def _pair_grads(blocks: Blocks, terms, call: Call, grads: _Grads, carry, qs, row
 # The mask's block plan: which blocks are hidden, whole or on the diagonal.
 
 
-def _visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m):
+def _visible(mask: MaskSpec | MaskBlocks, qs, ks, bq, bk, q_offset, n, m):
   """bool [b | 1, h | 1, bq, bk]: the block's pairs that may attend, real
   keys (< m) and real queries (< n) only."""
   real = ((qs + jnp.arange(bq))[:, None] < n) & ((ks + jnp.arange(bk))[None, :] < m)
@@ -437,11 +501,12 @@ def _visible(mask: MaskSpec, qs, ks, bq, bk, q_offset, n, m):
   return real[None, None] if ok is None else ok & real[None, None]
 
 
-def _unless_hidden(mask: MaskSpec, visible, compute, carry):
+def _unless_hidden(mask: MaskSpec | MaskBlocks, visible, compute, carry):
   """compute(carry), or carry itself when no pair of the block is visible
   (`visible` bool [..., bq, bk]) and the mask has arrays (padding, segments:
-  the causal and window parts are already in the loop bounds)."""
-  if not mask.has_arrays():
+  the causal and window parts are already in the loop bounds; a Mask's
+  hidden blocks are skipped by their states)."""
+  if isinstance(mask, MaskBlocks) or not mask.has_arrays():
     return compute(carry)
   return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
 
@@ -553,6 +618,86 @@ def _step_mask(mask: MaskSpec, start, r0: int, rise: int):
     queries = jax.lax.dynamic_slice_in_dim(mask.query_valid, start + r0, rise, axis=1)
     visible = visible & queries[:, None, :, None]
   return visible
+
+
+# ---------------------------------------------------------------------------
+# A Mask (a function of indices): its blocks' states, computed once a call.
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=('states', 'consts'),
+                   meta_fields=('jaxpr',))
+@dataclasses.dataclass(frozen=True)
+class MaskBlocks:
+  """A Mask as the kernel reads it (mask_blocks). states int8 [nq, nk]:
+  each block EMPTY or FULL where it is so for every row and head of the
+  call, else PARTIAL. jaxpr: the mask on one block's query and key indices;
+  consts: the arrays it reads (the mask's closure), data of the custom_vjp,
+  since a closure over traced arrays would leak out of a scan's or a
+  remat's trace into the backward."""
+  states: Any
+  consts: Any
+  jaxpr: Any
+
+  def block(self, q_start, k_start, bq: int, bk: int, q_offset=0):
+    """MaskSpec.block's contract: queries q_start .. q_start + bq - 1 (query
+    i at q_offset + i) and keys k_start .. k_start + bk - 1 -> bool
+    broadcastable to [b, h, bq, bk]."""
+    q = (q_offset + q_start + jnp.arange(bq)).astype(jnp.int32)
+    k = (k_start + jnp.arange(bk)).astype(jnp.int32)
+    evaluate = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(self.jaxpr, self.consts))
+    return evaluate(q, k)[0]
+
+
+def mask_blocks(mask: masks.Mask, q_offset, b: int, h: int, blocks: Blocks) -> MaskBlocks:
+  """A call's MaskBlocks: b rows and h query heads, query i at q_offset + i
+  (may be traced). masks.block_mask classifies the blocks of every row and
+  head; the control flow reads one state a block, for the whole call."""
+  per_row = masks.block_mask(mask, b, h, blocks.n, blocks.m, blocks.bq, blocks.bk, q_offset)
+  full = jnp.all(per_row == masks.FULL, axis=(0, 1))
+  seen = jnp.any(per_row != masks.EMPTY, axis=(0, 1))
+  states = jnp.where(full, masks.FULL, jnp.where(seen, masks.PARTIAL, masks.EMPTY))
+  indices = (jax.ShapeDtypeStruct((blocks.bq,), jnp.int32),
+             jax.ShapeDtypeStruct((blocks.bk,), jnp.int32))
+  traced = jax.make_jaxpr(functools.partial(masks.at, mask, b, h))(*indices)
+  return MaskBlocks(states.astype(jnp.int8), traced.consts, traced.jaxpr)
+
+
+def _state_loop(states, body, carry):
+  """body(i, carry, masked) for i from the first non-EMPTY entry of states
+  int8 [count] to the last: EMPTY ones skipped, FULL ones with masked=False
+  (no select), PARTIAL ones with masked=True."""
+  count = states.shape[0]
+  index = jnp.arange(count, dtype=jnp.int32)
+  occupied = states != masks.EMPTY
+  lo = jnp.min(jnp.where(occupied, index, count))
+  hi = jnp.maximum(lo, jnp.max(jnp.where(occupied, index + 1, 0)))
+
+  def step(i, carry):
+    branches = {masks.EMPTY: lambda c: c,
+                masks.PARTIAL: functools.partial(body, i, masked=True),
+                masks.FULL: functools.partial(body, i, masked=False)}
+    return jax.lax.switch(states[i].astype(jnp.int32), [branches[s] for s in sorted(branches)],
+                          carry)
+  return jax.lax.fori_loop(lo, hi, step, carry)
+
+
+def _forward_visit(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, kb, carry,
+                   masked):
+  """_forward_key_block, reported to VISIT_HOOK."""
+  _report('forward', masked, rows.qb, kb)
+  return _forward_key_block(blocks, terms, call, src, rows, kb, carry, masked)
+
+
+def _backward_visit(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, qb, carry,
+                    masked):
+  """_backward_query_block, reported to VISIT_HOOK."""
+  _report('backward', masked, qb, keys.kb)
+  return _backward_query_block(blocks, terms, call, grads, keys, qb, carry, masked)
+
+
+def _report(pass_name: str, masked: bool, qb, kb):
+  if VISIT_HOOK is not None:
+    jax.debug.callback(functools.partial(VISIT_HOOK, pass_name, masked), qb, kb)
 
 
 # ---------------------------------------------------------------------------
