@@ -53,7 +53,7 @@ LOG_DIR = tempfile.gettempdir()  # main() sets --out
 TORCH_PYTHON = None  # main() sets --torch_python
 SECTIONS = ('compile', 'recipe', 'kernels', 'scan', 'mfu', 'mha', 'smollm2', 'nanogpt', 'tests')
 # Each section's share of --budget, in the order they run; 'tests' takes the rest.
-SHARES = {'compile': 0.22, 'recipe': 0.25, 'kernels': 0.15, 'scan': 0.06, 'mfu': 0.07,
+SHARES = {'compile': 0.18, 'recipe': 0.23, 'kernels': 0.21, 'scan': 0.06, 'mfu': 0.07,
           'mha': 0.04, 'smollm2': 0.08, 'nanogpt': 0.1}
 # bf16 dense matmul peaks (datasheets), TFLOP/s, for the MFU row.
 PEAK_TFLOPS = {'H100': 989.0, 'H200': 989.0, 'A100': 312.0}
@@ -283,6 +283,68 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
   return out
 
 
+def fused_cases(quick):
+  """(n, b, head_dim) of the attention-only table: the Pallas score kernel
+  against cuDNN and XLA's dense attention (bf16, causal, 8 heads)."""
+  if quick:
+    return [(64, 1, 16)]
+  return [(2048, 4, 64), (8192, 1, 64), (2048, 4, 128), (32768, 1, 64)]
+
+
+def fused_section(quick: bool, repeats: int) -> list[dict]:
+  """Attention alone, forward and backward: kernels/pallas_gpu.py (plain and
+  with ALiBi's slopes as a score), cuDNN and XLA through
+  jax.nn.dot_product_attention; TFLOP/s counts the causal half of
+  4 * b * h * n^2 * d forward (3.5x that with the backward, FlashAttention's
+  convention). On CPU (--quick) the Pallas kernel runs interpreted."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import timing
+  from flaxformer_lite.attention import alibi
+  from flaxformer_lite.attention.kernels import pallas_gpu
+
+  on_gpu = jax.default_backend() == 'gpu'
+  heads = 2 if quick else 8
+  slopes = jnp.asarray(alibi.alibi_slopes(heads))
+
+  def alibi_score(s, q_pos, k_pos, head, tables):
+    return s - tables[0][...] * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+
+  out = []
+  for n, b, d in fused_cases(quick):
+    rng = np.random.default_rng(0)
+    q, k, v, g = (jnp.asarray(rng.normal(size=(b, n, heads, d)), jnp.bfloat16) for _ in range(4))
+
+    def grad_of(attend):
+      def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * g.astype(jnp.float32))
+      return lambda: (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v))
+
+    builds = {
+        'pallas': grad_of(lambda q, k, v: pallas_gpu.flash_attention(
+            q, k, v, causal=True, interpret=not on_gpu)),
+        'pallas alibi': grad_of(lambda q, k, v: pallas_gpu.flash_attention(
+            q, k, v, causal=True, score=alibi_score, tables=(slopes,), interpret=not on_gpu)),
+        'xla': grad_of(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation='xla')),
+    }
+    if on_gpu:
+      builds['cudnn'] = grad_of(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, implementation='cudnn'))
+    fns, temps, failed = timing.compile_all(builds)
+    times = timing.interleaved_times(fns, repeats)
+    ms = {name: timing.median(v) for name, v in times.items()}
+    flops = 3.5 * 4 * b * heads * n * n * d / 2
+    row = {'n': n, 'b': b, 'd': d, 'ms': ms, 'temp_mib': temps, 'failed': failed,
+           'tflops': {name: flops / (t / 1e3) / 1e12 for name, t in ms.items()}}
+    print('FUSED ' + json.dumps(row), flush=True)
+    out.append(row)
+  return out
+
+
 def kernels(rows: Rows, quick: bool, seconds: float):
   try:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), '--section', 'kernels',
@@ -308,6 +370,17 @@ def kernels(rows: Rows, quick: bool, seconds: float):
         else f"auto {ms.get(c['auto'], float('nan')) / ms[best]:.2f}x the fastest ({best})")
     rows.add('kernels', f"{c['variant']} {c['dtype']} n={c['n']} b={c['b']} (ms)",
              f"{cells}; auto -> {c['auto']}", verdict)
+  for c in [json.loads(line[len('FUSED '):]) for line in stdout.splitlines()
+            if line.startswith('FUSED ')]:
+    ms, tf = c['ms'], c['tflops']
+    cells = ' / '.join(f'{k} {ms[k]:.2f} ({tf[k]:.0f} TFLOP/s)' for k in ms)
+    anchor = ''
+    if 'cudnn' in ms:
+      anchor = (f"pallas {ms['pallas'] / ms['cudnn']:.2f}x cuDNN (target <= 1.3), alibi "
+                f"{ms['pallas alibi'] / ms['pallas']:.2f}x plain (target <= 1.3)")
+    rows.add('kernels', f"attention only, bf16 causal n={c['n']} b={c['b']} d={c['d']} "
+             '(fwd+bwd ms)', cells + ('; failed: ' + ', '.join(c['failed']) if c['failed']
+                                      else ''), anchor)
   if failure:
     raise RuntimeError(f'after {len(cases)} cases: {failure}')
 
@@ -492,6 +565,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.section == 'kernels':
     kernels_section(args.quick, args.repeats or (2 if args.quick else 10))
+    fused_section(args.quick, args.repeats or (2 if args.quick else 10))
     return 0
 
   global LOG_DIR, TORCH_PYTHON

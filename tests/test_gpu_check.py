@@ -27,6 +27,10 @@ def test_gpu_check_quick_runs_every_section_and_writes_its_table(tmp_path, share
   served = rows['recipe', '  served by the cache']
   assert 'train step' in served and 'eval step' in served and 'greedy sample' in served, served
   # on CPU at n=64, auto takes the dense path
-  kernels = [v for (s, _), v in rows.items() if s == 'kernels']
+  kernels = [v for (s, q), v in rows.items() if s == 'kernels' and 'attention only' not in q]
   assert kernels and all(v.endswith('auto -> dense') for v in kernels), kernels
+  # the Pallas kernel (interpreted here) timed beside XLA's attention
+  fused = [v for (s, q), v in rows.items() if s == 'kernels' and 'attention only' in q]
+  assert len(fused) == 1 and all(f'{k} ' in fused[0] for k in ('pallas', 'pallas alibi', 'xla'))
+  assert 'failed' not in fused[0], fused
   assert (out / 'results.md').read_text().count('\n| ') >= len(rows)
