@@ -64,20 +64,19 @@ def luong_concat_attention(query, key, value, concat_wq, concat_wk, concat_v, *,
   return attend(additive_logits(q, k, concat_v), value, dtype=dtype or query.dtype, **common)
 
 
-def _block_logits(q, k, params, q_pos, k_pos):
-  """v_h . tanh(Wq_h q_i + Wk_h k_j) for one block (chunked.BlockTerms.logits);
-  bahdanau has no Wq, Wk."""
-  del q_pos, k_pos
+def _block_logits(q, k, tables):
+  """v_h . tanh(Wq_h q_i + Wk_h k_j) for one block (chunked.BlockTerms.product:
+  a score that is not q.k); bahdanau has no Wq, Wk."""
   project = lambda x, w: jnp.einsum('bnhd,hde->bnhe', x, w.astype(jnp.float32))  # noqa: E731
-  if 'wq' in params:
-    q, k = project(q, params['wq']), project(k, params['wk'])
-  return additive_logits(q, k, params['v'])
+  if 'wq' in tables:
+    q, k = project(q, tables['wq']), project(k, tables['wk'])
+  return additive_logits(q, k, tables['v'])
 
 
 def _chunked(q, k, value, params, *, mask, q_offset, chunk_size, dtype, **dropout):
   chunk_size = min(chunk_size or ADDITIVE_CHUNK_SIZE, ADDITIVE_CHUNK_SIZE)
   out = chunked.attend(q.astype(jnp.float32), k.astype(jnp.float32), value,
-                       chunked.BlockTerms(logits=_block_logits), params, mask=mask,
+                       chunked.BlockTerms(product=_block_logits), params, mask=mask,
                        q_offset=q_offset, chunk_size=chunk_size, dtype=jnp.float32,
                        **dropout)
   return out.astype(dtype)

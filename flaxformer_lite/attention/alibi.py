@@ -69,17 +69,16 @@ def alibi_attention(query, key, value, *, bias=None, q_offset=0, positions=None,
   return dot_product_attention(query, key, value, bias=position_bias, **common)
 
 
-def _block_logits(slopes, q, k, params, q_pos, k_pos):
-  """q.k - slope_h * |j - p| for one block (chunked.BlockTerms.logits)."""
-  distance = jnp.abs(k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)  # [bq, bk]
-  return (chunked.dot_logits(q, k, params, q_pos, k_pos)
-          - slopes[None, :, None, None] * distance[None, None])
+def _score(slopes, s, block):
+  """s - slope_h * |j - p| for one block (chunked.BlockTerms.score)."""
+  distance = jnp.abs(block.k_pos[None, :] - block.q_pos[:, None]).astype(jnp.float32)  # [bq, bk]
+  return block.add(s, -slopes[:, None, None] * distance)
 
 
 def _terms(num_heads):
   """The block terms (from_terms.py): the chunked kernel's, and the
   reference for alibi_attention, the same bias through dot_product_attention."""
-  return chunked.BlockTerms(logits=functools.partial(_block_logits, _slopes(num_heads)))
+  return chunked.BlockTerms(score=functools.partial(_score, _slopes(num_heads)))
 
 
 registry.register(registry.AttentionVariant(

@@ -1,35 +1,54 @@
-"""Block-wise attention in O(n) memory, for every variant that can say what
-it adds to one block of scores.
+"""Block-wise attention in O(n) memory, for every scheme that can say what
+it changes in one block of scores.
 
 `attend` is the entry point: it checks its arguments, plans the blocks and
 runs the kernel, kernels/blockwise.py (an online softmax over blocks of
 `chunk_size` queries and keys, a `jax.custom_vjp` whose backward recomputes
 each block's probabilities; the hidden blocks skipped, the whole ones run
-without the mask's select). This module holds what a variant uses to
-describe its blocks: `BlockTerms`, the q.k and p.v products and the
-position helpers.
+without the mask's select). This module holds what a scheme uses to
+describe its blocks: `BlockTerms` and the position helpers.
 
-A variant describes its block with `BlockTerms`:
-  logits(q [b, bq, h, d], k [b, bk, h, d], params, q_pos [bq], k_pos [bk])
-      -> float32 [b, h, bq, bk], the scores of the block's pairs;
-  values(p float32 [b, h, bq, bk], v [b, bk, h, dv], params, q_pos, k_pos)
+A scheme describes its blocks with `BlockTerms`, FlexAttention's score_mod
+kept to JAX. The kernels compute the q.k product themselves
+(kernels/product.py); each field says what the scheme changes, and each is
+optional:
+  prepare(params, q_pos int [nq, bq], k_pos int [nk, bk]) -> tables, what
+      the blocks read, made once per call from the scheme's parameters
+      (Transformer-XL's projected distance rows); q_pos and k_pos hold the
+      call's queries and keys as the kernel blocks them, a block a row,
+      padding included. None: the tables are the parameters.
+  transform_q(q [b, L, h, d], tables, q_pos [L], origin) -> [b, L, h, d],
+  transform_k(k [b, L, g, d], tables, k_pos [L], origin) -> [b, L, g, d]:
+      a map of each query and key by its position (rotary's rotation),
+      before the product. origin (int32, [] or [L]) is the first key of the
+      block each row meets: a map whose products depend on q_pos - k_pos
+      only may measure positions from it (xPos, whose factors measured from
+      0 leave float32's range). transform_k sees the keys' own g heads
+      (grouped-query attention). The queries are mapped as each block reads
+      them; the keys too under a gradient (mapped copies of q and k would
+      be two more [b, n, h, d] arrays in the forward and two, their
+      gradients, in the backward), and without one (evaluation, prefill)
+      once for the whole call, beside the copy the forward keeps there
+      anyway (blockwise._heads_first).
+  score(s float32 [b, h, bq, bk], block) -> float32 [b, h, bq, bk]: the
+      scheme's change to the block's scaled q.k scores s; block a
+      product.Block (the block's mapped q and k, positions and tables). A
+      bias that is the same for every row of the batch (ALiBi's, T5's) goes
+      in by block.add(s, bias [h | 1, bq | 1, bk | 1]): the kernel's add,
+      whose gradient sums the batch by adds, not by XLA:CPU's slow
+      reduction over the leading axis.
+  values(p float32 [b, h, bq, bk], v [b, bk, h, dv], tables, q_pos, k_pos)
       -> float32 [b, h, bq, dv], what the block adds to the output (linear in p);
-  uniform(value [b, m, h, dv], params, q_pos [n], m) -> [b, n, h, dv], the
+  uniform(value [b, m, h, dv], tables, q_pos [n], m) -> [b, n, h, dv], the
       output of a query that sees no key (the dense path's rule: uniform
       weights, see dot_product.py);
-  rotate(x [b, L, h, d], pos [L]) -> [b, L, h, d], or None: a map of each
-      query and key by its own position (rotary's rotation), which `logits`
-      receives applied. Under a gradient it is applied to each block as it
-      is read (rotated copies of q and k would be two more [b, n, h, d]
-      arrays in the forward and two, their gradients, in the backward);
-      without one (evaluation, prefill) once to all queries and keys, beside
-      the copies the forward keeps there anyway (blockwise._heads_first).
-The backward pass differentiates `logits` and `values` one block at a time
-(`jax.vjp`), so a variant writes its forward math only. Gradients of
-`params` (position tables) are summed over the blocks in a fixed order:
-deterministic on every backend. The q.k and p.v products of the blocks
-(`dot_logits`, `dot_values`) take dO and ds in the inputs' dtype in the
-backward, as FlashAttention-2 does: bf16 matmuls, float32 accumulation.
+  product(q [b, bq, h, d], k [b, bk, h, d], tables) -> float32 [b, h, bq, bk]:
+      for the alignment family only, a score of a query and a key that is
+      not their product (Bahdanau's v . tanh(q + k)), in place of q.k.
+The backward pass differentiates the scores and `values` one block at a
+time (`jax.vjp`), so a scheme writes its forward math only. Gradients of
+the tables are summed over the blocks in a fixed order (deterministic on
+every backend) and reach the parameters through `prepare` by autodiff.
 
 Attention dropout (FlashAttention's): each block draws its keep bits from
 dropout.py's hash of (row, head, query, key), in the forward and again in
@@ -52,101 +71,19 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import dropout
 from flaxformer_lite.attention.kernels import blockwise
-# Re-exported: variants and tests read them here. The kernel reads the
+# Re-exported: schemes and tests read them here. The kernel reads the
 # constants from blockwise, so a change to them goes there.
 from flaxformer_lite.attention.kernels.blockwise import (  # noqa: F401
-    STAIRCASE_ROWS, UNMASKED_MIN_SCORES, repeat_heads, unmasked_key_blocks,
-    unmasked_query_blocks)
+    STAIRCASE_ROWS, UNMASKED_MIN_SCORES, unmasked_key_blocks, unmasked_query_blocks)
+from flaxformer_lite.attention.kernels.product import dot_values, repeat_heads  # noqa: F401
 from flaxformer_lite.attention.masks import Mask, MaskSpec, pad_to
 
 DEFAULT_CHUNK_SIZE = 512
 
 
-# _one_query: a single query row against a block of keys is a matrix-vector
-# product, bound by reading the block. As a product and a sum, XLA reads the
-# block where it lies in the cache; as a dot, XLA:CPU first copies it out of
-# the cache and transposes it to [b, h, bk, d], which made a decoding step at
-# the end of a 16k cache 1.7x the dense step (benchmarks/decode_step.py).
-
-
-@jax.custom_vjp
-def dot_logits_(q, k):
-  """q . k -> float32 [b, h, bq, bk], accumulated in float32; its gradient
-  takes ds in the inputs' dtype, as FlashAttention-2's backward does: in
-  bfloat16 the backward's matmuls run at the bfloat16 rate and accumulate
-  in float32 (preferred_element_type), and the gradients are as accurate
-  as the dense bfloat16 path's (tests/attention/test_chunked.py)."""
-  if q.shape[1] == 1:  # one query (a decoding step): _one_query
-    return jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), -1).transpose(0, 2, 1)[:, :, None]
-  return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
-
-
-def _dot_logits_fwd(q, k):
-  return dot_logits_(q, k), (q, k)
-
-
-def _dot_logits_bwd(res, ds):
-  q, k = res
-  ds = ds.astype(q.dtype)
-  dq = jnp.einsum('bhqk,bkhd->bqhd', ds, k, preferred_element_type=jnp.float32)
-  dk = jnp.einsum('bhqk,bqhd->bkhd', ds, q, preferred_element_type=jnp.float32)
-  return dq.astype(q.dtype), dk.astype(k.dtype)
-
-
-dot_logits_.defvjp(_dot_logits_fwd, _dot_logits_bwd)
-
-
-@jax.custom_vjp
-def dot_values_(p, v):
-  """sum_j p_ij v_j: p float32 [b, h, bq, bk], v [b, bk, h, dv] -> float32
-  [b, h, bq, dv]; p is rounded to v's dtype, and the gradient takes dO in
-  v's dtype (dot_logits_)."""
-  if p.shape[2] == 1:  # one query (a decoding step): _one_query
-    weights = p[:, :, 0].astype(v.dtype).astype(jnp.float32).transpose(0, 2, 1)[..., None]
-    return jnp.sum(weights * v.astype(jnp.float32), 1)[:, :, None]  # [b, h, 1, dv]
-  return jnp.einsum('bhqk,bkhd->bhqd', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
-def _dot_values_fwd(p, v):
-  return dot_values_(p, v), (p, v)
-
-
-def _dot_values_bwd(res, d_out):
-  p, v = res
-  d_out = d_out.astype(v.dtype)
-  dp = jnp.einsum('bhqd,bkhd->bhqk', d_out, v, preferred_element_type=jnp.float32)
-  dv = jnp.einsum('bhqk,bhqd->bkhd', p.astype(v.dtype), d_out,
-                  preferred_element_type=jnp.float32)
-  return dp.astype(p.dtype), dv.astype(v.dtype)
-
-
-dot_values_.defvjp(_dot_values_fwd, _dot_values_bwd)
-
-
-def _bf16_backward(x) -> bool:
-  """Whether the products' custom backward (dO, ds in the inputs' dtype)
-  differs from autodiff's: inputs under 32 bits. In float32 they are the
-  same, and plain autodiff also gives forward mode (jax.linearize, jvp),
-  which a custom_vjp refuses: the dense path from_terms.py derives runs the
-  same block terms and is linearised by tests and users."""
-  return jnp.dtype(x.dtype).itemsize < 4
-
-
-def dot_logits(q, k, params, q_pos, k_pos):
-  """q . k (queries already scaled): -> float32 [b, h, bq, bk]."""
-  del params, q_pos, k_pos
-  return dot_logits_(q, k) if _bf16_backward(q) else dot_logits_.fun(q, k)
-
-
-def dot_values(p, v, params, q_pos, k_pos):
-  """sum_j p_ij v_j: p [b, h, bq, bk] -> float32 [b, h, bq, dv]."""
-  del params, q_pos, k_pos
-  return dot_values_(p, v) if _bf16_backward(v) else dot_values_.fun(p, v)
-
-
-def mean_values(value, params, q_pos, m):
+def mean_values(value, tables, q_pos, m):
   """Uniform weights over all m keys: the mean value, for every query -> [b, n, h, dv]."""
-  del params, m
+  del tables, m
   mean = jnp.mean(value.astype(jnp.float32), axis=1, keepdims=True)  # [b, 1, h, dv]
   return jnp.broadcast_to(mean, (value.shape[0], q_pos.shape[0]) + value.shape[2:])
 
@@ -199,24 +136,16 @@ def query_key_positions(n: int, m: int, q_offset=0, positions=None):
   return positions, positions
 
 
-def add_head_bias(s, bias):
-  """s [b, h, bq, bk] + bias [h, bq, bk] (a position bias shared by the
-  batch), the bias as b copies, not a broadcast: the transpose is then adds
-  of slices, not XLA:CPU's slow reduction over the leading axis
-  (t5_bias.broadcast_batch)."""
-  return s + jnp.concatenate([bias.astype(s.dtype)[None]] * s.shape[0], axis=0)
-
-
-def distance_range(n: int, m: int, q_offset, chunk_size):
-  """Every query-minus-key distance a (padded) block of this call can meet,
-  largest first: (top float32 [], distances int32 [n + m - 1 + 2 chunk]),
-  distances[r] = top - r. For variants that look up one row per distance
-  once per call and slice a block's rows with `distance_slice`. `top` is a
-  float so that it can travel with the block parameters (its gradient is 0);
-  exact below 2**24."""
-  pad = chunk_size or DEFAULT_CHUNK_SIZE  # blocks may run past n and m by < a chunk
-  top = q_offset + n - 1 + pad  # q_offset may be traced
-  return jnp.asarray(top, jnp.float32), top - jnp.arange(n + m - 1 + 2 * pad)
+def distance_range(q_pos, k_pos):
+  """Every query-minus-key distance of a call, largest first, for a scheme
+  that looks up one row per distance in `prepare` and slices a block's rows
+  with `distance_slice`: q_pos, k_pos the call's positions, ranges (as
+  `prepare` gets them: any shape, in order) -> (top float32 [], distances
+  int32 [n + m - 1]), distances[r] = top - r. `top` is a float so that it
+  can travel with the tables (its gradient is 0); exact below 2**24."""
+  q_pos, k_pos = q_pos.reshape(-1), k_pos.reshape(-1)
+  top = q_pos[-1] - k_pos[0]
+  return top.astype(jnp.float32), top - jnp.arange(q_pos.shape[0] + k_pos.shape[0] - 1)
 
 
 def distance_slice(rows, top, q_pos, k_pos):
@@ -232,14 +161,17 @@ def distance_slice(rows, top, q_pos, k_pos):
 
 @dataclasses.dataclass(frozen=True)
 class BlockTerms:
-  """What a variant computes for one block (module docstring). A `values`
-  other than dot_values adds to what a row's weights give, so it brings its
-  own `uniform` (what a row that sees no key gets): with mean_values such
-  rows would silently differ from the dense path's."""
-  logits: Callable[..., Any] = dot_logits
+  """What a scheme changes in a block (module docstring); None: nothing. A
+  `values` other than dot_values adds to what a row's weights give, so it
+  brings its own `uniform` (what a row that sees no key gets): with
+  mean_values such rows would silently differ from the dense path's."""
+  score: Callable[..., Any] | None = None
+  prepare: Callable[..., Any] | None = None  # None: the tables are the parameters
+  transform_q: Callable[..., Any] | None = None
+  transform_k: Callable[..., Any] | None = None
   values: Callable[..., Any] = dot_values
   uniform: Callable[..., Any] | None = None  # None: mean_values, for dot_values only
-  rotate: Callable[..., Any] | None = None
+  product: Callable[..., Any] | None = None  # None: the kernel's q.k
 
   def __post_init__(self):
     if self.uniform is None:
@@ -260,8 +192,9 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
     query: [b, n, h, d], query i at absolute position q_offset + i (already
       scaled if the variant's scores are); key [b, m, g, d]; value
       [b, m, g, dv], g dividing h (g < h: grouped-query attention).
-    terms: the variant's block math (BlockTerms), called with h heads.
-    params: a pytree of arrays `terms` uses (position tables), or None.
+    terms: the scheme's block terms (BlockTerms), called with h heads.
+    params: a pytree of arrays (the scheme's parameters), or None; the
+      blocks read what terms.prepare makes of them.
     mask: a MaskSpec or a Mask (None: every key visible).
     q_offset: int, may be traced (decoding with a cache).
     chunk_size: rows and columns per block; lengths need not divide it.
@@ -300,8 +233,9 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
   else:
     mask = mask.padded(n_pad, m_pad)
   q_offset = jnp.asarray(q_offset, jnp.int32)
+  tables = blockwise.prepare(blocks, terms, params, q_offset)
   out, lse = blockwise.attention(blocks, terms, pad_to(query, 1, n_pad), pad_to(key, 1, m_pad),
-                                 pad_to(value, 1, m_pad), params, mask, q_offset, seed)
+                                 pad_to(value, 1, m_pad), tables, mask, q_offset, seed)
   out, lse = out[:, :n], lse[:, :, :n]
   if return_lse:  # merge() weighs a row that sees no key by exp(-inf) = 0
     return out.astype(dtype), lse
@@ -311,7 +245,7 @@ def attend(query, key, value, terms: BlockTerms = BlockTerms(), params=None, *,
   # A query that sees no key gets the dense path's uniform weights; that
   # output is cheap (a mean over keys) and differentiated by plain autodiff.
   # Heads of a group share their keys, so they share this output too.
-  fallback = repeat_heads(terms.uniform(value, params, q_offset + jnp.arange(n), m), h)
+  fallback = repeat_heads(terms.uniform(value, tables, q_offset + jnp.arange(n), m), h)
   return jnp.where(empty, fallback.astype(jnp.float32), out).astype(dtype)
 
 

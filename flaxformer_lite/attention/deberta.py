@@ -20,10 +20,12 @@ P and the projections are per layer here (the paper shares P across layers
 and layer-normalises it; v2 reuses the content projections for W_k,r, W_q,r).
 Both position terms are computed once per distance that occurs (a matmul
 with one K^r or Q^r row per distance, [b, h, n, n + m - 1]) and moved to
-their keys by `chunked.rel_shift`, as Transformer-XL's; the chunked form
-does the same per block.
+their keys by `chunked.rel_shift`, as Transformer-XL's; the block terms do
+the same per block (`_score`), from rows looked up once per call (`_prepare`).
 """
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -32,7 +34,6 @@ import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention
-from flaxformer_lite.attention.from_terms import dot_product_chunked
 
 
 def log_bucket(relative_position, *, position_buckets: int, max_relative_positions: int):
@@ -145,12 +146,19 @@ def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
       dtype=dtype, return_weights=return_weights)
 
 
-def _block_logits(q, k, params, q_pos, k_pos):
-  """All three terms of one block; q arrives scaled by 1/sqrt(3d), the Q^r
-  rows scaled the same in deberta_chunked."""
-  k_rows, q_rows = (chunked.distance_slice(params[name], params['top'], q_pos, k_pos)
-                    for name in ('k_rows', 'q_rows'))
-  return chunked.dot_logits(q, k, params, q_pos, k_pos) + _position_logits(q, k, k_rows, q_rows)
+def _third(x, tables, positions, origin):
+  """q / sqrt(3) (BlockTerms.transform_q): with the kernel's 1/sqrt(d), the
+  paper's 1/sqrt(3d) on q.k and on content-to-position."""
+  del tables, positions, origin
+  return x / np.sqrt(3.0).astype(x.dtype)
+
+
+def _score(s, block):
+  """The two position terms of one block added to q.k; q arrives scaled by
+  1/sqrt(3d) (_third), the Q^r rows scaled the same in _prepare."""
+  k_rows, q_rows = (chunked.distance_slice(block.tables[name], block.tables['top'], block.q_pos,
+                                           block.k_pos) for name in ('k_rows', 'q_rows'))
+  return s + _position_logits(block.q, block.k, k_rows, q_rows)
 
 
 def saturation(position_buckets: int, max_relative_positions: int, cap: int = 1 << 20):
@@ -167,32 +175,29 @@ def saturation(position_buckets: int, max_relative_positions: int, cap: int = 1 
   return int(np.exp(log_a)) + 2 if log_a < np.log(cap) else None
 
 
-def deberta_chunked(query, key, value, rel_embeddings, position_key_kernel,
-                    position_query_kernel, *, mask=None, q_offset=0, position_buckets=256,
-                    max_relative_positions=512, p2c_row='released', chunk_size=None,
-                    dtype=None, **dropout):
-  """deberta_attention block by block (chunked.attend). The K^r and Q^r rows
-  of every distance a block can meet are looked up once, by a one-hot matmul
-  (a deterministic gradient), and each block slices its own. Distances past
-  `saturation` share one row, so the table stops there (+ a block, where a
-  block's slice, clamped by XLA, still reads only that row): O(buckets + chunk)
-  rows at any length."""
-  n, d = query.shape[1], query.shape[-1]
-  m = key.shape[1]
-  kr, qr = position_projections(rel_embeddings, position_key_kernel, position_query_kernel)
-  top, distances = chunked.distance_range(n, m, q_offset, chunk_size)
-  far = saturation(position_buckets, max_relative_positions)
+def _prepare(buckets, p2c_row, params, q_pos, k_pos):
+  """The call's tables (BlockTerms.prepare): the K^r and Q^r rows of every
+  distance its blocks meet, looked up once by a one-hot matmul (a
+  deterministic gradient); each block slices its own. Distances past
+  `saturation` share one row, so the table stops there, plus a block's
+  distances (q_pos [nq, bq], k_pos [nk, bk]: a block's clamped slice then
+  still reads only that row): O(buckets + block) rows at any length."""
+  kr, qr = position_projections(params['rel_embeddings'], params['position_key_kernel'],
+                                params['position_query_kernel'])
+  top, distances = chunked.distance_range(q_pos, k_pos)
+  far = saturation(*buckets)
   if far is not None:
-    bound = far + 2 * (chunk_size or chunked.DEFAULT_CHUNK_SIZE) - 1  # + a block's distances
+    bound = far + q_pos.shape[-1] + k_pos.shape[-1] - 2  # + a block's distances
     if 2 * bound + 1 < distances.shape[0]:
       top, distances = jnp.asarray(bound, jnp.float32), bound - jnp.arange(2 * bound + 1)
-  k_rows, q_rows = _distance_rows(kr, qr, distances, (position_buckets, max_relative_positions),
-                                  one_hot=True, p2c_row=p2c_row)
-  params = {'k_rows': k_rows, 'q_rows': q_rows / np.sqrt(3 * d), 'top': top}
-  # dot_product_chunked scales the queries by 1/sqrt(d); / sqrt(3) completes 1/sqrt(3d).
-  return dot_product_chunked(query / np.sqrt(3.0).astype(query.dtype), key, value,
-                             chunked.BlockTerms(logits=_block_logits), params, mask=mask,
-                             q_offset=q_offset, chunk_size=chunk_size, dtype=dtype, **dropout)
+  k_rows, q_rows = _distance_rows(kr, qr, distances, buckets, one_hot=True, p2c_row=p2c_row)
+  return {'k_rows': k_rows, 'q_rows': q_rows / np.sqrt(3 * kr.shape[-1]), 'top': top}
+
+
+def _terms(num_heads, *, position_buckets, max_relative_positions, p2c_row):
+  del num_heads  # the parameters carry the heads
+  prepare = functools.partial(_prepare, (position_buckets, max_relative_positions), p2c_row)
+  return chunked.BlockTerms(score=_score, prepare=prepare, transform_q=_third)
 
 
 def _params(num_heads, head_dim, kwargs):
@@ -226,7 +231,7 @@ registry.register(registry.AttentionVariant(
     name='deberta',
     models=registry.TRANSFORMER_MODELS,
     fn=deberta_attention,
-    chunked=deberta_chunked,
+    terms=_terms,
     kwargs={'position_buckets': 256, 'max_relative_positions': 512, 'p2c_row': 'released'},
     params=_params,
     validate=_validate,

@@ -49,14 +49,13 @@ def fire_bias(params, q_pos, k_pos):
   return out + p['fire_b2'][:, None, None]
 
 
-def _logits(q, k, params, q_pos, k_pos):
-  return chunked.add_head_bias(chunked.dot_logits(q, k, params, q_pos, k_pos),
-                               fire_bias(params, q_pos, k_pos))
+def _score(s, block):
+  return block.add(s, fire_bias(block.tables, block.q_pos, block.k_pos))
 
 
 def _terms(num_heads, *, fire_width, fire_threshold_init):
   del num_heads, fire_width, fire_threshold_init  # carried by the parameters
-  return chunked.BlockTerms(logits=_logits)
+  return chunked.BlockTerms(score=_score)
 
 
 def _params(num_heads, head_dim, kwargs):

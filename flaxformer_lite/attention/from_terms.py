@@ -2,10 +2,13 @@
 
 A variant registered with `terms` (registry.AttentionVariant) is a function
   terms(num_heads, **options) -> chunked.BlockTerms
-and nothing else: the dense path evaluates the same terms on the whole
-[n, m] as one block (`dense_attention`: queries at q_offset + 0..n-1, keys at
-0..m-1, the masked softmax and dropout of softmax.py), the chunked path runs
-them block by block (`dot_product_chunked`: chunked.attend). Decoding,
+and nothing else: what it changes in a block of scaled q.k scores (`score`),
+the tables its blocks read (`prepare`), its maps of the queries and keys
+(`transform_q`, `transform_k`) and its values term; the kernels compute q.k
+and the scaling themselves. The dense path evaluates the terms on the
+whole [n, m] as one block (`dense_attention`: queries at q_offset + 0..n-1,
+keys at 0..m-1, the masked softmax and dropout of softmax.py), the chunked
+path block by block (`dot_product_chunked`: chunked.attend). Decoding,
 packing and grouped-query attention come with the two kernels. A
 hand-written dense form (Shaw's reshape-and-matmul trick, the paper's
 reference) may still be registered as `fn`; the registry-wide tests hold it
@@ -25,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, masks
+from flaxformer_lite.attention.kernels import product
 from flaxformer_lite.attention.softmax import softmax_weights
 
 
@@ -41,7 +45,7 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
       the queries and of the keys, in place of q_offset + i and j.
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
       masks.Mask or MaskSpec (query i at index q_offset + i), evaluated here.
-    bias: broadcastable to [b, h, n, m]; added to the terms' logits.
+    bias: broadcastable to [b, h, n, m]; added to the terms' scores.
   Returns:
     [b, n, h, dv] in `dtype` (default: query's dtype); with return_weights,
     (that, weights [b, h, n, m]). A row that sees no key gets uniform weights
@@ -53,26 +57,30 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   mask = masks.as_dense(mask, b, h, n, key.shape[1], q_offset)
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
   q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
-  key = key.astype(dtype)
-  if terms.rotate is not None:
-    scaled, key = terms.rotate(scaled, q_pos), terms.rotate(key, k_pos)
-  logits = terms.logits(scaled, key, params, q_pos, k_pos)  # [b, h, n, m]
+  tables = prepared(terms, params, q_pos, k_pos)
+  logits = product.scores(terms, scaled, key.astype(dtype), tables, q_pos, k_pos)  # [b, h, n, m]
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                             deterministic=deterministic, dtype=jnp.float32)
-  out = terms.values(weights, value.astype(dtype), params, q_pos, k_pos)  # [b, h, n, dv]
+  out = terms.values(weights, value.astype(dtype), tables, q_pos, k_pos)  # [b, h, n, dv]
   out = out.transpose(0, 2, 1, 3).astype(dtype)
   return (out, weights.astype(dtype)) if return_weights else out
+
+
+def prepared(terms: chunked.BlockTerms, params, q_pos, k_pos):
+  """terms.prepare's tables for queries q_pos [n] and keys k_pos [m] as one
+  block (the parameters themselves without a prepare)."""
+  return params if terms.prepare is None else terms.prepare(params, q_pos[None], k_pos[None])
 
 
 def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
                         mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
                         dropout_rng=None):
   """dot_product_attention block by block (chunked.attend): mask a
-  masks.MaskSpec or masks.Mask; O(n) memory, the same attention dropout. The queries are scaled by
-  1/sqrt(d) here, once; `terms` and `params` add a variant's own block terms
-  to q.k (alibi, t5_bias, shaw, local)."""
+  masks.MaskSpec or masks.Mask; O(n) memory, the same attention dropout. The
+  queries are scaled by 1/sqrt(d) here, once; `terms` and `params` are a
+  scheme's block terms and their parameters."""
   dtype = dtype or query.dtype
   scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
   return chunked.attend(scaled, key, value, terms, params, mask=mask, q_offset=q_offset,
@@ -122,8 +130,9 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
                 num_heads: int, head_dim: int, seed: int = 0) -> None:
   """Raises TypeError unless terms.values is linear in the weights:
   values(a p1 + c p2) = a values(p1) + c values(p2) on random inputs (a
-  block of 3 queries at positions 5..7 against 4 keys at 0..3), computed at
-  float32 matmul precision whatever the backend's default."""
+  block of 3 queries at positions 5..7 against 4 keys at 0..3, the tables
+  terms.prepare makes of `params`), computed at float32 matmul precision
+  whatever the backend's default."""
   r = np.random.default_rng(seed)
   p1, p2 = (np.float32(r.uniform(size=(1, num_heads, 3, 4))) for _ in range(2))
   v = np.float32(r.normal(size=(1, 4, num_heads, head_dim)))
@@ -131,7 +140,8 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
   a, c = 0.7, -1.9
 
   def three(p1, p2, v, params, q_pos, k_pos):
-    values = lambda p: terms.values(p, v, params, q_pos, k_pos)
+    tables = prepared(terms, params, q_pos, k_pos)
+    values = lambda p: terms.values(p, v, tables, q_pos, k_pos)
     return values(a * p1 + c * p2), values(p1), values(p2)
 
   # At float32 matmul precision: a GPU's default (TF32) or a TPU's (bf16

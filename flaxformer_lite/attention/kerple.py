@@ -11,7 +11,7 @@ power form to at most 2) and drawn uniform at initialisation (log: r1 in
 models are causal: there it is i - j).
 
 Written once as block terms (from_terms.py): the dense path, the chunked
-kernel and decoding come from `_logits`.
+kernel and decoding come from `_score`.
 """
 from __future__ import annotations
 
@@ -40,16 +40,16 @@ def kerple_bias(r1, r2, distance, form: str):
   return -r1 * power
 
 
-def _logits(form, q, k, params, q_pos, k_pos):
-  """q.k + the kernel of |i - j| for one block of queries and keys."""
-  distance = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)  # [bq, bk]
-  bias = kerple_bias(params['kerple_r1'], params['kerple_r2'], distance, form)  # [h, bq, bk]
-  return chunked.add_head_bias(chunked.dot_logits(q, k, params, q_pos, k_pos), bias)
+def _score(form, s, block):
+  """s + the kernel of |i - j| for one block of queries and keys."""
+  distance = jnp.abs(block.q_pos[:, None] - block.k_pos[None, :]).astype(jnp.float32)  # [bq, bk]
+  tables = block.tables
+  return block.add(s, kerple_bias(tables['kerple_r1'], tables['kerple_r2'], distance, form))
 
 
 def _terms(num_heads, *, kerple_form):
   del num_heads  # the parameters carry the heads
-  return chunked.BlockTerms(logits=functools.partial(_logits, kerple_form))
+  return chunked.BlockTerms(score=functools.partial(_score, kerple_form))
 
 
 def _params(num_heads, head_dim, kwargs):

@@ -72,8 +72,8 @@ def luong_general_attention(query, key, value, general_w, *, dtype=None, **commo
 def luong_dot_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
                       mask=None, q_offset=0, chunk_size=None, dtype=None, **dropout):
   """luong_dot_attention block by block (chunked.attend): unscaled q.k in
-  float32, as the dense form; `terms` and `params` change the block's
-  scores (luong_general)."""
+  float32, as the dense form; `terms` and `params` map the queries
+  (luong_general)."""
   f32 = jnp.float32
   out = chunked.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
                        terms, params, mask=mask, q_offset=q_offset, chunk_size=chunk_size,
@@ -87,15 +87,15 @@ def luong_general_chunked(query, key, value, general_w, *, mask=None, q_offset=0
   float32. W_h is applied to each query block as it is read (d / block more
   work than the block's dot): q W_h for all queries at once would be one
   more [b, n, h, d] array forward and another, its gradient, backward."""
-  return luong_dot_chunked(query, key, value, chunked.BlockTerms(logits=_general_block_logits),
+  return luong_dot_chunked(query, key, value, chunked.BlockTerms(transform_q=_general_w),
                            {'general_w': general_w.astype(jnp.float32)}, mask=mask,
                            q_offset=q_offset, chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
-def _general_block_logits(q, k, params, q_pos, k_pos):
-  """(q W_h) . k for one block -> float32 [b, h, bq, bk]."""
-  qw = jnp.einsum('bqhd,hde->bqhe', q, params['general_w'], preferred_element_type=jnp.float32)
-  return chunked.dot_logits(qw, k, None, q_pos, k_pos)
+def _general_w(q, tables, positions, origin):
+  """q W_h for one block's queries [b, bq, h, d] (BlockTerms.transform_q)."""
+  del positions, origin
+  return jnp.einsum('bqhd,hde->bqhe', q, tables['general_w'], preferred_element_type=jnp.float32)
 
 
 def visible_keys(mask, m):

@@ -77,7 +77,9 @@ class AttentionVariant:
     q_offset + 0..n-1; None with `terms`: True (the terms read positions as
     arrays), else False.
   terms: (num_heads, **kwargs) -> chunked.BlockTerms, the variant written
-    once (from_terms.py): `register` derives `fn` and `chunked` from it
+    once as what it changes in a block of the kernels' scaled q.k scores
+    (its score, tables, query and key maps, values term: chunked.py,
+    from_terms.py): `register` derives `fn` and `chunked` from it
     where they are not given (a hand-written `fn` then is a faster or the
     paper's reference form of the same math) and checks its contracts.
   """

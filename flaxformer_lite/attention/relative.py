@@ -150,7 +150,7 @@ def _block_indices(k, q_pos, k_pos):
 
 # A block's table terms, split as row 0 (clipped distance -k) for every pair
 # plus (row - row 0) for the pairs nearer than k: row 0 rides on the keys and
-# values (k_j + a_0, v_j + a^V_0, a block-sized add of [b, bk, h, d]), so a
+# values (k_j + a_0 by transform_k, v_j + a^V_0, an add of [b, bk, h, d]), so a
 # block wholly beyond distance k on the left, most blocks of causal attention,
 # is dot_product's block; a block the band of 2k - 1 diagonals crosses adds the
 # difference through bucket_spread / bucket_sum; a sub-diagonal block (the band
@@ -182,14 +182,23 @@ def _by_part(k, q_pos, k_pos, x, band, corner, far_right):
   return jax.lax.switch(_where(k, q_pos, k_pos), [lambda x: x, band, corner, far_right], x)
 
 
-def _block_logits(k, q, key, params, q_pos, k_pos):
-  """q.(k + a^K) for one block, q already scaled (the split above): the
-  band's queries meet the 2k+1 rows' differences once and bucket_spread
-  places them by clipped distance, as in the banded form."""
-  table = params.get('rel_key_table')
+def _with_row0(key, tables, positions, origin):
+  """k_j + a^K_0 (BlockTerms.transform_k): row 0 of the table on every key,
+  so that the kernel's product is q.(k + a^K_0) (the split above)."""
+  del positions, origin
+  table = tables.get('rel_key_table')
+  return key if table is None else key + table[0].astype(key.dtype)
+
+
+def _score(k, s, block):
+  """q.(k + a^K) for one block from the kernel's q.(k + a^K_0), q already
+  scaled (the split above): the band's queries meet the 2k+1 rows'
+  differences once and bucket_spread places them by clipped distance, as
+  in the banded form."""
+  table = block.tables.get('rel_key_table')
   if table is None:
-    return chunked.dot_logits(q, key, params, q_pos, k_pos)
-  s = chunked.dot_logits(q, key + table[0].astype(key.dtype), params, q_pos, k_pos)
+    return s
+  q, q_pos, k_pos = block.q, block.q_pos, block.k_pos
   rest = table - table[:1]
   bk = k_pos.shape[0]
 
@@ -207,14 +216,14 @@ def _block_logits(k, q, key, params, q_pos, k_pos):
   return _by_part(k, q_pos, k_pos, s, band, corner, lambda s: s + meet(q, rest[-1:]))
 
 
-def _block_values(k, p, v, params, q_pos, k_pos):
+def _block_values(k, p, v, tables, q_pos, k_pos):
   """sum_j p_ij (v_j + a^V_ij) for one block (the split above): the band's
   weights summed per clipped distance (bucket_sum) times the rows'
   differences."""
-  table = params.get('rel_value_table')
+  table = tables.get('rel_value_table')
   if table is None:
-    return chunked.dot_values(p, v, params, q_pos, k_pos)
-  out = chunked.dot_values(p, v + table[0].astype(v.dtype), params, q_pos, k_pos)
+    return chunked.dot_values(p, v, tables, q_pos, k_pos)
+  out = chunked.dot_values(p, v + table[0].astype(v.dtype), tables, q_pos, k_pos)
   rest = (table - table[:1]).astype(jnp.float32)
   bk = k_pos.shape[0]
 
@@ -229,11 +238,11 @@ def _block_values(k, p, v, params, q_pos, k_pos):
                   lambda out: out + jnp.sum(p, -1, keepdims=True) * rest[-1])
 
 
-def _uniform(k, value, params, q_pos, m):
+def _uniform(k, value, tables, q_pos, m):
   """Uniform weights over all m keys: mean_j v_j + (1/m) sum_r count_r(i) a^V_r,
   count_r(i) the keys at clipped distance r - k from query position q_pos[i]."""
-  out = chunked.mean_values(value, params, q_pos, m)
-  table = params.get('rel_value_table')
+  out = chunked.mean_values(value, tables, q_pos, m)
+  table = tables.get('rel_value_table')
   if table is None:
     return out
   p = q_pos[:, None]  # [n, 1]
@@ -358,7 +367,7 @@ def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values, form
   reference for shaw_attention's forms."""
   del num_heads, relative_keys, relative_values, form  # the tables present; the dense forms
   k = max_distance
-  return chunked.BlockTerms(logits=functools.partial(_block_logits, k),
+  return chunked.BlockTerms(score=functools.partial(_score, k), transform_k=_with_row0,
                             values=functools.partial(_block_values, k),
                             uniform=functools.partial(_uniform, k))
 

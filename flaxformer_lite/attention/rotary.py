@@ -140,12 +140,19 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
   return auto_dot_product(query, key, value, **common)
 
 
+def _rotate(rope, x, tables, positions, origin):
+  """apply_rotary by absolute position (BlockTerms.transform_q, transform_k):
+  a rotation keeps every product a function of j - i, whatever the origin."""
+  del tables, origin
+  return apply_rotary(x, positions, **rope)
+
+
 def _terms(num_heads, **rope):
   """The block terms (from_terms.py), the reference for rotary_attention:
-  q_rot . k_rot, each rotated by its absolute position (BlockTerms.rotate:
-  once for the whole call without a gradient, block by block under one)."""
+  q_rot . k_rot, each rotated by its absolute position."""
   del num_heads
-  return chunked.BlockTerms(rotate=functools.partial(apply_rotary, **rope))
+  rotate = functools.partial(_rotate, rope)
+  return chunked.BlockTerms(transform_q=rotate, transform_k=rotate)
 
 
 def _check_head_dim(head_dim):

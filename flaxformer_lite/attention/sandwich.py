@@ -31,13 +31,13 @@ def sandwich_bias(offset, num_heads: int, dim: int):
   return (inner[None, :] - dim / 2) / compress[:, None]
 
 
-def _logits(dim, q, k, params, q_pos, k_pos):
-  """q.k + the Sandwich bias, looked up once per diagonal of the block."""
+def _score(dim, s, block):
+  """s + the Sandwich bias, looked up once per diagonal of the block."""
+  q_pos, k_pos = block.q_pos, block.k_pos
   bq, bk = q_pos.shape[0], k_pos.shape[0]
   # diagonal t = j - i + bq - 1 of the block has i - j = q_pos[0] - k_pos[0] + bq - 1 - t
   offset = (q_pos[0] - k_pos[0] + bq - 1 - jnp.arange(bq + bk - 1)).astype(jnp.float32)
-  bias = chunked.by_offset(sandwich_bias(offset, q.shape[2], dim), bq, bk)  # [h, bq, bk]
-  return chunked.dot_logits(q, k, params, q_pos, k_pos) + bias[None]
+  return block.add(s, chunked.by_offset(sandwich_bias(offset, s.shape[1], dim), bq, bk))
 
 
 def sandwich_attention(query, key, value, *, q_offset=0, positions=None, sandwich_dim=128,
@@ -60,7 +60,7 @@ def sandwich_attention(query, key, value, *, q_offset=0, positions=None, sandwic
 
 def _terms(num_heads, *, sandwich_dim):
   del num_heads
-  return chunked.BlockTerms(logits=functools.partial(_logits, sandwich_dim))
+  return chunked.BlockTerms(score=functools.partial(_score, sandwich_dim))
 
 
 def _validate(kwargs):

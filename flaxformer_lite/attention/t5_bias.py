@@ -118,8 +118,8 @@ def t5_bias_attention(query, key, value, rel_embedding, *, bias=None, q_offset=0
   return dot_product_attention(query, key, value, bias=position_bias, **common)
 
 
-def _block_logits(bucket_kw, q, k, params, q_pos, k_pos):
-  """q.k + table[bucket(j - p), h] for one block (chunked.BlockTerms.logits).
+def _score(bucket_kw, s, block):
+  """s + table[bucket(j - p), h] for one block (chunked.BlockTerms.score).
 
   The offset j - p is constant along a block's diagonals: the bias is looked
   up once per diagonal (a one-hot matmul, so the table's gradient is a
@@ -127,20 +127,18 @@ def _block_logits(bucket_kw, q, k, params, q_pos, k_pos):
   A block whose offsets all fall in one bucket (far from the diagonal, past
   bucket_max_distance) adds one number per head instead.
   """
-  table = params['rel_embedding'].astype(jnp.float32)  # [buckets, h]
-  b, bq, bk = q.shape[0], q_pos.shape[0], k_pos.shape[0]
+  table = block.tables['rel_embedding'].astype(jnp.float32)  # [buckets, h]
+  q_pos, k_pos = block.q_pos, block.k_pos
+  bq, bk = q_pos.shape[0], k_pos.shape[0]
   offsets = k_pos[0] - q_pos[0] - (bq - 1) + jnp.arange(bq + bk - 1)  # per diagonal
   buckets = t5_relative_position_bucket(offsets, **bucket_kw)
-  s = chunked.dot_logits(q, k, params, q_pos, k_pos)
 
   def one_bucket(s, table):
-    return s + (jax.nn.one_hot(buckets[0], table.shape[0]) @ table)[None, :, None, None]
+    return block.add(s, (jax.nn.one_hot(buckets[0], table.shape[0]) @ table)[:, None, None])
 
   def per_diagonal(s, table):
     bias = jax.nn.one_hot(buckets, table.shape[0], dtype=jnp.float32) @ table  # [L, h]
-    # b copies, not a broadcast: the transpose is then adds of slices (see
-    # broadcast_batch), not XLA:CPU's slow reduction over the leading axis.
-    return s + broadcast_batch(chunked.by_offset(bias.T, bq, bk)[None], b)
+    return block.add(s, chunked.by_offset(bias.T, bq, bk))
 
   return jax.lax.cond(jnp.all(buckets == buckets[0]), one_bucket, per_diagonal, s, table)
 
@@ -150,9 +148,9 @@ def _terms(num_heads, *, bidirectional, num_buckets, bucket_max_distance):
   gradient summed over the blocks), and the reference for t5_bias_attention,
   the [n, m] bias of mesh-tensorflow's form."""
   del num_heads  # the table carries the heads
-  return chunked.BlockTerms(logits=functools.partial(
-      _block_logits, dict(bidirectional=bidirectional, num_buckets=num_buckets,
-                          max_distance=bucket_max_distance)))
+  return chunked.BlockTerms(score=functools.partial(
+      _score, dict(bidirectional=bidirectional, num_buckets=num_buckets,
+                   max_distance=bucket_max_distance)))
 
 
 def _validate(kwargs):

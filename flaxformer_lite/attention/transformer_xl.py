@@ -15,8 +15,9 @@ adding them.
 
 The position term is computed once for each of the n + m - 1 distances that
 occur ([b, h, n, n + m - 1]) and moved to its keys by `chunked.rel_shift`
-(the paper's pad-reshape-slice trick), not gathered. The chunked form does
-the same per block, from one W_R R table for every distance.
+(the paper's pad-reshape-slice trick), not gathered. The block terms do the
+same per block (`_score`), from one W_R R table for every distance of the
+call (`_prepare`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.dot_product import dot_product_attention
-from flaxformer_lite.attention.from_terms import dot_product_chunked
 
 
 def sinusoid(distances, width: int):
@@ -84,30 +84,31 @@ def transformer_xl_attention(query, key, value, position_kernel, content_bias, p
       dtype=dtype, return_weights=return_weights)
 
 
-def _block_logits(q, k, params, q_pos, k_pos):
-  """(q + u).k + (q + v).W_R R for one block, q, u and v already scaled:
-  the block's bq + bk - 1 rows of W_R R, moved to their keys by rel_shift."""
-  s = chunked.dot_logits(q + params['u'].astype(q.dtype), k, params, q_pos, k_pos)
-  rows = chunked.distance_slice(params['r'], params['top'], q_pos, k_pos)
-  position = jnp.einsum('bqhd,lhd->bhql', q + params['v'].astype(q.dtype), rows.astype(q.dtype),
+def _prepare(params, q_pos, k_pos):
+  """The call's tables (BlockTerms.prepare): W_R R for every distance its
+  blocks meet, and u and v scaled by 1/sqrt(d) as the kernel scales q. The
+  gradients of W_R, u and v flow through them and the blocks."""
+  top, distances = chunked.distance_range(q_pos, k_pos)
+  scale = 1.0 / np.sqrt(params['content_bias'].shape[-1])
+  return {'r': projected_positions(params['position_kernel'], distances),
+          'u': params['content_bias'].astype(jnp.float32) * scale,
+          'v': params['position_bias'].astype(jnp.float32) * scale, 'top': top}
+
+
+def _score(s, block):
+  """q.k + u.k + (q + v).W_R R for one block, q, u and v scaled: the
+  block's bq + bk - 1 rows of W_R R, moved to their keys by rel_shift."""
+  q, k, tables = block.q, block.k, block.tables
+  content = jnp.einsum('hd,bkhd->bhk', tables['u'], k.astype(jnp.float32))  # [b, h, bk]
+  rows = chunked.distance_slice(tables['r'], tables['top'], block.q_pos, block.k_pos)
+  position = jnp.einsum('bqhd,lhd->bhql', q + tables['v'].astype(q.dtype), rows.astype(q.dtype),
                         preferred_element_type=jnp.float32)  # [b, h, bq, bq + bk - 1]
-  return s + chunked.rel_shift(position)
+  return s + content[:, :, None, :] + chunked.rel_shift(position)
 
 
-def transformer_xl_chunked(query, key, value, position_kernel, content_bias, position_bias, *,
-                           mask=None, q_offset=0, chunk_size=None, dtype=None, **dropout):
-  """transformer_xl_attention block by block (chunked.attend). W_R R is
-  computed once for every distance a (padded) block can meet; the gradients
-  of W_R, u and v flow through it and the blocks."""
-  n, d = query.shape[1], query.shape[-1]
-  top, distances = chunked.distance_range(n, key.shape[1], q_offset, chunk_size)
-  scale = 1.0 / np.sqrt(d)
-  params = {'r': projected_positions(position_kernel, distances),
-            'u': content_bias.astype(jnp.float32) * scale,
-            'v': position_bias.astype(jnp.float32) * scale, 'top': top}
-  return dot_product_chunked(query, key, value, chunked.BlockTerms(logits=_block_logits), params,
-                             mask=mask, q_offset=q_offset, chunk_size=chunk_size, dtype=dtype,
-                             **dropout)
+def _terms(num_heads):
+  del num_heads  # the parameters carry the heads
+  return chunked.BlockTerms(score=_score, prepare=_prepare)
 
 
 def _params(num_heads, head_dim, kwargs):
@@ -126,7 +127,7 @@ registry.register(registry.AttentionVariant(
     name='transformer_xl',
     models=registry.TRANSFORMER_MODELS,
     fn=transformer_xl_attention,
-    chunked=transformer_xl_chunked,
+    terms=_terms,
     params=_params,
     uses_positions=True,
     position_arrays=True,

@@ -11,11 +11,13 @@ serves decoder-only models.
 
 zeta^(n/gamma) alone under- or overflows at long range (zeta_0 = 0.29: at
 n = 64k, 0.29^128 = 1e-69). Within a block only the difference matters, so
-positions are measured from the block's first key: the keys' factors stay
-within zeta^(-bk/gamma), the queries' never exceed 1 where n >= m, and a
-far block's products shrink towards 0, their true value.
+positions are measured from the block's first key (the `origin` of
+BlockTerms.transform_q and transform_k): the keys' factors stay within
+zeta^(-bk/gamma), the queries' never exceed 1 where n >= m, and a far
+block's products shrink towards 0, their true value.
 
-Written once as block terms (from_terms.py).
+Written once as block terms (from_terms.py): the queries and keys mapped,
+the kernel's q.k of them.
 """
 from __future__ import annotations
 
@@ -45,19 +47,20 @@ def _scaled(x, positions, sign, scale_base, max_wavelength):
   return (rotated.astype(jnp.float32) * factor).astype(x.dtype)
 
 
-def _logits(scale_base, max_wavelength, q, k, params, q_pos, k_pos):
-  """sum_i zeta_i^((n - m)/gamma) (rotated pair i of q_n . k_m), positions
-  measured from the block's first key (module docstring)."""
-  origin = k_pos[0]
-  q = _scaled(q, q_pos - origin, 1.0, scale_base, max_wavelength)
-  k = _scaled(k, k_pos - origin, -1.0, scale_base, max_wavelength)
-  return chunked.dot_logits(q, k, params, q_pos, k_pos)
+def _transform(sign, scale_base, max_wavelength, x, tables, positions, origin):
+  """A query (sign 1) or key (sign -1) rotated and scaled by its position
+  measured from the block's first key (module docstring), so that pair i
+  of q_n . k_m is weighted by zeta_i^((n - m)/gamma)."""
+  del tables
+  return _scaled(x, positions - origin, sign, scale_base, max_wavelength)
 
 
 def _terms(num_heads, *, xpos_scale_base, max_wavelength):
   del num_heads
+  scale_base, max_wavelength = float(xpos_scale_base), float(max_wavelength)
   return chunked.BlockTerms(
-      logits=functools.partial(_logits, float(xpos_scale_base), float(max_wavelength)))
+      transform_q=functools.partial(_transform, 1.0, scale_base, max_wavelength),
+      transform_k=functools.partial(_transform, -1.0, scale_base, max_wavelength))
 
 
 def _check_head_dim(head_dim):

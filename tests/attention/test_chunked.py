@@ -296,7 +296,7 @@ def test_table_gradients_are_deterministic_and_built_without_scatter(cases, inde
 # ---- hidden blocks are not computed -----------------------------------------------
 
 def _poisoned_terms(structural):
-  """BlockTerms whose logits and values are NaN in a block where the causal /
+  """BlockTerms whose scores and values are NaN in a block where the causal /
   window rule allows no pair: such a block, if it ran, would turn the output
   (forward) or the gradients (backward) into NaN.
 
@@ -309,14 +309,13 @@ def _poisoned_terms(structural):
   def hidden(q_pos, k_pos):
     return ~jnp.any(structural(q_pos[:, None], k_pos[None, :]))
 
-  def logits(q, k, params, q_pos, k_pos):
-    poison = jnp.where(hidden(q_pos, k_pos), jnp.nan, 1.0)
-    return chunked.dot_logits(q, k, params, q_pos, k_pos) * poison
+  def score(s, block):
+    return s * jnp.where(hidden(block.q_pos, block.k_pos), jnp.nan, 1.0)
 
-  def values(p, v, params, q_pos, k_pos):
+  def values(p, v, tables, q_pos, k_pos):
     poison = jnp.where(hidden(q_pos, k_pos), jnp.nan, 1.0)
-    return chunked.dot_values(p, v, params, q_pos, k_pos) * poison
-  return chunked.BlockTerms(logits=logits, values=values, uniform=chunked.mean_values)
+    return chunked.dot_values(p, v, tables, q_pos, k_pos) * poison
+  return chunked.BlockTerms(score=score, values=values, uniform=chunked.mean_values)
 
 
 SKIP_MASKS = {
@@ -468,10 +467,11 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
   whole blocks do, which test_output_and_every_gradient_equal_the_dense_form
   runs on every form), and dot_product's with attention dropout and no
   padding equal dense dropout with the same keep bits. Without a gradient
-  the forward reads keys heads first and applies BlockTerms.rotate once:
-  that output is checked on the variants with and without `rotate` (rotary,
-  dot_product). Each variant's trace must have built the steps. (A window,
-  as `local` has, leaves every block masked: no staircase to test.)"""
+  the forward reads keys heads first and maps them by BlockTerms.transform_k
+  once, each from its block's first key: that output is checked on the
+  variants with and without one (rotary, xpos, dot_product). Each variant's
+  trace must have built the steps. (A window, as `local` has, leaves every
+  block masked: no staircase to test.)"""
   monkeypatch.setattr(blockwise, 'UNMASKED_MIN_SCORES', 0)
   monkeypatch.setattr(blockwise, 'STAIRCASE_ROWS', 4)
   steps = []
@@ -501,7 +501,7 @@ def test_diagonal_staircase_equals_the_dense_form_for_every_variant(monkeypatch)
       got = _out_and_grads(chunked_fn, q, k, v, params, g)
       built[VARIANT_IDS[index]] = sorted(set(steps[before:]))
       want = _out_and_grads(_dense_fn(index, padded, n, n, 0), q, k, v, params, g)
-      if VARIANTS[index][0] in ('dot_product', 'rotary'):
+      if VARIANTS[index][0] in ('dot_product', 'rotary', 'xpos'):
         got['out without a gradient'] = chunked_fn(q, k, v, params)
         want['out without a gradient'] = want['out']
       out[VARIANT_IDS[index]] = got, want

@@ -1,6 +1,7 @@
 """The blockwise kernel: attention in O(n) memory by an online softmax over
-blocks of queries and keys, for a variant's BlockTerms (chunked.py, whose
+blocks of queries and keys, for a scheme's BlockTerms (chunked.py, whose
 `attend` is the entry point and whose docstring gives the terms' contract).
+A block's scores and values are product.py's, shared with the dense kernel.
 
 Queries go in nq blocks of bq rows, keys in nk blocks of bk columns. For
 each query block an online softmax (Milakov & Gimelshein 2018) runs over the
@@ -38,7 +39,8 @@ is the custom_vjp, whose forward is `forward` (one `query_block` per query
 block: a decoding step's few queries are one query block, so `query_block`
 is all of a decode step's work) and whose backward is `backward` (one
 `key_block_grads` per key block). The terms (BlockTerms) and the Blocks are
-the custom_vjp's static arguments; the call's arrays travel as `Call`.
+the custom_vjp's static arguments; the call's arrays travel as `Call`, the
+terms' tables among them (`prepare`, once per call, outside the custom_vjp).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import dropout, masks
+from flaxformer_lite.attention.kernels.product import repeat_heads, scores
 from flaxformer_lite.attention.masks import MaskSpec
 
 # Blocks of at least this many scores (b * h * bq * bk) skip the mask where
@@ -98,7 +101,7 @@ class Blocks:
 
 class Call(NamedTuple):
   """A call's arrays that every block reads."""
-  params: Any  # the terms' pytree of tables, or None
+  tables: Any  # what terms.prepare made of the parameters (a pytree), or None
   mask: MaskSpec | MaskBlocks  # a MaskSpec padded to nq * bq queries and nk * bk keys
   q_offset: Any  # int32 []: query i sits at q_offset + i
   seed: Any  # uint32 []: dropout's hash seed
@@ -116,45 +119,47 @@ def plan(mask: MaskSpec | masks.Mask, q_offset, b: int, h: int, n: int, m: int, 
   return Blocks(n, m, bq, bk, nq, nk, rate, rise, first_query)
 
 
-def repeat_heads(x, h: int):
-  """[b, L, g, d] -> [b, L, h, d]: group i's head for query heads i*h/g ..
-  (i+1)*h/g - 1 (the identity when g = h)."""
-  g = x.shape[2]
-  return x if g == h else jnp.repeat(x, h // g, axis=2)
+def prepare(blocks: Blocks, terms, params, q_offset):
+  """terms.prepare's tables for a call (the parameters themselves without
+  one), from the positions of its queries [nq, bq] and keys [nk, bk] as the
+  blocks hold them. Made here, outside `attention`, so that autodiff takes
+  their gradients on to the parameters."""
+  if terms.prepare is None:
+    return params
+  q_pos = q_offset + jnp.arange(blocks.nq * blocks.bq).reshape(blocks.nq, blocks.bq)
+  k_pos = jnp.arange(blocks.nk * blocks.bk).reshape(blocks.nk, blocks.bk)
+  return terms.prepare(params, q_pos, k_pos)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attention(blocks: Blocks, terms, q, k, v, params, mask, q_offset, seed):
-  """(q [b, nq*bq, h, d], k [b, nk*bk, g, d], v [b, nk*bk, g, dv], params,
+def attention(blocks: Blocks, terms, q, k, v, tables, mask, q_offset, seed):
+  """(q [b, nq*bq, h, d], k [b, nk*bk, g, d], v [b, nk*bk, g, dv], tables,
   mask, q_offset, seed) -> (out float32 [b, nq*bq, h, dv], lse float32
   [b, h, nq*bq], -inf where a query sees no key); terms a BlockTerms."""
   # Without a gradient (evaluation, prefill) the keys and values go heads
   # first (_heads_first); under a gradient not, where the two copies would
   # add to the training step's peak memory for no gain in its time.
-  return forward(blocks, terms, q, k, v, params, mask, q_offset, seed,
+  return forward(blocks, terms, q, k, v, tables, mask, q_offset, seed,
                  heads_first=blocks.nq > 1)
 
 
-def _attention_fwd(blocks: Blocks, terms, q, k, v, params, mask, q_offset, seed):
-  out, lse = forward(blocks, terms, q, k, v, params, mask, q_offset, seed)
-  return (out, lse), (q, k, v, params, mask, q_offset, seed, out, lse)
+def _attention_fwd(blocks: Blocks, terms, q, k, v, tables, mask, q_offset, seed):
+  out, lse = forward(blocks, terms, q, k, v, tables, mask, q_offset, seed)
+  return (out, lse), (q, k, v, tables, mask, q_offset, seed, out, lse)
 
 
 # ---------------------------------------------------------------------------
 # Block math shared by the forward and the backward.
 
 
-def _block_logits(terms, q, k, params, q_idx, k_idx, q_offset, rotated=False):
+def _block_scores(terms, q, k, tables, q_idx, k_idx, q_offset, transformed_keys=False):
   """Scores of queries q_idx [rows] against keys k_idx [cols] (indices into
   the call; query i sits at q_offset + i) -> float32 [b, h, rows, cols]."""
-  q_pos = q_offset + q_idx
-  if terms.rotate is not None and not rotated:  # k's g heads, before repeat_heads
-    q, k = terms.rotate(q, q_pos), terms.rotate(k, k_idx)
-  return terms.logits(q, repeat_heads(k, q.shape[2]), params, q_pos, k_idx)
+  return scores(terms, q, k, tables, q_offset + q_idx, k_idx, transformed_keys)
 
 
-def _block_values(terms, p, v, params, q_idx, k_idx, q_offset):
-  return terms.values(p, repeat_heads(v, p.shape[1]), params, q_offset + q_idx, k_idx)
+def _block_values(terms, p, v, tables, q_idx, k_idx, q_offset):
+  return terms.values(p, repeat_heads(v, p.shape[1]), tables, q_offset + q_idx, k_idx)
 
 
 def _dropped(blocks: Blocks, x, seed, q_idx, k_idx):
@@ -174,8 +179,7 @@ class _Source(NamedTuple):
   q: Any  # [b, nq*bq, h, d]
   k: Any  # [b, nk*bk, g, d], or heads first [b, g, nk*bk, d]
   v: Any  # as k, with dv
-  heads_first: bool
-  rotated: bool  # terms.rotate already applied to every query and key
+  heads_first: bool  # and the keys mapped by terms.transform_k
 
 
 class _QueryRows(NamedTuple):
@@ -187,20 +191,19 @@ class _QueryRows(NamedTuple):
   q: Any
 
 
-def forward(blocks: Blocks, terms, q, k, v, params, mask, q_offset, seed, heads_first=False):
+def forward(blocks: Blocks, terms, q, k, v, tables, mask, q_offset, seed, heads_first=False):
   """attention's value -> (out float32 [b, nq*bq, h, dv], lse float32
-  [b, h, nq*bq]). heads_first: read the keys and values heads first and
-  apply terms.rotate once to every query and key (without a gradient)."""
-  rotated = heads_first and terms.rotate is not None
-  if rotated:  # each query and key once, not once a block (BlockTerms.rotate)
-    q = terms.rotate(q, q_offset + jnp.arange(q.shape[1]))
-    k = terms.rotate(k, jnp.arange(k.shape[1]))
+  [b, h, nq*bq]). heads_first: read the keys and values heads first and map
+  every key by terms.transform_k once (without a gradient)."""
+  if heads_first and terms.transform_k is not None:  # once, not once a block
+    idx = jnp.arange(k.shape[1])
+    k = terms.transform_k(k, tables, idx, idx - idx % blocks.bk)  # from its block's first key
   if heads_first:  # each key block is read by every query block: heads first once
     k, v = _heads_first(k), _heads_first(v)
   # else under a gradient, or one query block (a decode step: no cache copy)
-  src = _Source(q, k, v, heads_first, rotated)
+  src = _Source(q, k, v, heads_first)
   step = mask_query_block if isinstance(mask, MaskBlocks) else query_block
-  one = functools.partial(step, blocks, terms, Call(params, mask, q_offset, seed), src)
+  one = functools.partial(step, blocks, terms, Call(tables, mask, q_offset, seed), src)
   out, lse = jax.lax.map(one, jnp.arange(blocks.nq))  # [nq, b, bq, h, dv], [nq, b, h, bq]
   return _unblock(out, 1), _unblock(lse, 2)
 
@@ -273,7 +276,7 @@ def _update(blocks: Blocks, terms, call: Call, carry, s, v_blk, q_idx, k_idx, vi
   scale = jnp.exp(row_max - shift)
   row_sum = row_sum * scale + jnp.sum(p, -1)
   acc = acc * scale[..., None] + _block_values(terms, _dropped(blocks, p, call.seed, q_idx, k_idx),
-                                               v_blk, call.params, q_idx, k_idx, call.q_offset)
+                                               v_blk, call.tables, q_idx, k_idx, call.q_offset)
   return new_max, row_sum, acc
 
 
@@ -300,8 +303,8 @@ def _forward_whole(blocks: Blocks, terms, call: Call, src: _Source, rows: _Query
 
   def compute(carry):
     k_blk, v_blk = _key_rows(src, ks, blocks.bk)
-    s = _block_logits(terms, rows.q, k_blk, call.params, rows.idx, k_idx, call.q_offset,
-                      src.rotated)
+    s = _block_scores(terms, rows.q, k_blk, call.tables, rows.idx, k_idx, call.q_offset,
+                      src.heads_first)
     return _update(blocks, terms, call, carry, s, v_blk, rows.idx, k_idx,
                    visible if masked else None)
   return _unless_hidden(call.mask, visible, compute, carry) if masked else compute(carry)
@@ -317,8 +320,8 @@ def _forward_diagonal(blocks: Blocks, terms, call: Call, src: _Source, rows: _Qu
   for r0 in range(0, blocks.bq, rise):
     r1 = r0 + rise
     i_idx, j_idx = rows.idx[r0:r1], ks + jnp.arange(r1)
-    s = _block_logits(terms, rows.q[:, r0:r1], k_blk[:, :r1], call.params, i_idx, j_idx,
-                      call.q_offset, src.rotated)
+    s = _block_scores(terms, rows.q[:, r0:r1], k_blk[:, :r1], call.tables, i_idx, j_idx,
+                      call.q_offset, src.heads_first)
     steps.append(_update(blocks, terms, call, tuple(x[:, :, r0:r1] for x in carry), s,
                          v_blk[:, :r1], i_idx, j_idx, _step_mask(call.mask, ks, r0, rise)))
   return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*steps))
@@ -350,10 +353,10 @@ def _zeros(x):
 
 
 def backward(blocks: Blocks, terms, res, cotangents):
-  """attention's vjp: the saved (q, k, v, params, mask, q_offset, seed, out,
+  """attention's vjp: the saved (q, k, v, tables, mask, q_offset, seed, out,
   lse) and the cotangents of (out, lse) -> the gradients of q, k, v and
-  params (None for the mask, q_offset and seed)."""
-  q, k, v, params, mask, q_offset, seed, out, lse = res
+  tables (None for the mask, q_offset and seed)."""
+  q, k, v, tables, mask, q_offset, seed, out, lse = res
   d_out, d_lse = (x.astype(jnp.float32) for x in cotangents)
   # D_i = dO_i . O_i = sum_j p_ij dp_ij, dropout included (dp_ij is then
   # keep_ij / (1 - rate) times the gradient of the dropped weight). The
@@ -367,25 +370,25 @@ def backward(blocks: Blocks, terms, res, cotangents):
   # s = inf).
   s = d_out[0, 0, 0, 0]
   zero = jnp.where(jnp.isfinite(s), s * 0.0, 0.0)
-  init = (jnp.full(q.shape, zero), k, v, jax.tree.map(_zeros, params))
+  init = (jnp.full(q.shape, zero), k, v, jax.tree.map(_zeros, tables))
   step = mask_key_block_grads if isinstance(mask, MaskBlocks) else key_block_grads
-  body = functools.partial(step, blocks, terms, Call(params, mask, q_offset, seed),
+  body = functools.partial(step, blocks, terms, Call(tables, mask, q_offset, seed),
                            _Grads(q, lse, d_out, delta))
-  dq, dk, dv, dparams = jax.lax.fori_loop(0, blocks.nk, body, init)
-  dparams = jax.tree.map(lambda g, p: g.astype(p.dtype), dparams, params)
-  return (dq.astype(q.dtype), dk, dv, dparams, None, None, None)
+  dq, dk, dv, dtables = jax.lax.fori_loop(0, blocks.nk, body, init)
+  dtables = jax.tree.map(lambda g, t: g.astype(t.dtype), dtables, tables)
+  return (dq.astype(q.dtype), dk, dv, dtables, None, None, None)
 
 
 attention.defvjp(_attention_fwd, backward)
 
 
 def key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry):
-  """The fori_loop's body: carry (dq, k_dk, v_dv, dparams) with key block kb's
+  """The fori_loop's body: carry (dq, k_dk, v_dv, dtables) with key block kb's
   gradients added. Key block kb is read only in step kb, so its dk and dv
   are written over it: the loop carries k and v and returns dk and dv in
   their buffers (XLA updates them in place), two [b, m, g, d] arrays fewer
   at the backward's peak."""
-  dq, k_dk, v_dv, dparams = carry
+  dq, k_dk, v_dv, dtables = carry
   bq, bk = blocks.bq, blocks.bk
   keys = _key_block(blocks, k_dk, v_dv, kb)
   ks = keys.ks
@@ -394,20 +397,20 @@ def key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry)
   unmasked = unmasked_query_blocks(call.mask, ks, bq, bk, lo, hi, call.q_offset, blocks.n,
                                    blocks.m, q.shape[0] * q.shape[2] * bq * bk)
   body = functools.partial(_backward_query_block, blocks, terms, call, grads, keys)
-  dq, dk_blk, dv_blk, dparams = _loops(lo, hi, unmasked, body,
-                                       (dq, _zeros(keys.k), _zeros(keys.v), dparams))
-  return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, ks), dparams)
+  dq, dk_blk, dv_blk, dtables = _loops(lo, hi, unmasked, body,
+                                       (dq, _zeros(keys.k), _zeros(keys.v), dtables))
+  return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, ks), dtables)
 
 
 def mask_key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry):
   """key_block_grads for a Mask (call.mask a MaskBlocks): query blocks by
   their states (_state_loop)."""
-  dq, k_dk, v_dv, dparams = carry
+  dq, k_dk, v_dv, dtables = carry
   keys = _key_block(blocks, k_dk, v_dv, kb)
   body = functools.partial(_backward_visit, blocks, terms, call, grads, keys)
-  dq, dk_blk, dv_blk, dparams = _state_loop(call.mask.states[:, kb], body,
-                                            (dq, _zeros(keys.k), _zeros(keys.v), dparams))
-  return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, keys.ks), dparams)
+  dq, dk_blk, dv_blk, dtables = _state_loop(call.mask.states[:, kb], body,
+                                            (dq, _zeros(keys.k), _zeros(keys.v), dtables))
+  return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, keys.ks), dtables)
 
 
 def _key_block(blocks: Blocks, k_dk, v_dv, kb) -> _KeyRows:
@@ -461,32 +464,32 @@ def _backward_diagonal(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _
 
 def _pair_grads(blocks: Blocks, terms, call: Call, grads: _Grads, carry, qs, rows: int, k_part,
                 v_part, k_idx, visible):
-  """carry (dq, dk_blk, dv_blk, dparams) with the gradients of queries
+  """carry (dq, dk_blk, dv_blk, dtables) with the gradients of queries
   qs .. qs + rows - 1 against the keys k_idx (k_part, v_part: the key
   block's first len(k_idx)) added."""
-  dq, dk_blk, dv_blk, dparams = carry
-  params, q_offset, seed = call.params, call.q_offset, call.seed
+  dq, dk_blk, dv_blk, dtables = carry
+  tables, q_offset, seed = call.tables, call.q_offset, call.seed
   q_idx = qs + jnp.arange(rows)
   q_blk = jax.lax.dynamic_slice_in_dim(grads.q, qs, rows, axis=1)
-  s, pull_s = jax.vjp(lambda q_, k_, p_: _block_logits(terms, q_, k_, p_, q_idx, k_idx, q_offset),
-                      q_blk, k_part, params)
+  s, pull_s = jax.vjp(lambda q_, k_, t_: _block_scores(terms, q_, k_, t_, q_idx, k_idx, q_offset),
+                      q_blk, k_part, tables)
   lse_blk = jax.lax.dynamic_slice_in_dim(grads.lse, qs, rows, axis=2)
   p = jnp.exp(s - lse_blk[..., None])
   if visible is not None:
     p = jnp.where(visible, p, 0.0)
   _, pull_v = jax.vjp(
-      lambda p_, v_, pr_: _block_values(terms, p_, v_, pr_, q_idx, k_idx, q_offset),
-      _dropped(blocks, p, seed, q_idx, k_idx), v_part, params)
+      lambda p_, v_, t_: _block_values(terms, p_, v_, t_, q_idx, k_idx, q_offset),
+      _dropped(blocks, p, seed, q_idx, k_idx), v_part, tables)
   d_out_blk = jax.lax.dynamic_slice_in_dim(grads.d_out, qs, rows, axis=1).transpose(0, 2, 1, 3)
-  dp, dv_part, dparams_v = pull_v(d_out_blk)
+  dp, dv_part, dtables_v = pull_v(d_out_blk)
   dp = _dropped(blocks, dp, seed, q_idx, k_idx)
   ds = p * (dp - jax.lax.dynamic_slice_in_dim(grads.delta, qs, rows, axis=2)[..., None])
-  dq_part, dk_part, dparams_s = pull_s(ds)
-  dparams = jax.tree.map(
+  dq_part, dk_part, dtables_s = pull_s(ds)
+  dtables = jax.tree.map(
       lambda a, x, y: a + x.astype(jnp.float32) + y.astype(jnp.float32),
-      dparams, dparams_v, dparams_s)
+      dtables, dtables_v, dtables_s)
   return (_add_at(dq, dq_part, qs), _add_at(dk_blk, dk_part, 0),
-          _add_at(dv_blk, dv_part, 0), dparams)
+          _add_at(dv_blk, dv_part, 0), dtables)
 
 
 # ---------------------------------------------------------------------------
