@@ -329,7 +329,7 @@ def block_mask(mask: Mask, batch: int, heads: int, n: int, m: int, bq: int, bk: 
   def row(qb):
     q = q_offset + qb * bq + jnp.arange(bq)
     q_real = (qb * bq + jnp.arange(bq) < n)[None, None, :, None]
-    seen = jnp.logical_and(mask(*_indices(batch, heads, q, k)), k_real)  # [.., bq, nk * bk]
+    seen = jnp.logical_and(at(mask, batch, heads, q, k), k_real)  # [.., bq, nk * bk]
     shape = jnp.broadcast_shapes(seen.shape, (1, 1, bq, nk * bk))
     seen = jnp.broadcast_to(seen, shape).reshape(shape[:2] + (bq, nk, bk))
     real = q_real[..., None]

@@ -84,6 +84,24 @@ def _scores(st: Settings, q, k, q_pos, k_pos, q_idx, k_idx, head, tables):
   return jnp.where(visible, scored, NEG_INF), slope
 
 
+def _query_indices(st: Settings, offset_ref, qb):
+  """Query block qb's indices [bq, 1], counted from the sequence's first query."""
+  return offset_ref[0] + qb * st.block_q + jnp.arange(st.block_q)[:, None]
+
+
+def _key_indices(st: Settings, kb):
+  """Key block kb's indices [1, bk]."""
+  return kb * st.block_k + jnp.arange(st.block_k)[None, :]
+
+
+def _key_blocks_seen(st: Settings, offset_ref, qb, num_k: int):
+  """How many key blocks query block qb visits: under the causal mask, up to
+  the one holding its last query's diagonal."""
+  if not st.causal:
+    return num_k
+  return jnp.minimum(num_k, (offset_ref[0] + (qb + 1) * st.block_q - 1) // st.block_k + 1)
+
+
 def _forward_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, kpos_ref,
                     offset_ref, *refs):
   """One query block of one (batch, head): an online softmax over its key blocks."""
@@ -93,14 +111,14 @@ def _forward_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref
   head, qb = pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
   q_pos = qpos_ref[...][:, None]
-  q_idx = offset_ref[0] + qb * bq + jnp.arange(bq)[:, None]
+  q_idx = _query_indices(st, offset_ref, qb)
   num_k = k_ref.shape[0] // bk
-  hi = jnp.minimum(num_k, (offset_ref[0] + (qb + 1) * bq - 1) // bk + 1) if st.causal else num_k
+  hi = _key_blocks_seen(st, offset_ref, qb, num_k)
 
   def body(kb, carry):
     m_i, l_i, acc = carry
     keys = pl.ds(kb * bk, bk)
-    k_idx = kb * bk + jnp.arange(bk)[None, :]
+    k_idx = _key_indices(st, kb)
     s, _ = _scores(st, q, k_ref[keys, :], q_pos, kpos_ref[keys][None, :], q_idx, k_idx, head,
                    tables)
     m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -117,20 +135,20 @@ def _forward_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref
   lse_ref[...] = m_i + jnp.log(l_i)
 
 
-def _specs(b, n_pad, h, g, d, st: Settings, tables, by_query: bool):
-  """BlockSpecs of (q, k, v, q_pos, k_pos, offset, *tables) for a grid
+def _specs(n_pad, m_pad, h, g, d, st: Settings, tables, by_query: bool):
+  """BlockSpecs of (q, k and v, q_pos, k_pos, offset, *tables) for a grid
   (b, h, blocks): a block of the blocked side, the other side whole."""
   rep = h // g
   if by_query:
     q = pl.BlockSpec((None, st.block_q, None, d), lambda i, j, t: (i, t, j, 0))
-    kv = lambda m: pl.BlockSpec((None, m, None, d), lambda i, j, t: (i, 0, j // rep, 0))
+    kv = pl.BlockSpec((None, m_pad, None, d), lambda i, j, t: (i, 0, j // rep, 0))
     qpos = pl.BlockSpec((st.block_q,), lambda i, j, t: (t,))
-    kpos = lambda m: pl.BlockSpec((m,), lambda i, j, t: (0,))
+    kpos = pl.BlockSpec((m_pad,), lambda i, j, t: (0,))
   else:
     q = pl.BlockSpec((None, n_pad, None, d), lambda i, j, t: (i, 0, j, 0))
-    kv = lambda m: pl.BlockSpec((None, st.block_k, None, d), lambda i, j, t: (i, t, j // rep, 0))
+    kv = pl.BlockSpec((None, st.block_k, None, d), lambda i, j, t: (i, t, j // rep, 0))
     qpos = pl.BlockSpec((n_pad,), lambda i, j, t: (0,))
-    kpos = lambda m: pl.BlockSpec((st.block_k,), lambda i, j, t: (t,))
+    kpos = pl.BlockSpec((st.block_k,), lambda i, j, t: (t,))
   # Each program reads its head's row of every table.
   table_specs = [pl.BlockSpec((None, *x.shape[1:]), lambda i, j, t, nd=x.ndim: (j,) + (0,) * (nd - 1))
                  for x in tables]
@@ -142,11 +160,11 @@ def _forward(st: Settings, q, k, v, q_pos, k_pos, offset, tables):
   """Padded inputs -> (out [b, n_pad, h, dv], lse float32 [b, h, n_pad])."""
   b, n_pad, h, d = q.shape
   m_pad, g = k.shape[1], k.shape[2]
-  q_spec, kv, qpos, kpos, off, table_specs = _specs(b, n_pad, h, g, d, st, tables, True)
+  q_spec, kv, qpos, kpos, off, table_specs = _specs(n_pad, m_pad, h, g, d, st, tables, True)
   kernel = functools.partial(_forward_kernel, st, len(tables))
   return pl.pallas_call(
       kernel, grid=(b, h, n_pad // st.block_q),
-      in_specs=[q_spec, kv(m_pad), kv(m_pad), qpos, kpos(m_pad), off, *table_specs],
+      in_specs=[q_spec, kv, kv, qpos, kpos, off, *table_specs],
       out_specs=[pl.BlockSpec((None, st.block_q, None, v.shape[3]),
                               lambda i, j, t: (i, t, j, 0)),
                  pl.BlockSpec((None, None, st.block_q), lambda i, j, t: (i, j, t))],
@@ -166,7 +184,7 @@ def _dkdv_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, k
   head, kb = pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   k_pos = kpos_ref[...][None, :]
-  k_idx = kb * bk + jnp.arange(bk)[None, :]
+  k_idx = _key_indices(st, kb)
   num_q = q_ref.shape[0] // bq
   lo = jnp.clip((kb * bk - offset_ref[0]) // bq, 0, num_q) if st.causal else 0
 
@@ -174,7 +192,7 @@ def _dkdv_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, k
     dk, dv = carry
     rows = pl.ds(qb * bq, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    q_idx = offset_ref[0] + qb * bq + jnp.arange(bq)[:, None]
+    q_idx = _query_indices(st, offset_ref, qb)
     s, slope = _scores(st, q, k, qpos_ref[rows][:, None], k_pos, q_idx, k_idx, head, tables)
     p = jnp.exp(s - lse_ref[rows][:, None])
     dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
@@ -200,15 +218,15 @@ def _dq_kernel(st: Settings, num_tables: int, q_ref, k_ref, v_ref, qpos_ref, kpo
   head, qb = pl.program_id(1), pl.program_id(2)
   q, do = q_ref[...], do_ref[...]
   q_pos = qpos_ref[...][:, None]
-  q_idx = offset_ref[0] + qb * bq + jnp.arange(bq)[:, None]
+  q_idx = _query_indices(st, offset_ref, qb)
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
   num_k = k_ref.shape[0] // bk
-  hi = jnp.minimum(num_k, (offset_ref[0] + (qb + 1) * bq - 1) // bk + 1) if st.causal else num_k
+  hi = _key_blocks_seen(st, offset_ref, qb, num_k)
 
   def body(kb, dq):
     keys = pl.ds(kb * bk, bk)
     k = k_ref[keys, :]
-    k_idx = kb * bk + jnp.arange(bk)[None, :]
+    k_idx = _key_indices(st, kb)
     s, slope = _scores(st, q, k, q_pos, kpos_ref[keys][None, :], q_idx, k_idx, head, tables)
     p = jnp.exp(s - lse)
     dp = jax.lax.dot_general(do, v_ref[keys, :], (((1,), (1,)), ((), ())),
@@ -226,22 +244,22 @@ def _backward(st: Settings, res, d_out):
   m_pad, g = k.shape[1], k.shape[2]
   delta = jnp.einsum('bnhd,bnhd->bhn', out.astype(jnp.float32), d_out.astype(jnp.float32))
   by_rows = lambda length: pl.BlockSpec((None, None, length), lambda i, j, t: (i, j, 0))
-  q_spec, kv, qpos, kpos, off, table_specs = _specs(b, n_pad, h, g, d, st, tables, False)
+  q_spec, kv, qpos, kpos, off, table_specs = _specs(n_pad, m_pad, h, g, d, st, tables, False)
   # dk, dv per query head, summed over each key/value head's group after.
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, st, len(tables)), grid=(b, h, m_pad // st.block_k),
-      in_specs=[q_spec, kv(m_pad), kv(m_pad), qpos, kpos(m_pad), off, q_spec,
+      in_specs=[q_spec, kv, kv, qpos, kpos, off, q_spec,
                 by_rows(n_pad), by_rows(n_pad), *table_specs],
       out_specs=[pl.BlockSpec((None, st.block_k, None, x.shape[3]), lambda i, j, t: (i, t, j, 0))
                  for x in (k, v)],
       out_shape=[jax.ShapeDtypeStruct((b, m_pad, h, x.shape[3]), jnp.float32) for x in (k, v)],
       interpret=st.interpret, compiler_params=st.compiler_params(), name='flash_score_dkdv',
   )(q, k, v, q_pos, k_pos, offset, d_out, lse, delta, *tables)
-  q_spec, kv, qpos, kpos, off, table_specs = _specs(b, n_pad, h, g, d, st, tables, True)
+  q_spec, kv, qpos, kpos, off, table_specs = _specs(n_pad, m_pad, h, g, d, st, tables, True)
   rows = pl.BlockSpec((None, None, st.block_q), lambda i, j, t: (i, j, t))
   (dq,) = pl.pallas_call(
       functools.partial(_dq_kernel, st, len(tables)), grid=(b, h, n_pad // st.block_q),
-      in_specs=[q_spec, kv(m_pad), kv(m_pad), qpos, kpos(m_pad), off, q_spec, rows, rows,
+      in_specs=[q_spec, kv, kv, qpos, kpos, off, q_spec, rows, rows,
                 *table_specs],
       out_specs=[pl.BlockSpec((None, st.block_q, None, d), lambda i, j, t: (i, t, j, 0))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
