@@ -89,13 +89,17 @@ def load_measurements(results: str = RESULTS) -> dict:
     return json.load(f)
 
 
+def fields(record: dict) -> dict:
+  """What a record's templates may name: its values, wall, machine and date."""
+  return {**record['values'], 'wall': record['wall'], 'machine': record['machine'],
+          'date': record['date']}
+
+
 def fill(template: str, record: dict) -> str:
   """A record's sentence with its values (and {wall}, {machine}, {date}) filled in;
   KeyError names a placeholder the record has no value for."""
-  fields = {**record['values'], 'wall': record['wall'], 'machine': record['machine'],
-            'date': record['date']}
   try:
-    return template.format(**fields)
+    return template.format(**fields(record))
   except KeyError as e:
     raise KeyError(f'{template[:60]!r}...: no value {e} in the record') from None
 
@@ -265,8 +269,7 @@ HEADLINE = [
 
 
 def headline_table(measurements: dict) -> str:
-  sources = {key: {**r['values'], 'wall': r['wall'], 'machine': r['machine']}
-             for key, r in measurements.items()}
+  sources = {key: fields(r) for key, r in measurements.items()}
   sources.update(sweep_numbers())
   lines = ['| question | result |', '| --- | --- |']
   for question, anchor, template in HEADLINE:
