@@ -12,9 +12,9 @@ peak. The peak learning rate is 3e-3 rather than nanoGPT's 1e-3 (at 1e-3:
 1.892 / 1.903 / 1.907 for seeds 0/1/2; 2e-3: 1.798; 5e-3: 1.774).
 Raw data: data.manual_dir (input.txt), else the shared corpora (README,
 "Data"), else downloaded from karpathy/char-rnn.
-Expected: validation loss 1.769 (bpc 2.55) over every character of the
+Expected: validation loss 1.760 (bpc 2.54) over every character of the
 validation split after 2000 steps (nanoGPT reports 1.88, averaged over 20
-random batches); 1m45s on 2 CPU cores (benchmarks/README.md, "Real corpora").
+random batches); 2m10s on 2 CPU cores (benchmarks/README.md, "Real corpora").
 """
 import os
 import runpy
