@@ -303,7 +303,7 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
 
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import timing
-  from flaxformer_lite.attention import alibi
+  from flaxformer_lite.attention.schemes import alibi
   from flaxformer_lite.attention.kernels import pallas_gpu
 
   on_gpu = jax.default_backend() == 'gpu'

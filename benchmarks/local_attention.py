@@ -15,7 +15,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import dot_product_attention, local
+from flaxformer_lite.attention import dot_product_attention
+from flaxformer_lite.attention.schemes import local
 from timing import interleaved_times, median, memory
 
 

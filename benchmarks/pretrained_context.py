@@ -11,7 +11,7 @@
 The model is SmolLM2-135M-Instruct (./launch.sh fetch smollm2; --model PATH
 takes another Llama GGUF), read by `pretrained.load` and built by
 `models.build`, trained at context 8192 with RoPE base 1e5. Each row changes
-its rotary attention's frequencies alone (attention/rotary.py):
+its rotary attention's frequencies alone (attention/schemes/rotary.py):
   none      RoPE as trained
   linearS   Position Interpolation (rope_scaling=linear), factor S
   ntkS      NTK-aware base (rope_scaling=ntk), factor S

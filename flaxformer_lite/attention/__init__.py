@@ -1,44 +1,40 @@
 """Attention math: pure functions of arrays, no parameters, no state.
 
-Importing this package registers every variant (see registry.py).
+schemes/: the position schemes, one file each; alignment/: the RNN papers'
+attention and CoPE; masks.py: masks as functions; kernels/: how a call is
+computed; select.py: which kernel `auto` runs; registry.py: the names.
+Importing this package registers every variant.
 """
-from flaxformer_lite.attention import additive
-from flaxformer_lite.attention import alibi
-from flaxformer_lite.attention import cope
-from flaxformer_lite.attention import deberta
-from flaxformer_lite.attention import dot_product
-from flaxformer_lite.attention import fire
-from flaxformer_lite.attention import hard
-from flaxformer_lite.attention import kerple
-from flaxformer_lite.attention import local
-from flaxformer_lite.attention import location
-from flaxformer_lite.attention import luong
+from flaxformer_lite.attention import alignment
 from flaxformer_lite.attention import registry
-from flaxformer_lite.attention import relative
-from flaxformer_lite.attention import rotary
-from flaxformer_lite.attention import sandwich
-from flaxformer_lite.attention import t5_bias
-from flaxformer_lite.attention import transformer_xl
-from flaxformer_lite.attention import xpos
-from flaxformer_lite.attention.dot_product import dot_product_attention
-from flaxformer_lite.attention.dot_product import dot_product_attention_weights
+from flaxformer_lite.attention import schemes
 from flaxformer_lite.attention.registry import AttentionVariant
-from flaxformer_lite.attention.relative import relative_positions
-from flaxformer_lite.attention.relative import shaw_attention
-from flaxformer_lite.attention.relative import shaw_relative_logits
-from flaxformer_lite.attention.relative import shaw_relative_values
-from flaxformer_lite.attention.t5_bias import t5_relative_position_bucket
+from flaxformer_lite.attention.schemes import alibi
+from flaxformer_lite.attention.schemes import deberta
+from flaxformer_lite.attention.schemes import rotary
+from flaxformer_lite.attention.schemes import shaw
+from flaxformer_lite.attention.schemes import t5_bias
+from flaxformer_lite.attention.schemes import transformer_xl
+from flaxformer_lite.attention.schemes.dot_product import dot_product_attention
+from flaxformer_lite.attention.schemes.dot_product import dot_product_attention_weights
+from flaxformer_lite.attention.schemes.shaw import relative_positions
+from flaxformer_lite.attention.schemes.shaw import shaw_attention
+from flaxformer_lite.attention.schemes.shaw import shaw_relative_logits
+from flaxformer_lite.attention.schemes.shaw import shaw_relative_values
+from flaxformer_lite.attention.schemes.t5_bias import t5_relative_position_bucket
 
 __all__ = [
     'AttentionVariant',
     'alibi',
+    'alignment',
     'deberta',
     'dot_product_attention',
     'dot_product_attention_weights',
     'registry',
-    'relative',
     'relative_positions',
     'rotary',
+    'schemes',
+    'shaw',
     'shaw_attention',
     'shaw_relative_logits',
     'shaw_relative_values',

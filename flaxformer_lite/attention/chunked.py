@@ -41,7 +41,7 @@ optional:
       -> float32 [b, h, bq, dv], what the block adds to the output (linear in p);
   uniform(value [b, m, h, dv], tables, q_pos [n], m) -> [b, n, h, dv], the
       output of a query that sees no key (the dense path's rule: uniform
-      weights, see dot_product.py);
+      weights, see schemes/dot_product.py);
   product(q [b, bq, h, d], k [b, bk, h, d], tables) -> float32 [b, h, bq, bk]:
       for the alignment family only, a score of a query and a key that is
       not their product (Bahdanau's v . tanh(q + k)), in place of q.k.

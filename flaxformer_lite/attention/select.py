@@ -20,7 +20,8 @@ import textwrap
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks, splash
+from flaxformer_lite.attention import masks
+from flaxformer_lite.attention.kernels import splash
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import alibi
+from flaxformer_lite.attention.schemes import alibi
 from flaxformer_lite.attention import registry
 from flaxformer_lite.layers import MultiHeadAttention
 

@@ -1,12 +1,14 @@
 """causal_band.py (each query against its k nearest keys) against a loop, and
 Shaw's causal chunked calls, split by lag into the chunked kernel and that
-band (relative.shaw_chunked), against the dense paper form."""
+band (shaw.shaw_chunked), against the dense paper form."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import causal_band, chunked, relative
+from flaxformer_lite.attention import chunked
+from flaxformer_lite.attention.kernels.specialised import causal_band
+from flaxformer_lite.attention.schemes import shaw
 from flaxformer_lite.attention.masks import MaskSpec
 
 
@@ -85,15 +87,15 @@ def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate, padded):
           if padded else MaskSpec(causal=True))
   dense_mask = np.tril(np.ones((n, n), bool))[None, None] & valid[:, None, None, :] & (
       valid[:, None, :, None])
-  assert relative._splits_by_lag(spec, 0, k, n, n) == (k < n)
+  assert shaw._splits_by_lag(spec, 0, k, n, n) == (k < n)
 
   def chunked_fn(q, key, value, tk, tv):
-    return relative.shaw_chunked(q, key, value, tk, tv, mask=spec,
+    return shaw.shaw_chunked(q, key, value, tk, tv, mask=spec,
                                  chunk_size=8, dropout_rate=rate, dropout_rng=drop)
 
   def dense_fn(q, key, value, tk, tv):
     key, value = (chunked.repeat_heads(x, h) for x in (key, value))
-    return relative.shaw_attention(q, key, value, tk, tv, mask=jnp.asarray(dense_mask),
+    return shaw.shaw_attention(q, key, value, tk, tv, mask=jnp.asarray(dense_mask),
                                    form='naive', dropout_rate=rate, dropout_rng=drop,
                                    deterministic=not rate)
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.dot_product import dot_product_attention
+from flaxformer_lite.attention.schemes.dot_product import dot_product_attention
 from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.masks import MaskSpec
 
@@ -709,13 +709,13 @@ def test_shaw_values_term_is_linear_in_the_weights(lead):
   """The backward's D = dO . O needs values(p) linear in p: checked on random
   weights at block positions that reach each of its parts (far left, corner,
   band, far right) with k = 3 and blocks of 8."""
-  from flaxformer_lite.attention import relative
+  from flaxformer_lite.attention.schemes import shaw
   rng = np.random.default_rng(lead + 20)
   p1, p2 = (jnp.asarray(rng.normal(size=(2, H, 8, 8)), jnp.float32) for _ in range(2))
   v = jnp.asarray(rng.normal(size=(2, 8, H, D)), jnp.float32)
   params = {'rel_value_table': jnp.asarray(rng.normal(size=(7, D)), jnp.float32)}
   q_pos, k_pos = 100 + lead + jnp.arange(8), 100 + jnp.arange(8)
-  values = functools.partial(relative._block_values, 3)
+  values = functools.partial(shaw._block_values, 3)
   mixed = values(2.0 * p1 - 0.5 * p2, v, params, q_pos, k_pos)
   np.testing.assert_allclose(
       np.asarray(mixed), np.asarray(2.0 * values(p1, v, params, q_pos, k_pos)

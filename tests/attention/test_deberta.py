@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention.deberta import deberta_attention, log_bucket
+from flaxformer_lite.attention.schemes.deberta import deberta_attention, log_bucket
 
 
 def _bucket(r, s, top):

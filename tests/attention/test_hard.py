@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import hard, registry
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.alignment import hard
 
 
 def _qkv(seed, b=2, n=3, m=5, h=2, d=4):

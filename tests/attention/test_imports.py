@@ -141,7 +141,7 @@ def test_the_finder_sees_a_cycle_and_a_clean_graph():
 
 
 def test_the_reader_resolves_submodules_names_and_parent_packages():
-  top, _ = _imports(f'{NAME}.attention.dot_product')
+  top, _ = _imports(f'{NAME}.attention.schemes.dot_product')
   assert f'{NAME}.attention.registry' in top
   assert f'{NAME}.attention' not in top  # its own package: being imported already
   top, _ = _imports(f'{NAME}.layers.attention')

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import local, registry
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.schemes import local
 from flaxformer_lite.layers import MultiHeadAttention
 
 

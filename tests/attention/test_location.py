@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import additive, location, registry
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.alignment import additive, location
 
 
 def test_three_tap_filter_by_hand():

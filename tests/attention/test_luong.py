@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import luong, registry
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.alignment import luong
 from flaxformer_lite.layers import MultiHeadAttention
 
 

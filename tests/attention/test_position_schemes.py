@@ -316,7 +316,7 @@ def test_fire_bias_in_row_tiles_equals_the_formula_and_the_untiled_gradient(monk
   """A block of more than TILE_ROWS rows runs the MLP a tile at a time
   (recomputed in the backward): the same bias as the float64 formula and
   the same parameter gradients as one pass over the block."""
-  from flaxformer_lite.attention import fire
+  from flaxformer_lite.attention.schemes import fire
   _, _, _, params, _ = _inputs('fire', {'fire_threshold_init': 100.0})
   bq, bk = 2 * fire.TILE_ROWS, 37
   q_pos, k_pos = jnp.arange(bq) + 60, jnp.arange(bk) * 5

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.attention import registry
-from flaxformer_lite.attention import masks, rotary
+from flaxformer_lite.attention import masks
+from flaxformer_lite.attention.schemes import rotary
 from flaxformer_lite.layers import MultiHeadAttention
 
 

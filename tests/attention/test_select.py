@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite.attention import chunked, masks, registry, select
-from flaxformer_lite.attention import rotary as rotary_lib
+from flaxformer_lite.attention.schemes import rotary as rotary_lib
 from flaxformer_lite.layers import MultiHeadAttention
 
 MIB = 2**20

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import masks, registry, select, splash
+from flaxformer_lite.attention import masks, registry, select
+from flaxformer_lite.attention.kernels import splash
 from flaxformer_lite.layers import MultiHeadAttention
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.attention import registry
-from flaxformer_lite.attention import t5_bias as t5
+from flaxformer_lite.attention.schemes import t5_bias as t5
 from flaxformer_lite.layers import MultiHeadAttention
 
 

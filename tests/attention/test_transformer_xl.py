@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention.transformer_xl import transformer_xl_attention
+from flaxformer_lite.attention.schemes.transformer_xl import transformer_xl_attention
 
 
 def _loop(q, k, v, w_r, u, bias_v, mask, q_offset, softmax):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import config as config_lib, models
-from flaxformer_lite.attention import rotary
+from flaxformer_lite.attention.schemes import rotary
 from flaxformer_lite.layers import transformer
 from flaxformer_lite.layers.embeddings import Embed
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, masks, registry, select, splash
+from flaxformer_lite.attention import chunked, masks, registry, select
+from flaxformer_lite.attention.kernels import splash
 from flaxformer_lite.attention.from_terms import dot_product_chunked
 from flaxformer_lite.attention.softmax import softmax_weights
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
-from flaxformer_lite.attention.luong import attend, per_head_matrix
+from flaxformer_lite.attention.alignment.luong import attend, per_head_matrix
 
 MODES = ('hybrid', 'location_only', 'content_only')
 

@@ -6,7 +6,7 @@ places each query's 2k+1 numbers on its keys by clipped distance (a band of
 attention); bucket_sum is its transpose, the weights summed per clipped
 distance, for the values side and for qa's gradient. Each is the other's
 derivative, so no scatter is built. Memory O(b h n m) instead of O(n m d).
-The formula and the other forms are in relative.py.
+The formula and the other forms are in schemes/shaw.py.
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ import pytest
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import main
 from flaxformer_lite import models
-from flaxformer_lite.attention import registry, relative, relative_banded
+from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.kernels.specialised import relative_banded
+from flaxformer_lite.attention.schemes import shaw
 from flaxformer_lite.layers import MultiHeadAttention
 
 FORMS = ('naive', 'matmul', 'banded')
@@ -59,7 +61,7 @@ def _arrays(seed, b=2, n=5, m=5, h=2, d=4, k=2):
 
 
 def test_relative_positions_papers_example_and_loop():
-  idx = np.asarray(relative.relative_positions(10, 10, 3))
+  idx = np.asarray(shaw.relative_positions(10, 10, 3))
   assert (np.diag(idx) == 3).all()
   for i in range(10):
     for j in range(10):
@@ -68,7 +70,7 @@ def test_relative_positions_papers_example_and_loop():
         assert idx[i, j] == 6
       if j <= i - 3:
         assert idx[i, j] == 0
-  shifted = np.asarray(relative.relative_positions(2, 7, 2, q_offset=4))
+  shifted = np.asarray(shaw.relative_positions(2, 7, 2, q_offset=4))
   assert shifted.tolist() == [[_rel_index(i, j, 2, 4) for j in range(7)] for i in range(2)]
 
 
@@ -77,8 +79,8 @@ def test_trick_functions_match_loops():
   q = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
   rel = rng.normal(size=(3, 5, 4)).astype(np.float32)
   w = rng.random(size=(2, 2, 3, 5)).astype(np.float32)
-  logits = np.asarray(relative.shaw_relative_logits(q, rel))
-  values = np.asarray(relative.shaw_relative_values(w, rel))
+  logits = np.asarray(shaw.shaw_relative_logits(q, rel))
+  values = np.asarray(shaw.shaw_relative_values(w, rel))
   for b in range(2):
     for h in range(2):
       for i in range(3):
@@ -93,7 +95,7 @@ def test_trick_functions_match_loops():
                                             (1, 8, 3, 5), (5, 5, 0, 0), (4, 6, 9, 1)])
 def test_shaw_attention_matches_loop(form, n, m, k, q_offset):
   q, kk, v, tk, tv = _arrays(n * 10 + m, n=n, m=m, k=k)
-  got = relative.shaw_attention(q, kk, v, tk, tv, q_offset=q_offset, form=form)
+  got = shaw.shaw_attention(q, kk, v, tk, tv, q_offset=q_offset, form=form)
   want = _reference(q, kk, v, tk, tv, k, q_offset)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
@@ -107,7 +109,7 @@ def test_masks_bias_and_ablations_match_loop(form):
   bias = rng.normal(size=(2, 2, 5, 6)).astype(np.float32)
   for keys, values in ((True, True), (True, False), (False, True)):
     a, b = (tk if keys else None), (tv if values else None)
-    got = relative.shaw_attention(q, kk, v, a, b, mask=jnp.asarray(mask), bias=bias, form=form)
+    got = shaw.shaw_attention(q, kk, v, a, b, mask=jnp.asarray(mask), bias=bias, form=form)
     want = _reference(q, kk, v, a, b, 2, mask=mask, bias=bias)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
@@ -118,7 +120,7 @@ def test_forms_have_the_same_gradients():
 
   def loss(form):
     def f(*args):
-      return jnp.sum(jnp.sin(relative.shaw_attention(*args, mask=causal, form=form)))
+      return jnp.sum(jnp.sin(shaw.shaw_attention(*args, mask=causal, form=form)))
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kk, v, tk, tv)
   ref = loss('naive')
   for form in ('matmul', 'banded'):
@@ -185,7 +187,7 @@ def test_banded_gradients_equal_naive_with_mask_bias_and_offset(n, m, k, q_offse
 
   def grads(form):
     def f(q, kk, v, tk, tv, bias):
-      out = relative.shaw_attention(q, kk, v, tk, tv, mask=jnp.asarray(mask), bias=bias,
+      out = shaw.shaw_attention(q, kk, v, tk, tv, mask=jnp.asarray(mask), bias=bias,
                                     q_offset=q_offset, form=form)
       return jnp.sum(out * r)
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))(q, kk, v, tk, tv, bias)
@@ -202,7 +204,7 @@ def test_banded_dropout_equals_naive_with_the_same_keep_mask():
 
   def run(form):
     def f(q, tk, tv):
-      out = relative.shaw_attention(q, kk, v, tk, tv, mask=causal, form=form, dropout_rate=0.3,
+      out = shaw.shaw_attention(q, kk, v, tk, tv, mask=causal, form=form, dropout_rate=0.3,
                                     dropout_rng=jax.random.key(7), deterministic=False)
       return jnp.sum(jnp.sin(out)), out
     return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, tk, tv)
@@ -213,10 +215,10 @@ def test_banded_dropout_equals_naive_with_the_same_keep_mask():
 
 
 def test_auto_form_switches_by_size():
-  assert relative.choose_form('auto', 8, 8, 64) == 'matmul'
-  assert relative.choose_form('auto', 1024, 1024, 64) == 'banded'
+  assert shaw.choose_form('auto', 8, 8, 64) == 'matmul'
+  assert shaw.choose_form('auto', 1024, 1024, 64) == 'banded'
   with pytest.raises(ValueError, match="form='fast'"):
-    relative.choose_form('fast', 1, 1, 1)
+    shaw.choose_form('fast', 1, 1, 1)
 
 
 def test_the_decoder_has_shaw_tables_in_self_attention_not_cross_attention():
@@ -263,7 +265,7 @@ def test_banded_bfloat16_close_to_float32_forward_and_gradient():
 
   def run(dtype):
     def f(q, tk, tv):
-      out = relative.shaw_attention(*(jnp.asarray(x, dtype) for x in (q, kk, v)), tk, tv,
+      out = shaw.shaw_attention(*(jnp.asarray(x, dtype) for x in (q, kk, v)), tk, tv,
                                     mask=causal, form='banded', dtype=dtype)
       return jnp.sum(out.astype(jnp.float32) ** 2), out
     return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.rotary import apply_rotary
+from flaxformer_lite.attention.schemes.rotary import apply_rotary
 
 DECAY_OFFSET = 0.4  # a in zeta_i above (torchscale's 0.4)
 

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, masks, registry
 from flaxformer_lite.attention import dropout as dropout_lib
-from flaxformer_lite.attention.causal_band import causal_band
+from flaxformer_lite.attention.kernels.specialised.causal_band import causal_band
 from flaxformer_lite.attention.from_terms import dot_product_chunked
-from flaxformer_lite.attention.relative_banded import (_banded_attention, band_indices,
+from flaxformer_lite.attention.kernels.specialised.relative_banded import (_banded_attention, band_indices,
                                                        bucket_spread, bucket_sum)
 from flaxformer_lite.attention.softmax import softmax_weights
 

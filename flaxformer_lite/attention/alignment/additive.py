@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.luong import attend, per_head_matrix
+from flaxformer_lite.attention.alignment.luong import attend, per_head_matrix
 
 # The chunked form's largest block: its tanh is [b, h, bq, bk, d] float32,
 # d times the size of a block of scores.
