@@ -8,6 +8,7 @@ Importing this package registers every variant.
 from flaxformer_lite.attention import alignment
 from flaxformer_lite.attention import registry
 from flaxformer_lite.attention import schemes
+from flaxformer_lite.attention.entry import attend
 from flaxformer_lite.attention.registry import AttentionVariant
 from flaxformer_lite.attention.schemes import alibi
 from flaxformer_lite.attention.schemes import deberta
@@ -27,6 +28,7 @@ __all__ = [
     'AttentionVariant',
     'alibi',
     'alignment',
+    'attend',
     'deberta',
     'dot_product_attention',
     'dot_product_attention_weights',

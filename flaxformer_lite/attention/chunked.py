@@ -30,13 +30,23 @@ optional:
       gradients, in the backward), and without one (evaluation, prefill)
       once for the whole call, beside the copy the forward keeps there
       anyway (blockwise._heads_first).
-  score(s float32 [b, h, bq, bk], block) -> float32 [b, h, bq, bk]: the
-      scheme's change to the block's scaled q.k scores s; block a
-      product.Block (the block's mapped q and k, positions and tables). A
-      bias that is the same for every row of the batch (ALiBi's, T5's) goes
-      in by block.add(s, bias [h | 1, bq | 1, bk | 1]): the kernel's add,
-      whose gradient sums the batch by adds, not by XLA:CPU's slow
-      reduction over the leading axis.
+  score(s, q_pos, k_pos, head, tables) -> s: the scheme's elementwise change
+      to scaled q.k scores (FlexAttention's score_mod), the one form every
+      kernel can run, the Pallas kernel and the dense reference included:
+      s float32, q_pos int [.., 1] (queries down), k_pos int [1, ..] (keys
+      across), head the query head (an index array [h, 1, 1] here, the
+      program's head in a fused kernel), tables per head [h, ...], read as
+      tables[name][head] or tables[name][head, index].
+  block_score(s float32 [b, h, bq, bk], block) -> float32 [b, h, bq, bk]: the
+      same change for a whole block at once, where that is faster (one
+      lookup per diagonal: T5's buckets) or needs the block's q and k
+      (Transformer-XL's and DeBERTa's position terms, Shaw's); block a
+      product.Block (the block's mapped q and k, positions [bq] and [bk],
+      tables). The blockwise kernel runs it in place of `score`; a scheme
+      with both is tested equal. A bias that is the same for every row of
+      the batch goes in by block.add(s, bias [h | 1, bq | 1, bk | 1]): the
+      kernel's add, whose gradient sums the batch by adds, not by XLA:CPU's
+      slow reduction over the leading axis.
   values(p float32 [b, h, bq, bk], v [b, bk, h, dv], tables, q_pos, k_pos)
       -> float32 [b, h, bq, dv], what the block adds to the output (linear in p);
   uniform(value [b, m, h, dv], tables, q_pos [n], m) -> [b, n, h, dv], the
@@ -165,7 +175,8 @@ class BlockTerms:
   `values` other than dot_values adds to what a row's weights give, so it
   brings its own `uniform` (what a row that sees no key gets): with
   mean_values such rows would silently differ from the dense path's."""
-  score: Callable[..., Any] | None = None
+  score: Callable[..., Any] | None = None  # elementwise (module docstring)
+  block_score: Callable[..., Any] | None = None  # a whole block at once
   prepare: Callable[..., Any] | None = None  # None: the tables are the parameters
   transform_q: Callable[..., Any] | None = None
   transform_k: Callable[..., Any] | None = None

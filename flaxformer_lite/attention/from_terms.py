@@ -58,7 +58,8 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
   q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
   tables = prepared(terms, params, q_pos, k_pos)
-  logits = product.scores(terms, scaled, key.astype(dtype), tables, q_pos, k_pos)  # [b, h, n, m]
+  logits = product.scores(terms, scaled, key.astype(dtype), tables, q_pos, k_pos,
+                          reference=True)  # [b, h, n, m]
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

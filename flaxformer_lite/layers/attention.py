@@ -1,4 +1,5 @@
-"""Multi-head attention: the parameters around a registry attention function."""
+"""Multi-head attention: the projections, the scheme's parameters and the
+decoding cache around one call of attention.attend."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -7,7 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks, registry, select
+from flaxformer_lite.attention import masks, registry
+from flaxformer_lite.attention.entry import attend
 
 
 class MultiHeadAttention(nn.Module):
@@ -55,7 +57,7 @@ class MultiHeadAttention(nn.Module):
   `masks.MaskSpec` (causal, key padding, query validity) or a `masks.Mask`
   (any function of batch, head, query and key index; query i at index
   q_offset + i): the kernel that `attention_kwargs.implementation` picks
-  (select.choose_kernel) builds it whole (dense) or one block at a time
+  (attention/entry.py, select.py) builds it whole (dense) or one block at a time
   (chunked). With decode=True a Mask is and-ed with the cache's causal rule.
   """
   num_heads: int
@@ -122,63 +124,24 @@ class MultiHeadAttention(nn.Module):
 
     variant = registry.get(self.attention)
     kwargs = registry.resolve_kwargs(self.attention, self.attention_kwargs)
-    kernel_options = registry.resolve_kernel(self.attention, self.attention_kwargs)
-    tables = variant.params(h, d, kwargs) if variant.params else {}
+    specs = variant.params(h, d, kwargs) if variant.params else {}
     params = {name: self.param(name, nn.with_logical_partitioning(init, axes), shape,
                                self.param_dtype)
-              for name, (shape, init, axes) in tables.items()}
+              for name, (shape, init, axes) in specs.items()}
     dropout_active = not deterministic and self.dropout_rate > 0.0
-    dropout_rng = self.make_rng('dropout') if dropout_active else None
+    # a stochastic variant (hard attention) samples from the 'dropout' stream
+    stochastic = not deterministic and self.has_rng('dropout')
     want_weights = self.sow_weights or return_weights
-    reads_positions = positions is not None and variant.uses_positions
-    if reads_positions and not variant.position_arrays:
-      raise ValueError(f'attention={self.attention!r} reads positions as q_offset + 0..n-1 '
-                       'only; randomized positions need one of '
-                       f'{registry.position_array_names()}')
-    # causal/full with padding: a fused kernel (splash) reads its structure
-    kind = select.mask_kind(mask, q_offset) if bias is None else None
-    kernel = select.choose_kernel(variant, kernel_options, query, key,
-                                  return_weights=want_weights, dtype=self.dtype,
-                                  decoding=self.decode, positions=reads_positions,
-                                  dropout=dropout_active, mask_kind=kind)
-    if kernel == 'chunked':
-      if bias is not None:
-        raise ValueError('the chunked attention kernel takes no explicit bias; use '
-                         "attention_kwargs.implementation='dense'")
-      spec = (mask if isinstance(mask, (masks.MaskSpec, masks.Mask))
-              else masks.MaskSpec(dense=mask))
-      x = variant.chunked(query, key, value, mask=spec, q_offset=q_offset,
-                          chunk_size=select.chunk_size(kernel_options.chunk_size),
-                          dtype=self.dtype, dropout_rate=self.dropout_rate,
-                          dropout_rng=dropout_rng,
-                          **params, **kwargs)
+    x = attend(query, key, value, scheme=self.attention, mask=mask,
+               options=self.attention_kwargs, params=params, q_offset=q_offset,
+               positions=positions, bias=bias, dropout_rate=self.dropout_rate,
+               dropout_rng=self.make_rng('dropout') if dropout_active else None,
+               rng=self.make_rng('dropout') if stochastic else None,
+               prev_alignment=prev_alignment, decoding=self.decode, dtype=self.dtype,
+               return_weights=want_weights)
+    if not want_weights:
       return self._out(x, features)
-
-    if g != h and not variant.grouped_kv:
-      # contiguous groups: heads [0, h/g) read key/value head 0, and so on
-      key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
-    if variant.fused_fits is None or kind is None:  # else fn takes the MaskSpec
-      mask = masks.as_dense(mask, query.shape[0], h, query.shape[1], key.shape[1], q_offset)
-    if variant.uses_positions:
-      kwargs['q_offset'] = q_offset
-      if positions is not None:
-        kwargs['positions'] = positions
-    if variant.dense_implementations:
-      kwargs['implementation'] = kernel_options.implementation
-    if variant.stochastic:
-      kwargs['rng'] = None if deterministic else self.make_rng('dropout')
-    if variant.uses_alignment:
-      if prev_alignment is None:
-        prev_alignment = jnp.zeros(query.shape[:1] + (h, query.shape[1], key.shape[1]),
-                                   jnp.float32)
-      kwargs['prev_alignment'] = prev_alignment
-    x = variant.fn(
-        query, key, value, mask=mask, bias=bias,
-        dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
-        deterministic=deterministic, dtype=self.dtype,
-        return_weights=want_weights, **params, **kwargs)
-    if want_weights:
-      x, weights = x
+    x, weights = x
     if self.sow_weights:
       self.sow('intermediates', 'attention_weights', weights)
     out = self._out(x, features)

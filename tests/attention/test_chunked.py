@@ -315,7 +315,7 @@ def _poisoned_terms(structural):
   def values(p, v, tables, q_pos, k_pos):
     poison = jnp.where(hidden(q_pos, k_pos), jnp.nan, 1.0)
     return chunked.dot_values(p, v, tables, q_pos, k_pos) * poison
-  return chunked.BlockTerms(score=score, values=values, uniform=chunked.mean_values)
+  return chunked.BlockTerms(block_score=score, values=values, uniform=chunked.mean_values)
 
 
 SKIP_MASKS = {

@@ -17,10 +17,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Block(NamedTuple):
-  """One block as a scheme's `score` sees it."""
+  """One block as a scheme's `block_score` sees it."""
   q: Any  # [b, bq, h, d]: scaled and transformed
   k: Any  # [b, bk, h, d]: transformed, g key heads copied to the h query heads
   q_pos: Any  # int [bq]: each query's position
@@ -40,12 +41,42 @@ def repeat_heads(x, h: int):
   return x if g == h else jnp.repeat(x, h // g, axis=2)
 
 
-def scores(terms, q, k, tables, q_pos, k_pos, transformed_keys=False):
+def heads(h: int):
+  """The head index as a scheme's elementwise `score` sees it on a whole
+  [b, h, bq, bk] block: int32 [h, 1, 1]."""
+  return np.arange(h, dtype=np.int32)[:, None, None]
+
+
+class HeadRows:
+  """A per-head table [h, ...] as an elementwise `score` reads it on a whole
+  block: table[heads] -> [h, 1, 1, ...] (a reshape) and table[heads, index]
+  (index int [bq, bk]) -> [h, bq, bk] (a one-hot product), so that neither
+  the value nor its gradient holds a gather or a scatter (XLA:GPU's
+  scatter-add sums in a varying order)."""
+
+  def __init__(self, table):
+    self.table = jnp.asarray(table)
+
+  def __getitem__(self, key):
+    head, index = (key, None) if not isinstance(key, tuple) else key
+    x = self.table
+    if not isinstance(head, np.ndarray) or head.shape != (x.shape[0], 1, 1):
+      return x[key]  # not the whole-block head index: plain indexing
+    if index is None:
+      return x.reshape((x.shape[0], 1, 1) + x.shape[1:])
+    one_hot = jax.nn.one_hot(index, x.shape[1], dtype=jnp.float32)  # [bq, bk, rows]
+    return jnp.einsum('hr,qkr->hqk', x.astype(jnp.float32), one_hot)
+
+
+def scores(terms, q, k, tables, q_pos, k_pos, transformed_keys=False, reference=False):
   """The scores of queries q [b, bq, h, d] (scaled) at q_pos [bq] against keys
   k [b, bk, g, d] at k_pos [bk] -> float32 [b, h, bq, bk]: `terms`'
   transforms, measured from the block's first key (BlockTerms), the product
-  (the kernel's q.k, or terms.product) and terms.score. transformed_keys:
-  k went through terms.transform_k already (once for the whole call)."""
+  (the kernel's q.k, or terms.product), then terms.block_score, or
+  terms.score where the scheme has no block form or `reference` asks for the
+  elementwise one (the dense reference: the form every kernel derives from).
+  transformed_keys: k went through terms.transform_k already (once for the
+  whole call)."""
   origin = k_pos[0]
   if terms.transform_q is not None:
     q = terms.transform_q(q, tables, q_pos, origin)
@@ -53,7 +84,12 @@ def scores(terms, q, k, tables, q_pos, k_pos, transformed_keys=False):
     k = terms.transform_k(k, tables, k_pos, origin)
   k = repeat_heads(k, q.shape[2])
   s = dot_logits(q, k) if terms.product is None else terms.product(q, k, tables)
-  return s if terms.score is None else terms.score(s, Block(q, k, q_pos, k_pos, tables))
+  if terms.block_score is not None and not (reference and terms.score is not None):
+    return terms.block_score(s, Block(q, k, q_pos, k_pos, tables))
+  if terms.score is not None:
+    rows = {name: HeadRows(table) for name, table in (tables or {}).items()}
+    return terms.score(s, q_pos[:, None], k_pos[None, :], heads(q.shape[2]), rows)
+  return s
 
 
 @jax.custom_jvp

@@ -7,7 +7,6 @@ function serves bidirectional attention and equals the paper where j <= i.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax.numpy as jnp
@@ -69,16 +68,17 @@ def alibi_attention(query, key, value, *, bias=None, q_offset=0, positions=None,
   return dot_product_attention(query, key, value, bias=position_bias, **common)
 
 
-def _score(slopes, s, block):
-  """s - slope_h * |j - p| for one block (chunked.BlockTerms.score)."""
-  distance = jnp.abs(block.k_pos[None, :] - block.q_pos[:, None]).astype(jnp.float32)  # [bq, bk]
-  return block.add(s, -slopes[:, None, None] * distance)
+def _score(s, q_pos, k_pos, head, tables):
+  """s - slope_h |j - p| (chunked.BlockTerms.score)."""
+  return s - tables['alibi_slopes'][head] * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def _terms(num_heads):
-  """The block terms (from_terms.py): the chunked kernel's, and the
-  reference for alibi_attention, the same bias through dot_product_attention."""
-  return chunked.BlockTerms(score=functools.partial(_score, _slopes(num_heads)))
+  """The terms (from_terms.py): the kernels', and the reference for
+  alibi_attention, the same bias through dot_product_attention."""
+  slopes = _slopes(num_heads)
+  return chunked.BlockTerms(score=_score,
+                            prepare=lambda params, q_pos, k_pos: {'alibi_slopes': slopes})
 
 
 registry.register(registry.AttentionVariant(

@@ -197,7 +197,7 @@ def _prepare(buckets, p2c_row, params, q_pos, k_pos):
 def _terms(num_heads, *, position_buckets, max_relative_positions, p2c_row):
   del num_heads  # the parameters carry the heads
   prepare = functools.partial(_prepare, (position_buckets, max_relative_positions), p2c_row)
-  return chunked.BlockTerms(score=_score, prepare=prepare, transform_q=_third)
+  return chunked.BlockTerms(block_score=_score, prepare=prepare, transform_q=_third)
 
 
 def _params(num_heads, head_dim, kwargs):

@@ -15,6 +15,8 @@ pair of a block, TILE_ROWS rows at a time.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -49,13 +51,41 @@ def fire_bias(params, q_pos, k_pos):
   return out + p['fire_b2'][:, None, None]
 
 
-def _score(s, block):
+def _score(s, q_pos, k_pos, head, tables):
+  """s + the MLP of the normalised log distance, head h's output
+  (chunked.BlockTerms.score; per-head tables from _per_head)."""
+  t = {name: tables[f'{name}_rows'][head] for name in FIRE_PARAMS}
+  c, threshold = jnp.abs(t['fire_c']), jnp.abs(t['fire_threshold'])
+  i = q_pos.astype(jnp.float32)
+  distance = jnp.abs(i - k_pos.astype(jnp.float32))
+  x = jnp.log1p(c * distance) / jnp.maximum(jnp.log1p(c * jnp.maximum(threshold, i)), 1e-6)
+  hidden = jax.nn.relu(x[..., None] * t['fire_w1'] + t['fire_b1'])  # [.., w]
+  return s + jnp.sum(hidden * t['fire_w2'], -1) + t['fire_b2']
+
+
+def _block_score(s, block):
+  """_score for a whole block, the MLP a row tile at a time (block_score)."""
   return block.add(s, fire_bias(block.tables, block.q_pos, block.k_pos))
 
 
+FIRE_PARAMS = ('fire_c', 'fire_threshold', 'fire_w1', 'fire_b1', 'fire_w2', 'fire_b2')
+
+
+def _per_head(num_heads, params, q_pos, k_pos):
+  """The parameters, and each as rows per head ('<name>_rows' [h, ...]) for
+  `_score`: fire_w2 [w, h] transposed, the shared ones repeated."""
+  del q_pos, k_pos
+  rows = {'fire_w2_rows': params['fire_w2'].T, 'fire_b2_rows': params['fire_b2']}
+  for name in ('fire_c', 'fire_threshold', 'fire_w1', 'fire_b1'):
+    x = params[name]
+    rows[f'{name}_rows'] = jnp.broadcast_to(x, (num_heads,) + x.shape)
+  return {**params, **rows}
+
+
 def _terms(num_heads, *, fire_width, fire_threshold_init):
-  del num_heads, fire_width, fire_threshold_init  # carried by the parameters
-  return chunked.BlockTerms(score=_score)
+  del fire_width, fire_threshold_init  # carried by the parameters
+  return chunked.BlockTerms(score=_score, block_score=_block_score,
+                            prepare=functools.partial(_per_head, num_heads))
 
 
 def _params(num_heads, head_dim, kwargs):

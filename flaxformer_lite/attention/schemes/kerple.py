@@ -11,7 +11,7 @@ power form to at most 2) and drawn uniform at initialisation (log: r1 in
 models are causal: there it is i - j).
 
 Written once as block terms (from_terms.py): the dense path, the chunked
-kernel and decoding come from `_score`.
+kernel, the fused one and decoding come from `_score`.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ EPS = 1e-2
 
 
 def kerple_bias(r1, r2, distance, form: str):
-  """r1, r2 [h], distance float [...] -> [h, ...]: the paper's kernel."""
-  r1 = jnp.maximum(r1.astype(jnp.float32), EPS).reshape((-1,) + (1,) * distance.ndim)
-  r2 = jnp.maximum(r2.astype(jnp.float32), EPS).reshape(r1.shape)
+  """r1, r2 and distance float, broadcasting ([h, 1, 1] and [bq, bk]; one
+  head's scalars and a block) -> the paper's kernel."""
+  r1 = jnp.maximum(r1.astype(jnp.float32), EPS)
+  r2 = jnp.maximum(r2.astype(jnp.float32), EPS)
   if form == 'log':
     return -r1 * jnp.log1p(r2 * distance)
   # |i - j| ** r2 as exp(r2 log |i - j|) where |i - j| >= 1: at 0 the power's
@@ -40,11 +41,10 @@ def kerple_bias(r1, r2, distance, form: str):
   return -r1 * power
 
 
-def _score(form, s, block):
-  """s + the kernel of |i - j| for one block of queries and keys."""
-  distance = jnp.abs(block.q_pos[:, None] - block.k_pos[None, :]).astype(jnp.float32)  # [bq, bk]
-  tables = block.tables
-  return block.add(s, kerple_bias(tables['kerple_r1'], tables['kerple_r2'], distance, form))
+def _score(form, s, q_pos, k_pos, head, tables):
+  """s + the kernel of |i - j| (chunked.BlockTerms.score)."""
+  distance = jnp.abs(q_pos - k_pos).astype(jnp.float32)
+  return s + kerple_bias(tables['kerple_r1'][head], tables['kerple_r2'][head], distance, form)
 
 
 def _terms(num_heads, *, kerple_form):

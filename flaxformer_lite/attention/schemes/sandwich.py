@@ -31,8 +31,18 @@ def sandwich_bias(offset, num_heads: int, dim: int):
   return (inner[None, :] - dim / 2) / compress[:, None]
 
 
-def _score(dim, s, block):
-  """s + the Sandwich bias, looked up once per diagonal of the block."""
+def _score(dim, num_heads, s, q_pos, k_pos, head, tables):
+  """s + the Sandwich bias of i - j for head h (chunked.BlockTerms.score)."""
+  del tables
+  offset = (q_pos - k_pos).astype(jnp.float32)
+  inv = (10000.0 ** (-2.0 * np.arange(1, dim // 2 + 1) / dim)).astype(np.float32)  # [d'/2]
+  inner = jnp.sum(jnp.cos(offset[..., None] * inv), -1)
+  compress = 8.0 * (head + 1).astype(jnp.float32) / num_heads
+  return s + (inner - dim / 2) / compress
+
+
+def _block_score(dim, s, block):
+  """_score for a whole block, looked up once per diagonal (block_score)."""
   q_pos, k_pos = block.q_pos, block.k_pos
   bq, bk = q_pos.shape[0], k_pos.shape[0]
   # diagonal t = j - i + bq - 1 of the block has i - j = q_pos[0] - k_pos[0] + bq - 1 - t
@@ -59,8 +69,8 @@ def sandwich_attention(query, key, value, *, q_offset=0, positions=None, sandwic
 
 
 def _terms(num_heads, *, sandwich_dim):
-  del num_heads
-  return chunked.BlockTerms(score=functools.partial(_score, sandwich_dim))
+  return chunked.BlockTerms(score=functools.partial(_score, sandwich_dim, num_heads),
+                            block_score=functools.partial(_block_score, sandwich_dim))
 
 
 def _validate(kwargs):

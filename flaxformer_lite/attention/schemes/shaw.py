@@ -367,7 +367,7 @@ def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values, form
   reference for shaw_attention's forms."""
   del num_heads, relative_keys, relative_values, form  # the tables present; the dense forms
   k = max_distance
-  return chunked.BlockTerms(score=functools.partial(_score, k), transform_k=_with_row0,
+  return chunked.BlockTerms(block_score=functools.partial(_score, k), transform_k=_with_row0,
                             values=functools.partial(_block_values, k),
                             uniform=functools.partial(_uniform, k))
 

@@ -118,8 +118,13 @@ def t5_bias_attention(query, key, value, rel_embedding, *, bias=None, q_offset=0
   return dot_product_attention(query, key, value, bias=position_bias, **common)
 
 
-def _score(bucket_kw, s, block):
-  """s + table[bucket(j - p), h] for one block (chunked.BlockTerms.score).
+def _score(bucket_kw, s, q_pos, k_pos, head, tables):
+  """s + table[h, bucket(j - p)] (chunked.BlockTerms.score)."""
+  return s + tables['t5_rows'][head, t5_relative_position_bucket(k_pos - q_pos, **bucket_kw)]
+
+
+def _block_score(bucket_kw, s, block):
+  """_score for a whole block (chunked.BlockTerms.block_score).
 
   The offset j - p is constant along a block's diagonals: the bias is looked
   up once per diagonal (a one-hot matmul, so the table's gradient is a
@@ -127,30 +132,38 @@ def _score(bucket_kw, s, block):
   A block whose offsets all fall in one bucket (far from the diagonal, past
   bucket_max_distance) adds one number per head instead.
   """
-  table = block.tables['rel_embedding'].astype(jnp.float32)  # [buckets, h]
+  table = block.tables['t5_rows'].astype(jnp.float32)  # [h, buckets]
   q_pos, k_pos = block.q_pos, block.k_pos
   bq, bk = q_pos.shape[0], k_pos.shape[0]
   offsets = k_pos[0] - q_pos[0] - (bq - 1) + jnp.arange(bq + bk - 1)  # per diagonal
   buckets = t5_relative_position_bucket(offsets, **bucket_kw)
 
   def one_bucket(s, table):
-    return block.add(s, (jax.nn.one_hot(buckets[0], table.shape[0]) @ table)[:, None, None])
+    return block.add(s, (table @ jax.nn.one_hot(buckets[0], table.shape[1]))[:, None, None])
 
   def per_diagonal(s, table):
-    bias = jax.nn.one_hot(buckets, table.shape[0], dtype=jnp.float32) @ table  # [L, h]
-    return block.add(s, chunked.by_offset(bias.T, bq, bk))
+    bias = table @ jax.nn.one_hot(buckets, table.shape[1], dtype=jnp.float32).T  # [h, L]
+    return block.add(s, chunked.by_offset(bias, bq, bk))
 
   return jax.lax.cond(jnp.all(buckets == buckets[0]), one_bucket, per_diagonal, s, table)
 
 
+def _rows(params, q_pos, k_pos):
+  """The bucket table per head: rel_embedding [buckets, h] -> [h, buckets]."""
+  del q_pos, k_pos
+  return {'t5_rows': params['rel_embedding'].astype(jnp.float32).T}
+
+
 def _terms(num_heads, *, bidirectional, num_buckets, bucket_max_distance):
-  """The block terms (from_terms.py): the chunked kernel's (the table's
-  gradient summed over the blocks), and the reference for t5_bias_attention,
-  the [n, m] bias of mesh-tensorflow's form."""
+  """The block terms (from_terms.py): the kernels' (the table's gradient
+  summed over the blocks), and the reference for t5_bias_attention, the
+  [n, m] bias of mesh-tensorflow's form."""
   del num_heads  # the table carries the heads
-  return chunked.BlockTerms(score=functools.partial(
-      _score, dict(bidirectional=bidirectional, num_buckets=num_buckets,
-                   max_distance=bucket_max_distance)))
+  bucket_kw = dict(bidirectional=bidirectional, num_buckets=num_buckets,
+                   max_distance=bucket_max_distance)
+  return chunked.BlockTerms(score=functools.partial(_score, bucket_kw),
+                            block_score=functools.partial(_block_score, bucket_kw),
+                            prepare=_rows)
 
 
 def _validate(kwargs):

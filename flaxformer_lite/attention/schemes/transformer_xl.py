@@ -108,7 +108,7 @@ def _score(s, block):
 
 def _terms(num_heads):
   del num_heads  # the parameters carry the heads
-  return chunked.BlockTerms(score=_score, prepare=_prepare)
+  return chunked.BlockTerms(block_score=_score, prepare=_prepare)
 
 
 def _params(num_heads, head_dim, kwargs):

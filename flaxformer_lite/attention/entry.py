@@ -1,0 +1,102 @@
+"""The one entry point: attention of projected queries, keys and values
+under a named scheme and a mask, on the kernel `auto` picks.
+
+  out = attend(q, k, v, scheme='alibi', mask=masks.causal())
+
+Everything a variant needs besides q, k and v (its options and parameters,
+positions, a decoding offset, dropout, the RNN decoders' alignment) is an
+argument here; which of them a variant reads, and which kernel runs it, is
+decided here from its registry entry and select.py's policy, so that the
+layers hold projections and caches only.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+from flaxformer_lite.attention import masks, registry, select
+
+
+def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
+           kernel: str | None = None, options: Mapping[str, Any] | None = None,
+           params: Mapping[str, Any] | None = None, q_offset=0, positions=None, bias=None,
+           dropout_rate: float = 0.0, dropout_rng=None, rng=None, prev_alignment=None,
+           decoding: bool = False, dtype=None, return_weights: bool = False):
+  """Attention under `scheme` (a registry name).
+
+  Args:
+    query: [b, n, h, d], query i at position q_offset + i (or positions[i]);
+      key, value: [b, m, g, d], g dividing h (grouped-query attention).
+    scheme: the variant's registry name (`--list_attention`).
+    mask: None, a masks.Mask, a masks.MaskSpec or a boolean array
+      broadcastable to [b, h, n, m] (True = may attend).
+    kernel: 'auto' (select.py), 'dense', 'chunked' or one of the variant's
+      own (dot_product: 'xla', 'cudnn'); None: options' `implementation`.
+    options: the variant's options and the kernel options
+      (config.model.attention_kwargs; unset ones may be None).
+    params: the variant's parameters by name (AttentionVariant.params).
+    q_offset: the first query's position (int, may be traced: decoding).
+    positions: int [n] (self-attention, n = m): the positions of the queries
+      and keys in place of q_offset + i and j (randomized positions).
+    bias: broadcastable to [b, h, n, m], added to the scaled scores (the
+      dense kernel only).
+    dropout_rate, dropout_rng: attention dropout, on when dropout_rng is set.
+    rng: a PRNG key for a stochastic variant (hard attention), or None.
+    prev_alignment: [b, h, n, m], the RNN decoder's summed earlier weights
+      (location-sensitive attention); zeros when None.
+    decoding: the call is one step of cached decoding (select.py weighs it).
+    dtype: the computation's dtype (default: query's).
+    return_weights: also return the weights [b, h, n, m] (dense kernel).
+  Returns:
+    [b, n, h, dv]; with return_weights, (that, weights).
+  """
+  variant = registry.get(scheme)
+  given = dict(options or {})
+  if kernel is not None:
+    given['implementation'] = kernel
+  kwargs = registry.resolve_kwargs(scheme, given)
+  kernel_options = registry.resolve_kernel(scheme, given)
+  params = dict(params or {})
+  dtype = dtype or query.dtype
+  b, n, h, _ = query.shape
+  m, g = key.shape[1], key.shape[2]
+  reads_positions = positions is not None and variant.uses_positions
+  if reads_positions and not variant.position_arrays:
+    raise ValueError(f'attention={scheme!r} reads positions as q_offset + 0..n-1 only; '
+                     f'randomized positions need one of {registry.position_array_names()}')
+  dropout = dropout_rng is not None and dropout_rate > 0.0
+  kind = select.mask_kind(mask, q_offset) if bias is None else None
+  chosen = select.choose_kernel(variant, kernel_options, query, key,
+                                return_weights=return_weights, dtype=dtype, decoding=decoding,
+                                positions=reads_positions, dropout=dropout, mask_kind=kind)
+  if chosen == 'chunked':
+    if bias is not None:
+      raise ValueError("the chunked attention kernel takes no explicit bias; use "
+                       "attention_kwargs.implementation='dense'")
+    spec = mask if isinstance(mask, (masks.MaskSpec, masks.Mask)) else masks.MaskSpec(dense=mask)
+    return variant.chunked(query, key, value, mask=spec, q_offset=q_offset,
+                           chunk_size=select.chunk_size(kernel_options.chunk_size), dtype=dtype,
+                           dropout_rate=dropout_rate if dropout else 0.0,
+                           dropout_rng=dropout_rng if dropout else None, **params, **kwargs)
+  if g != h and not variant.grouped_kv:
+    # contiguous groups: heads [0, h/g) read key/value head 0, and so on
+    key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
+  if variant.fused_fits is None or kind is None:  # else fn takes the MaskSpec
+    mask = masks.as_dense(mask, b, h, n, m, q_offset)
+  extra = {}
+  if variant.uses_positions:
+    extra['q_offset'] = q_offset
+    if positions is not None:
+      extra['positions'] = positions
+  if variant.dense_implementations:
+    extra['implementation'] = kernel_options.implementation
+  if variant.stochastic:
+    extra['rng'] = rng
+  if variant.uses_alignment:
+    extra['prev_alignment'] = (jnp.zeros((b, h, n, m), jnp.float32) if prev_alignment is None
+                               else prev_alignment)
+  return variant.fn(query, key, value, mask=mask, bias=bias,
+                    dropout_rate=dropout_rate if dropout else 0.0,
+                    dropout_rng=dropout_rng if dropout else None, deterministic=not dropout,
+                    dtype=dtype, return_weights=return_weights, **params, **kwargs, **extra)

@@ -1,0 +1,95 @@
+"""Every registered scheme's score forms, over the live registry.
+
+A scheme's elementwise `score(s, q_pos, k_pos, head, tables)` is what every
+kernel derives from: the blockwise kernel calls it on a whole block with the
+heads as an index array [h, 1, 1]; a fused kernel calls it on one head's
+block with the head as a number. Both calls must give the same scores, and a
+scheme's `block_score` (its faster whole-block form) must equal them too, in
+value and in the gradients of the scores and the tables.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite.attention import from_terms, registry
+from flaxformer_lite.attention.kernels import product
+
+B, H, D = 2, 4, 8
+
+
+def _terms_and_tables(name, q_pos, k_pos, seed=0):
+  variant = registry.get(name)
+  kwargs = registry.resolve_kwargs(name, {})
+  specs = variant.params(H, D, kwargs) if variant.params else {}
+  params = from_terms.random_params(specs, seed)
+  terms = variant.terms(H, **kwargs)
+  return terms, from_terms.prepared(terms, params, q_pos, k_pos), params
+
+
+def _with(attr):
+  return [n for n in registry.names()
+          if registry.get(n).terms is not None
+          and getattr(registry.get(n).terms(H, **registry.resolve_kwargs(n, {})), attr)]
+
+
+SCORED = _with('score')
+BOTH = [n for n in SCORED if n in _with('block_score')]
+
+
+def test_the_schemes_with_an_elementwise_score_include_the_bias_schemes():
+  assert {'alibi', 'kerple', 'fire', 'sandwich', 't5_bias'} <= set(SCORED)
+  assert {'t5_bias', 'sandwich', 'fire'} <= set(BOTH)
+
+
+def _positions(r, bq, bk):
+  """A decoding offset's contiguous queries and keys, and sorted random
+  positions with gaps (randomized positions, packing)."""
+  yield np.arange(40, 40 + bq), np.arange(30, 30 + bk)
+  yield (np.sort(r.choice(500, bq, replace=False)), np.sort(r.choice(500, bk, replace=False)))
+
+
+@pytest.mark.parametrize('name', SCORED)
+def test_a_score_called_one_head_at_a_time_equals_the_call_on_every_head(name):
+  """What a fused kernel's program computes (one head, a [bq, bk] block, the
+  head a number) is the blockwise kernel's [b, h, bq, bk] call's slice."""
+  r = np.random.default_rng(1)
+  for q_pos, k_pos in _positions(r, 5, 6):
+    terms, tables, _ = _terms_and_tables(name, q_pos, k_pos)
+    tables = jax.tree.map(jnp.asarray, tables)
+    s = jnp.asarray(r.normal(size=(B, H, 5, 6)), jnp.float32)
+    qp, kp = jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :]
+    every = terms.score(s, qp, kp, product.heads(H), tables)
+    assert every.shape == s.shape, name
+    for h in range(H):
+      one = terms.score(s[1, h], qp, kp, jnp.int32(h), tables)
+      np.testing.assert_allclose(np.asarray(one), np.asarray(every[1, h]), rtol=1e-6, atol=1e-6,
+                                 err_msg=f'{name} head {h}')
+
+
+@pytest.mark.parametrize('name', BOTH)
+def test_a_block_score_equals_the_elementwise_score_and_its_gradients(name):
+  r = np.random.default_rng(2)
+  bq, bk = 6, 6
+  q_pos, k_pos = np.arange(40, 40 + bq), np.arange(30, 30 + bk)  # block forms read ranges
+  terms, _, params = _terms_and_tables(name, q_pos[None], k_pos[None])
+  s = jnp.asarray(r.normal(size=(B, H, bq, bk)), jnp.float32)
+  cotangent = jnp.asarray(r.normal(size=s.shape), jnp.float32)
+  q = jnp.asarray(r.normal(size=(B, bq, H, D)), jnp.float32)
+  k = jnp.asarray(r.normal(size=(B, bk, H, D)), jnp.float32)
+
+  def both(s, params):
+    tables = from_terms.prepared(terms, params, jnp.asarray(q_pos), jnp.asarray(k_pos))
+    block = product.Block(q, k, jnp.asarray(q_pos), jnp.asarray(k_pos), tables)
+    elementwise = terms.score(s, jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :],
+                              product.heads(H), tables)
+    return elementwise, terms.block_score(s, block)
+
+  (e, b), pull = jax.vjp(both, s, params)
+  np.testing.assert_allclose(np.asarray(b), np.asarray(e), rtol=1e-5, atol=1e-5)
+  ds_e, dp_e = pull((cotangent, jnp.zeros_like(cotangent)))
+  ds_b, dp_b = pull((jnp.zeros_like(cotangent), cotangent))
+  np.testing.assert_allclose(np.asarray(ds_b), np.asarray(ds_e), rtol=1e-5, atol=1e-5)
+  for p in params:
+    np.testing.assert_allclose(np.asarray(dp_b[p]), np.asarray(dp_e[p]), rtol=1e-4, atol=1e-4,
+                               err_msg=f'{name}: gradient of {p}')
