@@ -16,8 +16,8 @@ from flaxformer_lite.attention.schemes import rotary
 from flaxformer_lite.attention.schemes import shaw
 from flaxformer_lite.attention.schemes import t5_bias
 from flaxformer_lite.attention.schemes import transformer_xl
-from flaxformer_lite.attention.schemes.dot_product import dot_product_attention
-from flaxformer_lite.attention.schemes.dot_product import dot_product_attention_weights
+from flaxformer_lite.attention.kernels.reference import dot_product_attention
+from flaxformer_lite.attention.kernels.reference import dot_product_attention_weights
 from flaxformer_lite.attention.schemes.shaw import relative_positions
 from flaxformer_lite.attention.schemes.shaw import shaw_attention
 from flaxformer_lite.attention.schemes.shaw import shaw_relative_logits

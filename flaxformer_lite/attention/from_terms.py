@@ -6,7 +6,7 @@ and nothing else: what it changes in a block of scaled q.k scores (`score`),
 the tables its blocks read (`prepare`), its maps of the queries and keys
 (`transform_q`, `transform_k`) and its values term; the kernels compute q.k
 and the scaling themselves. The dense path evaluates the terms on the
-whole [n, m] as one block (`dense_attention`: queries at q_offset + 0..n-1,
+whole [n, m] as one block (kernels/reference.py `dense_attention`: queries at q_offset + 0..n-1,
 keys at 0..m-1, the masked softmax and dropout of softmax.py), the chunked
 path block by block (`dot_product_chunked`: chunked.attend). Decoding,
 packing and grouped-query attention come with the two kernels. A
@@ -27,52 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, masks
-from flaxformer_lite.attention.kernels import product
-from flaxformer_lite.attention.softmax import softmax_weights
-
-
-def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *, mask=None,
-                    bias=None, q_offset=0, positions=None, dropout_rate=0.0, dropout_rng=None,
-                    deterministic=True, dtype=None, return_weights=False):
-  """`terms` on the whole [n, m] as one block: the reference for chunked.attend.
-
-  Args:
-    query: [b, n, h, d], query i at position q_offset + i; key [b, m, h, d],
-      value [b, m, h, dv], key j at position j.
-    terms, params: the variant's block terms and their arrays.
-    positions: None, or int [n] (n = m, self-attention): the positions of
-      the queries and of the keys, in place of q_offset + i and j.
-    mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
-      masks.Mask or MaskSpec (query i at index q_offset + i), evaluated here.
-    bias: broadcastable to [b, h, n, m]; added to the terms' scores.
-  Returns:
-    [b, n, h, dv] in `dtype` (default: query's dtype); with return_weights,
-    (that, weights [b, h, n, m]). A row that sees no key gets uniform weights
-    (dot_product's rule), so `terms.uniform` is what the chunked kernel must
-    match, not what this uses.
-  """
-  dtype = dtype or query.dtype
-  b, n, h, d = query.shape
-  mask = masks.as_dense(mask, b, h, n, key.shape[1], q_offset)
-  scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
-  q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
-  tables = prepared(terms, params, q_pos, k_pos)
-  logits = product.scores(terms, scaled, key.astype(dtype), tables, q_pos, k_pos,
-                          reference=True)  # [b, h, n, m]
-  if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
-  weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                            deterministic=deterministic, dtype=jnp.float32)
-  out = terms.values(weights, value.astype(dtype), tables, q_pos, k_pos)  # [b, h, n, dv]
-  out = out.transpose(0, 2, 1, 3).astype(dtype)
-  return (out, weights.astype(dtype)) if return_weights else out
-
-
-def prepared(terms: chunked.BlockTerms, params, q_pos, k_pos):
-  """terms.prepare's tables for queries q_pos [n] and keys k_pos [m] as one
-  block (the parameters themselves without a prepare)."""
-  return params if terms.prepare is None else terms.prepare(params, q_pos[None], k_pos[None])
+from flaxformer_lite.attention import chunked
+# The dense path of a scheme given as terms is the reference kernel's.
+from flaxformer_lite.attention.kernels.reference import dense_attention, prepared  # noqa: F401
 
 
 def dot_product_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,

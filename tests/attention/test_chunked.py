@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.schemes.dot_product import dot_product_attention
+from flaxformer_lite.attention.kernels.reference import dot_product_attention
 from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.masks import MaskSpec
 

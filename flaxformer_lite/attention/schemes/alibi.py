@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.schemes.dot_product import dot_product_attention
+from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
 def alibi_slopes(num_heads):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry, select
-from flaxformer_lite.attention.schemes.dot_product import auto_dot_product
+from flaxformer_lite.attention.kernels.fused import auto_dot_product
 
 
 SCALINGS = ('none', 'linear', 'ntk', 'yarn')

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.schemes.dot_product import dot_product_attention
+from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
 def t5_relative_position_bucket(relative_position, *, bidirectional=True,
