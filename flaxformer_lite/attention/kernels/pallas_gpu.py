@@ -583,7 +583,8 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
       tables[name][head] or tables[name][head, idx]; the floating ones get
       gradients.
     mask: a masks.Mask, or None; with `causal` both apply. Query i is at
-      index q_offset + i; the mask's arrays must cover the indices it reads
+      index q_offset + i; the mask's data are its arrays (Pallas refuses a
+      kernel that closes over an array), covering the indices it reads
       (queries q_offset .. q_offset + n - 1, keys 0 .. m - 1).
     q_positions: int [n] (default q_offset + 0..n-1); k_positions: int [m]
       (default 0..m-1): what `score` sees as positions.
