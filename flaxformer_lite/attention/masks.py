@@ -160,10 +160,9 @@ class MaskSpec:
     if self.query_segments is not None:
       parts.append(segments(self.query_segments, self.key_segments))
     if self.dense is not None:
-      dense = _dense4(self.dense)
-      parts.append(Mask(lambda b, h, q, k: dense[b % dense.shape[0], h % dense.shape[1],
-                                                 q % dense.shape[2], k % dense.shape[3]],
-                        'dense'))
+      parts.append(Mask(lambda b, h, q, k, dense: dense[b % dense.shape[0], h % dense.shape[1],
+                                                        q % dense.shape[2], k % dense.shape[3]],
+                        'dense', (_dense4(self.dense),)))
     if not parts:
       return Mask(lambda b, h, q, k: jnp.ones((), bool), 'everything')
     mask = parts[0]
@@ -234,27 +233,54 @@ def as_dense(mask, batch: int, heads: int, n: int, m: int, q_offset=0):
 # counts from the sequence's first query (a decoding step's offset included),
 # a key's from the first key. Masks combine with &, | and ~; `block_mask`
 # classifies each block of a call once, for the blocked kernels.
+#
+# The data a mask reads (padding, segments, prefix lengths) are its explicit
+# `arrays`, handed to its function after the indices, not closed over: a
+# kernel passes them as its own operands and calls the mask with them
+# replaced (`with_arrays`; a Pallas kernel passes refs, whose indexing by an
+# int array is a gather load). So a mask's function only indexes its arrays
+# (arr[b, k], arr[b]), with indices inside their shapes.
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class Mask:
-  """fn(b, h, q, k) -> bool (section comment above); `name` for messages."""
+  """fn(b, h, q, k, *arrays) -> bool (section comment above); `name` for
+  messages; `arrays` the data fn reads."""
   fn: Callable[..., Any]
   name: str = 'mask'
+  arrays: tuple = ()
 
   def __call__(self, b, h, q, k):
-    return self.fn(b, h, q, k)
+    return self.fn(b, h, q, k, *self.arrays)
+
+  def with_arrays(self, arrays) -> Mask:
+    """The same rule reading `arrays` (one for each of self.arrays, in order)."""
+    arrays = tuple(arrays)
+    if len(arrays) != len(self.arrays):
+      raise ValueError(f'{self.name} reads {len(self.arrays)} arrays, got {len(arrays)}')
+    return dataclasses.replace(self, arrays=arrays)
 
   def __and__(self, other: Mask) -> Mask:
-    return Mask(lambda *a: jnp.logical_and(self(*a), other(*a)), f'({self.name} & {other.name})')
+    return _combine(jnp.logical_and, self, other, f'({self.name} & {other.name})')
 
   def __or__(self, other: Mask) -> Mask:
-    return Mask(lambda *a: jnp.logical_or(self(*a), other(*a)), f'({self.name} | {other.name})')
+    return _combine(jnp.logical_or, self, other, f'({self.name} | {other.name})')
 
   def __invert__(self) -> Mask:
-    return Mask(lambda *a: jnp.logical_not(self(*a)), f'~{self.name}')
+    fn = self.fn
+    return Mask(lambda b, h, q, k, *arrays: jnp.logical_not(fn(b, h, q, k, *arrays)),
+                f'~{self.name}', self.arrays)
+
+
+def _combine(op, first: Mask, second: Mask, name: str) -> Mask:
+  """op of two masks; the arrays are first's then second's."""
+  split, f, g = len(first.arrays), first.fn, second.fn
+
+  def fn(b, h, q, k, *arrays):
+    return op(f(b, h, q, k, *arrays[:split]), g(b, h, q, k, *arrays[split:]))
+  return Mask(fn, name, first.arrays + second.arrays)
 
 
 def causal() -> Mask:
@@ -268,28 +294,28 @@ def sliding_window(window: int, causal_: bool = False) -> Mask:
 
 def key_padding(key_valid) -> Mask:
   """key_valid bool [B, M]: False keys are seen by no query."""
-  key_valid = jnp.asarray(key_valid, bool)
-  return Mask(lambda b, h, q, k: key_valid[b, k], 'key_padding')
+  return Mask(lambda b, h, q, k, valid: valid[b, k], 'key_padding',
+              (jnp.asarray(key_valid, bool),))
 
 
 def query_padding(query_valid) -> Mask:
   """query_valid bool [B, N]: False queries see no key."""
-  query_valid = jnp.asarray(query_valid, bool)
-  return Mask(lambda b, h, q, k: query_valid[b, q], 'query_padding')
+  return Mask(lambda b, h, q, k, valid: valid[b, q], 'query_padding',
+              (jnp.asarray(query_valid, bool),))
 
 
 def segments(query_segments, key_segments) -> Mask:
   """int [B, N] and [B, M]: a query sees the keys of its own segment
   (packed examples, documents)."""
-  query_segments, key_segments = jnp.asarray(query_segments), jnp.asarray(key_segments)
-  return Mask(lambda b, h, q, k: query_segments[b, q] == key_segments[b, k], 'segments')
+  return Mask(lambda b, h, q, k, q_seg, k_seg: q_seg[b, q] == k_seg[b, k], 'segments',
+              (jnp.asarray(query_segments), jnp.asarray(key_segments)))
 
 
 def prefix_lm(prefix_len) -> Mask:
   """int [B]: every query sees the first prefix_len[b] keys (the prompt,
   attended bidirectionally), and the keys before it causally."""
-  prefix_len = jnp.asarray(prefix_len)
-  return Mask(lambda b, h, q, k: (k <= q) | (k < prefix_len[b]), 'prefix_lm')
+  return Mask(lambda b, h, q, k, prefix: (k <= q) | (k < prefix[b]), 'prefix_lm',
+              (jnp.asarray(prefix_len),))
 
 
 def chunked_causal(chunk: int) -> Mask:

@@ -1,8 +1,10 @@
 """Masks as functions (masks.Mask) against loops over every (batch, query, key)
 written from each mask's definition, and block_mask against the blocks of
-those loops' arrays."""
+those loops' arrays; a mask's explicit arrays, through &, |, ~ and
+with_arrays."""
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -90,3 +92,35 @@ def test_a_mask_spec_as_a_function_is_its_dense_mask(parts):
   got = masks.evaluate(spec.to_mask(), B, H, N, N)
   np.testing.assert_array_equal(np.broadcast_to(got, (B, H, N, N)),
                                 np.broadcast_to(want, (B, H, N, N)))
+
+
+def _evaluated(mask):
+  return np.broadcast_to(np.asarray(masks.evaluate(mask, B, H, N, M)), (B, H, N, M))
+
+
+def test_with_arrays_gives_the_same_rule_on_other_arrays():
+  mask = masks.key_padding(KEY_VALID)
+  assert len(mask.arrays) == 1
+  other = ~KEY_VALID
+  np.testing.assert_array_equal(_evaluated(mask.with_arrays([jnp.asarray(other)])),
+                                _loop(lambda b, h, i, j: other[b, j]))
+  np.testing.assert_array_equal(_evaluated(mask), _loop(lambda b, h, i, j: KEY_VALID[b, j]))
+  with pytest.raises(ValueError):
+    mask.with_arrays(())
+
+
+def test_combined_masks_hand_each_part_its_own_arrays():
+  mask = (masks.key_padding(KEY_VALID) & masks.segments(Q_SEG, K_SEG)) | ~masks.prefix_lm(PREFIX)
+  assert [a.shape for a in mask.arrays] == [(B, M), (B, N), (B, M), (B,)]
+  valid, q_seg, k_seg, prefix = KEY_VALID[::-1], Q_SEG[::-1], K_SEG[::-1], np.array([1, 6])
+  replaced = mask.with_arrays(jnp.asarray(x) for x in (valid, q_seg, k_seg, prefix))
+  np.testing.assert_array_equal(_evaluated(replaced), _loop(
+      lambda b, h, i, j: (valid[b, j] and q_seg[b, i] == k_seg[b, j])
+      or not (j <= i or j < prefix[b])))
+
+
+def test_a_mask_written_with_its_own_arrays():
+  per_head = RNG.integers(1, 4, H)
+  mask = masks.Mask(lambda b, h, q, k, width: k % width[h] == 0, 'strided', (jnp.asarray(per_head),))
+  np.testing.assert_array_equal(_evaluated(mask & masks.causal()),
+                                _loop(lambda b, h, i, j: j % per_head[h] == 0 and j <= i))

@@ -1,133 +1,302 @@
-"""The Pallas score kernel (kernels/pallas_gpu.py) in interpret mode against
-attention written out densely in float64 numpy: outputs and q, k, v
-gradients, with and without a score, causal with a decoding offset,
-grouped-query heads, and lengths that do not divide the blocks."""
+"""The Pallas kernel (kernels/pallas_gpu.py) in interpret mode against
+attention written out in float64 numpy loops: outputs, and the gradients of
+q, k, v and of the score's tables by central differences of that reference,
+with and without a score, under `causal` and under masks.Mask (key padding,
+a causal sliding window, packed documents, prefix-LM at a decoding offset,
+a combination, a per-head rule, a dense MaskSpec, rows that see no key),
+with grouped-query heads and lengths that do not divide the blocks of 16.
+Also: the blocks each kernel visits are exactly the non-empty ones (FULL
+ones without the mask), and the kernels lower to Triton for a CUDA GPU."""
+import collections
+import itertools
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.attention import masks
 from flaxformer_lite.attention.kernels import pallas_gpu
 
+H, D, BLOCK = 4, 16, 16
+RNG = np.random.default_rng(9)
 SLOPES = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+BUCKETS = RNG.normal(size=(H, 9)).astype(np.float32)  # [h, buckets]: the kernel pads rows to 16
 
 
 def alibi(s, q_pos, k_pos, head, tables):
-  (slope,) = tables  # this head's row of the slopes: [1]
-  return s - slope[...] * jnp.abs(q_pos - k_pos).astype(jnp.float32)
-
-
-BUCKETS = np.random.default_rng(9).normal(size=(4, 8)).astype(np.float32)  # [h, buckets]
+  return s - tables['slopes'][head] * jnp.abs(q_pos - k_pos).astype(jnp.float32)
 
 
 def bucket_bias(s, q_pos, k_pos, head, tables):
   """A table lookup, T5's kind: this head's bias by clipped signed distance."""
-  (row,) = tables  # this head's row: [8]
-  return s + row[jnp.clip(k_pos - q_pos, -4, 3) + 4]
+  return s + tables['bias'][head, jnp.clip(k_pos - q_pos, -4, 4) + 4]
 
 
-def _reference(q, k, v, *, slopes=None, buckets=None, causal=False, q_offset=0, q_pos=None,
-               k_pos=None):
-  """float64 numpy: softmax(q.k / sqrt(d) + score) v per head."""
+def one_hot_bias(s, q_pos, k_pos, head, tables):
+  """bucket_bias with the head's row read whole."""
+  bucket = jnp.clip(k_pos - q_pos, -4, 4) + 4
+  row = tables['bias'][head]
+  return s + jnp.sum(jnp.where(bucket[..., None] == jnp.arange(row.shape[-1]), row, 0), -1)
+
+
+def both(s, q_pos, k_pos, head, tables):
+  return bucket_bias(alibi(s, q_pos, k_pos, head, tables), q_pos, k_pos, head, tables)
+
+
+SCORES = {'alibi': (alibi, {'slopes': SLOPES}), 'buckets': (bucket_bias, {'bias': BUCKETS}),
+          'both': (both, {'slopes': SLOPES, 'bias': BUCKETS}),
+          'one-hot': (one_hot_bias, {'bias': BUCKETS})}
+
+
+def _reference(q, k, v, visible, q_pos, k_pos, slopes=None, bias=None):
+  """float64 numpy, a query at a time: softmax over the visible keys of q.k / sqrt(d) +
+  the score's terms, times v; visible bool [b, h, n, m]; 0 for a query that
+  sees no key."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, n, h, d = q.shape
   m, g = k.shape[1], k.shape[2]
-  q_pos = q_offset + np.arange(n) if q_pos is None else np.asarray(q_pos)
-  k_pos = np.arange(m) if k_pos is None else np.asarray(k_pos)
   out = np.zeros((b, n, h, v.shape[3]))
-  for bi in range(b):
-    for hi in range(h):
-      kh = hi // (h // g)
-      s = q[bi, :, hi] @ k[bi, :, kh].T / np.sqrt(d)
-      if slopes is not None:
-        s = s - slopes[hi] * np.abs(q_pos[:, None] - k_pos[None, :])
-      if buckets is not None:
-        s = s + buckets[hi][np.clip(k_pos[None, :] - q_pos[:, None], -4, 3) + 4]
-      if causal:
-        s = np.where(np.arange(m)[None, :] <= q_offset + np.arange(n)[:, None], s, -np.inf)
-      p = np.exp(s - s.max(axis=1, keepdims=True))
-      out[bi, :, hi] = (p / p.sum(axis=1, keepdims=True)) @ v[bi, :, kh]
+  for bi, hi, i in itertools.product(range(b), range(h), range(n)):
+    kh = hi // (h // g)
+    seen = np.flatnonzero(visible[bi, hi, i])
+    if not seen.size:
+      continue
+    s = k[bi, seen, kh] @ q[bi, i, hi] / np.sqrt(d)
+    rel = np.asarray(k_pos)[seen] - q_pos[i]
+    if slopes is not None:
+      s = s - slopes[hi] * np.abs(rel)
+    if bias is not None:
+      s = s + bias[hi][np.clip(rel, -4, 4) + 4]
+    p = np.exp(s - s.max())
+    out[bi, i, hi] = (p / p.sum()) @ v[bi, seen, kh]
   return out
 
 
+def _rule_array(rule, b, h, n, m, q_offset):
+  """bool [b, h, n, m]: rule(b, h, i, j) with i = q_offset + row."""
+  out = np.zeros((b, h, n, m), bool)
+  for bi, hi, i, j in itertools.product(range(b), range(h), range(n), range(m)):
+    out[bi, hi, i, j] = rule(bi, hi, q_offset + i, j)
+  return out
+
+
+KEY_VALID = RNG.random((2, 40)) > 0.3
+# n = m = 37: row 0 packs documents of 16 and 21 tokens; row 1 is one
+# document with positions 16..31 padding (queries and keys).
+DOCUMENTS = np.array([[0] * 16 + [1] * 21, [0] * 37])
+GAP = np.ones((2, 37), bool)
+GAP[1, 16:32] = False
+PREFIX = np.array([25, 3])
+NO_KEY = np.ones((2, 40), bool)
+NO_KEY[1, :20] = False  # under causal, row 1's queries 0..19 see no key
+DENSE = RNG.random((1, H, 40, 40)) > 0.4
+
+# name: (Mask, its rule written out (b, h, i, j) -> bool), the mask's own.
+MASKS = {
+    'key padding': (masks.key_padding(KEY_VALID), lambda b, h, i, j: KEY_VALID[b, j]),
+    'causal window': (masks.sliding_window(5, True), lambda b, h, i, j: i - 5 < j <= i),
+    'documents': (masks.segments(DOCUMENTS, DOCUMENTS) & masks.query_padding(GAP)
+                  & masks.key_padding(GAP),
+                  lambda b, h, i, j: (DOCUMENTS[b, i] == DOCUMENTS[b, j]) & GAP[b, i] & GAP[b, j]),
+    'prefix-LM': (masks.prefix_lm(PREFIX), lambda b, h, i, j: j <= i or j < PREFIX[b]),
+    'combination': ((masks.causal() & masks.key_padding(KEY_VALID))
+                    | (masks.prefix_lm(PREFIX) & ~masks.causal()),
+                    lambda b, h, i, j: (j <= i and KEY_VALID[b, j]) or (i < j < PREFIX[b])),
+    'per head': (masks.Mask(lambda b, h, q, k: (k + h) % 3 != 0, 'heads'),
+                 lambda b, h, i, j: (j + h) % 3 != 0),
+    'dense spec': (masks.MaskSpec(dense=DENSE).to_mask(), lambda b, h, i, j: DENSE[0, h, i, j]),
+    'no key': (masks.key_padding(NO_KEY), lambda b, h, i, j: NO_KEY[b, j]),
+}
+
 CASES = {
     'plain': dict(),
-    'alibi causal': dict(score=True, causal=True),
-    'alibi causal, decoding offset, GQA': dict(score=True, causal=True, q_offset=5, g=2, n=7),
-    'randomized positions': dict(score=True, positions=True),
-    'bucket table, causal, GQA': dict(buckets=True, causal=True, g=1),
+    'alibi, causal': dict(score='alibi', causal=True),
+    'alibi, causal, decoding offset, GQA': dict(score='alibi', causal=True, q_offset=5, g=2, n=7,
+                                                m=12),
+    'alibi, randomized positions': dict(score='alibi', positions=True, m=13),
+    'bucket table, causal, one kv head': dict(score='buckets', causal=True, g=1),
+    'bucket table read whole, decoding offset': dict(score='one-hot', q_offset=3, n=9),
+    'key padding, bucket table': dict(score='buckets', mask='key padding'),
+    'causal sliding window, alibi': dict(score='alibi', mask='causal window', n=29, m=29),
+    'packed documents with padding, causal, GQA': dict(score='buckets', mask='documents',
+                                                       causal=True, g=2, n=37, m=37),
+    'prefix-LM, decoding offset': dict(score='alibi', mask='prefix-LM', q_offset=10, n=9, m=30),
+    'combination, both tables': dict(score='both', mask='combination', n=21, m=33),
+    'per-head mask, GQA': dict(mask='per head', g=2, n=18, m=20),
+    'dense MaskSpec': dict(score='alibi', mask='dense spec', n=17, m=17),
+    'rows that see no key': dict(score='alibi', mask='no key', causal=True, n=24, m=24),
 }
 
 
-def _inputs(n=13, m=None, g=4, seed=0):
-  rng = np.random.default_rng(seed)
-  m = m or n
-  q = rng.normal(size=(2, n, 4, 8)).astype(np.float32)
-  k, v = (rng.normal(size=(2, m, g, 8)).astype(np.float32) for _ in range(2))
-  return q, k, v
+def _case(name):
+  """(q, k, v, the kernel's keyword arguments, the reference's, the tables)."""
+  case = CASES[name]
+  n, m, g = case.get('n', 13), case.get('m', 15), case.get('g', 4)
+  q_offset = case.get('q_offset', 0)
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(2, n, H, D)).astype(np.float32)
+  k, v = (rng.normal(size=(2, m, g, D)).astype(np.float32) for _ in range(2))
+  q_pos, k_pos = q_offset + np.arange(n), np.arange(m)
+  if case.get('positions'):
+    q_pos = k_pos = np.sort(np.random.default_rng(1).choice(100, n, replace=False))
+  mask, rule = MASKS[case['mask']] if 'mask' in case else (None, lambda *a: True)
+  causal = case.get('causal', False)
+  visible = _rule_array(lambda b, h, i, j: rule(b, h, i, j) and (j <= i or not causal),
+                        2, H, n, m, q_offset)
+  score, tables = SCORES[case['score']] if 'score' in case else (None, {})
+  kwargs = dict(score=score, mask=mask, causal=causal, q_offset=q_offset, block_q=BLOCK,
+                block_k=BLOCK, interpret=True, q_positions=q_pos if case.get('positions') else None,
+                k_positions=k_pos if case.get('positions') else None)
+  return q, k, v, kwargs, dict(visible=visible, q_pos=q_pos, k_pos=k_pos), tables
+
+
+def _directional(loss, x, direction, eps=1e-3):
+  """d/dt loss(x + t direction) at 0, by central differences (float64)."""
+  x = np.asarray(x, np.float64)
+  return (loss(x + eps * direction) - loss(x - eps * direction)) / (2 * eps)
 
 
 @pytest.mark.parametrize('name', list(CASES))
 def test_output_and_gradients_equal_the_written_out_attention(name):
-  case = CASES[name]
-  n = case.get('n', 13)
-  m = 12 if case.get('q_offset') else 13
-  q, k, v = _inputs(n, m, case.get('g', 4))
-  offset = case.get('q_offset', 0)
-  positions = {}
-  if case.get('positions'):
-    positions = dict(q_pos=np.sort(np.random.default_rng(1).choice(100, n, replace=False)))
-    positions['k_pos'] = positions['q_pos']
-  slopes = SLOPES if case.get('score') else None
-  buckets = BUCKETS if case.get('buckets') else None
-  score, tables = None, ()
-  if slopes is not None:
-    score, tables = alibi, (jnp.asarray(SLOPES),)
-  if buckets is not None:
-    score, tables = bucket_bias, (jnp.asarray(BUCKETS),)
-  kwargs = dict(score=score, tables=tables,
-                causal=case.get('causal', False), q_offset=offset, block_q=4, block_k=8,
-                interpret=True,
-                q_positions=positions.get('q_pos'), k_positions=positions.get('k_pos'))
-  out = pallas_gpu.flash_attention(q, k, v, **kwargs)
-  want = _reference(q, k, v, slopes=slopes, buckets=buckets, causal=kwargs['causal'],
-                    q_offset=offset, **positions)
+  q, k, v, kwargs, ref, tables = _case(name)
+  names = sorted(tables)
+
+  def kernel(q, k, v, *table_values):
+    return pallas_gpu.flash_attention(q, k, v, tables=dict(zip(names, table_values)), **kwargs)
+
+  def reference(q, k, v, *table_values):
+    return _reference(q, k, v, **ref, **dict(zip(names, table_values)))
+
+  args = [q, k, v] + [tables[t] for t in names]
+  out = kernel(*args)
+  want = reference(*args)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
-  cot = np.random.default_rng(2).normal(size=want.shape).astype(np.float32)
-  grads = jax.grad(lambda q, k, v: jnp.sum(pallas_gpu.flash_attention(q, k, v, **kwargs) * cot),
-                   argnums=(0, 1, 2))(q, k, v)
-  eps = 1e-3  # central differences of the float64 reference along random directions
-  for i, (x, grad) in enumerate(zip((q, k, v), grads)):
-    direction = np.random.default_rng(3 + i).normal(size=x.shape)
-    def loss(t, i=i, direction=direction):
-      args = [np.asarray(a, np.float64) for a in (q, k, v)]
-      args[i] = args[i] + t * direction
-      return np.sum(_reference(*args, slopes=slopes, buckets=buckets, causal=kwargs['causal'],
-                               q_offset=offset, **positions) * cot)
-    numeric = (loss(eps) - loss(-eps)) / (2 * eps)
-    np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction), numeric,
-                               rtol=1e-3, atol=1e-3)
+  cot = np.random.default_rng(2).normal(size=want.shape)
+  grads = jax.grad(lambda *a: jnp.sum(kernel(*a) * cot), argnums=tuple(range(len(args))))(*args)
+  for i, (x, grad) in enumerate(zip(args, grads)):
+    assert grad.shape == np.shape(x) and np.isfinite(grad).all()
+
+    def loss(xi, i=i):
+      return np.sum(reference(*args[:i], xi, *args[i + 1:]) * cot)
+    # q, k, v along a random direction; a table entry by entry.
+    directions = ([np.random.default_rng(3 + i).normal(size=np.shape(x))] if i < 3 else
+                  list(np.eye(np.size(x)).reshape((-1,) + np.shape(x))))
+    for direction in directions:
+      np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction),
+                                 _directional(loss, x, direction), rtol=1e-3, atol=1e-3,
+                                 err_msg=f'argument {i}')
 
 
-@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
-@pytest.mark.parametrize('head_dim', [64, 128])
-@pytest.mark.parametrize('score,table', [(alibi, SLOPES), (bucket_bias, BUCKETS)],
-                         ids=['alibi', 'bucket table'])
-def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu(dtype, head_dim, score, table):
+def test_rows_that_see_no_key_give_zero_and_zero_gradients():
+  q, k, v, kwargs, ref, tables = _case('rows that see no key')
+  out = pallas_gpu.flash_attention(q, k, v, tables=tables, **kwargs)
+  np.testing.assert_array_equal(np.asarray(out)[1, :20], 0.0)
+  dq = jax.grad(lambda q: pallas_gpu.flash_attention(q, k, v, tables=tables, **kwargs).sum())(q)
+  np.testing.assert_array_equal(np.asarray(dq)[1, :20], 0.0)
+
+
+def _dense(q, k, v, score, tables, visible, q_pos, k_pos):
+  """The same attention in plain JAX on whole arrays, with the scores'
+  contract there: head = arange(h)[:, None, None], s [b, h, n, m], q_pos
+  [n, 1], k_pos [1, m], tables whole. Every query must see a key."""
+  h, g = q.shape[2], k.shape[2]
+  k, v = (jnp.repeat(jnp.asarray(x), h // g, axis=2) for x in (k, v))
+  s = jnp.einsum('bnhd,bmhd->bhnm', q, k) / np.sqrt(q.shape[3])
+  s = score(s, jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :],
+            jnp.arange(h)[:, None, None], tables)
+  s = jnp.where(visible, s, -jnp.inf)
+  return jnp.einsum('bhnm,bmhd->bnhd', jax.nn.softmax(s, axis=-1), v)
+
+
+def test_a_score_reads_whole_arrays_the_same_way():
+  q, k, v, kwargs, ref, tables = _case('combination, both tables')
+  out = _dense(q, k, v, both, {n: jnp.asarray(t) for n, t in tables.items()}, **ref)
+  np.testing.assert_allclose(out, _reference(q, k, v, **ref, **tables), rtol=2e-5, atol=2e-5)
+
+
+def shifted(s, q_pos, k_pos, head, tables):
+  """ALiBi from a per-head integer shift of the query positions."""
+  return alibi(s, q_pos + tables['shift'][head], k_pos, head, tables)
+
+
+def test_an_integer_table_is_read_and_gets_no_gradient():
+  """Against jax.grad of _dense: q's and the slopes' gradients equal, the
+  integer table's float0."""
+  q, k, v, kwargs, ref, _ = _case('alibi, causal')
+  tables = {'slopes': jnp.asarray(SLOPES), 'shift': jnp.asarray([0, 3, -2, 7], jnp.int32)}
+  cot = np.random.default_rng(2).normal(size=q.shape).astype(np.float32)
+  kernel = lambda q, t: jnp.sum(pallas_gpu.flash_attention(
+      q, k, v, tables=t, **dict(kwargs, score=shifted)) * cot)
+  dense = lambda q, t: jnp.sum(_dense(q, k, v, shifted, t, **ref) * cot)
+  np.testing.assert_allclose(kernel(q, tables), dense(q, tables), rtol=1e-4)
+  got, want = (jax.grad(f, argnums=(0, 1), allow_int=True)(q, tables) for f in (kernel, dense))
+  assert got[1]['shift'].dtype == jax.dtypes.float0
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(got[1]['slopes'], want[1]['slopes'], rtol=1e-4, atol=1e-5)
+
+
+def _states_by_hand(visible, bq, bk):
+  """Each block's state from the boolean mask [b, h, n, m] -> int [b, h, nq, nk]."""
+  b, h, n, m = visible.shape
+  nq, nk = -(-n // bq), -(-m // bk)
+  out = np.zeros((b, h, nq, nk), int)
+  for bi, hi, qb, kb in itertools.product(range(b), range(h), range(nq), range(nk)):
+    cells = visible[bi, hi, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+    whole = cells.shape[1] == bk
+    out[bi, hi, qb, kb] = (masks.EMPTY if not cells.any() else
+                           masks.FULL if whole and cells.all() else masks.PARTIAL)
+  return out
+
+
+def test_each_kernel_visits_the_non_empty_blocks_once(monkeypatch):
+  q, k, v, kwargs, ref, tables = _case('packed documents with padding, causal, GQA')
+  visits = collections.Counter()
+  monkeypatch.setattr(pallas_gpu, 'VISIT_HOOK', lambda kernel, masked, b, h, blk, i: visits.update(
+      [(kernel, int(b), int(h), int(blk), int(i), masked)]))
+  jax.grad(lambda q, k, v: pallas_gpu.flash_attention(q, k, v, tables=tables, **kwargs).sum(),
+           argnums=(0, 1, 2))(q, k, v)
+  jax.effects_barrier()
+  states = _states_by_hand(ref['visible'], BLOCK, BLOCK)
+  # 3 x 3 blocks (DOCUMENTS, GAP), causal; row 1 has an empty block between
+  # two non-empty ones both in the query block 2 and in the key block 0.
+  np.testing.assert_array_equal(states[:, 0], [
+      [[1, 0, 0], [0, 1, 0], [0, 2, 1]],
+      [[1, 0, 0], [0, 0, 0], [2, 0, 1]]])
+  want = collections.Counter()
+  for (b, h, qb, kb), state in np.ndenumerate(states):
+    if state != masks.EMPTY:
+      masked = bool(state == masks.PARTIAL)
+      want.update([('forward', b, h, qb, kb, masked), ('dq', b, h, qb, kb, masked),
+                   ('dkdv', b, h, kb, qb, masked)])
+  assert visits == want
+
+
+@pytest.mark.parametrize('dtype,head_dim', [('bfloat16', 64), ('float16', 128)])
+@pytest.mark.parametrize('score', ['alibi', 'buckets'])
+def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu(dtype, head_dim, score):
   """Lowered for the CUDA platform on this machine (no GPU needed): the
-  forward is one Triton call, its gradient two more (dk and dv; dq)."""
-  q = jnp.zeros((1, 256, 4, head_dim), dtype)
-  k = v = jnp.zeros((1, 256, 2, head_dim), dtype)
+  forward is one Triton call, its gradient (q, k, v and the table) two more
+  (dk and dv; dq and the table's); with causal, then with a Mask whose
+  arrays are kernel operands, over causal."""
+  q = jnp.zeros((2, 128, 4, head_dim), dtype)
+  k = v = jnp.zeros((2, 128, 2, head_dim), dtype)
+  score_fn, tables = SCORES[score]
+  (name, table), = tables.items()
+  documents = jnp.asarray(np.repeat([[0, 1]], 2, axis=0).repeat(64, axis=1))
+  mask = masks.key_padding(jnp.ones((2, 128), bool)) & masks.segments(documents, documents)
 
-  def out(q, k, v):
-    return pallas_gpu.flash_attention(q, k, v, causal=True, score=score,
-                                      tables=(jnp.asarray(table),), block_q=64, block_k=64)
+  for mask in (None, mask):
+    def out(q, k, v, table, mask=mask):
+      return pallas_gpu.flash_attention(q, k, v, causal=True, score=score_fn, mask=mask,
+                                        tables={name: table}, block_q=64, block_k=64)
 
-  def loss(q, k, v):
-    return out(q, k, v).astype(jnp.float32).sum()
+    def loss(*args):
+      return out(*args).astype(jnp.float32).sum()
 
-  for fn, calls in ((out, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
-    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=('cuda',)).as_text()
-    assert text.count('custom_call @__gpu$xla.gpu.triton') == calls, text[:2000]
+    for fn, calls in ((out, 1), (jax.grad(loss, argnums=(0, 1, 2, 3)), 3)):
+      text = jax.jit(fn).trace(q, k, v, jnp.asarray(table)).lower(
+          lowering_platforms=('cuda',)).as_text()
+      assert text.count('custom_call @__gpu$xla.gpu.triton') == calls, text[:2000]
