@@ -303,15 +303,13 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
 
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import timing
-  from flaxformer_lite.attention.schemes import alibi
+  from flaxformer_lite.attention import registry
   from flaxformer_lite.attention.kernels import pallas_gpu
 
   on_gpu = jax.default_backend() == 'gpu'
   heads = 2 if quick else 8
-  slopes = jnp.asarray(alibi.alibi_slopes(heads))
-
-  def alibi_score(s, q_pos, k_pos, head, tables):
-    return s - tables[0][...] * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+  alibi = registry.get('alibi').terms(heads)  # the scheme's own score and tables
+  alibi_tables = alibi.prepare({}, None, None)
 
   out = []
   for n, b, d in fused_cases(quick):
@@ -327,7 +325,8 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
         'pallas': grad_of(lambda q, k, v: pallas_gpu.flash_attention(
             q, k, v, causal=True, interpret=not on_gpu)),
         'pallas alibi': grad_of(lambda q, k, v: pallas_gpu.flash_attention(
-            q, k, v, causal=True, score=alibi_score, tables=(slopes,), interpret=not on_gpu)),
+            q, k, v, causal=True, score=alibi.score, tables=alibi_tables,
+            interpret=not on_gpu)),
         'xla': grad_of(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation='xla')),
     }

@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks, registry, select
+from flaxformer_lite.attention import chunked, masks, registry, select
+from flaxformer_lite.attention.kernels import pallas_gpu, reference
 
 
 def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
@@ -67,9 +68,17 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
                      f'randomized positions need one of {registry.position_array_names()}')
   dropout = dropout_rng is not None and dropout_rate > 0.0
   kind = select.mask_kind(mask, q_offset) if bias is None else None
+  terms = variant.terms(h, **kwargs) if variant.terms is not None else None
   chosen = select.choose_kernel(variant, kernel_options, query, key,
                                 return_weights=return_weights, dtype=dtype, decoding=decoding,
-                                positions=reads_positions, dropout=dropout, mask_kind=kind)
+                                positions=reads_positions, dropout=dropout, mask_kind=kind,
+                                terms=terms)
+  if chosen == 'pallas':
+    if bias is not None or dropout:
+      raise ValueError("the fused Pallas kernel takes no explicit bias and no attention "
+                       "dropout; use attention_kwargs.implementation='dense' or 'chunked'")
+    return fused_scheme(query, key, value, terms, params, mask=mask, q_offset=q_offset,
+                        positions=positions if reads_positions else None, dtype=dtype)
   if chosen == 'chunked':
     if bias is not None:
       raise ValueError("the chunked attention kernel takes no explicit bias; use "
@@ -100,3 +109,43 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
                     dropout_rate=dropout_rate if dropout else 0.0,
                     dropout_rng=dropout_rng if dropout else None, deterministic=not dropout,
                     dtype=dtype, return_weights=return_weights, **params, **kwargs, **extra)
+
+
+def fused_scheme(query, key, value, terms: chunked.BlockTerms, params, *, mask=None, q_offset=0,
+                 positions=None, dtype=None):
+  """A scheme's terms on the fused Pallas kernel (kernels/pallas_gpu.py;
+  interpreted off a GPU): its tables made once, its q and k maps applied
+  before the kernel, its elementwise score inside it.
+
+  query [b, n, h, d], key and value [b, m, g, d]; mask as `attend`'s; a row
+  that sees no key gets the uniform weights of the other kernels (the mean
+  value). Returns [b, n, h, dv] in `dtype`.
+  """
+  dtype = dtype or query.dtype
+  b, n, h, _ = query.shape
+  m = key.shape[1]
+  q_pos, k_pos = chunked.query_key_positions(n, m, q_offset, positions)
+  tables = reference.prepared(terms, params, q_pos, k_pos) or {}
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  origin = k_pos[0]  # as the dense reference measures, one block for the call
+  if terms.transform_q is not None:
+    query = terms.transform_q(query, tables, q_pos, origin)
+  if terms.transform_k is not None:
+    key = terms.transform_k(key, tables, k_pos, origin)
+  spec = mask if isinstance(mask, masks.MaskSpec) else None
+  causal = spec is not None and spec.causal and spec.window is None and not spec.has_arrays()
+  if causal or mask is None:
+    rule = None
+  elif isinstance(mask, masks.Mask):
+    rule = mask
+  else:
+    rule = (spec or masks.MaskSpec(dense=mask)).to_mask()
+  out = pallas_gpu.flash_attention(
+      query, key, value, score=terms.score, tables=tables, mask=rule, causal=causal,
+      q_positions=q_pos, k_positions=k_pos, q_offset=q_offset,
+      interpret=select.platform() != 'gpu')
+  if rule is None:
+    return out
+  seen = masks.rows_seeing_a_key(rule, b, h, n, m, q_offset)  # [b | 1, h | 1, n]
+  mean = chunked.repeat_heads(terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
+  return jnp.where(jnp.moveaxis(seen, 1, 2)[..., None], out, mean.astype(out.dtype))

@@ -115,11 +115,12 @@ SHARED_OPTIONS: dict[str, str] = {
 
 # Options of every variant, not of one: which kernel runs it. implementation:
 # 'dense' (the [n, m] scores; the reference), 'chunked' (blocks, O(n)
-# memory), 'auto' (select.choose_kernel); chunk_size: rows and columns per
+# memory), 'pallas' (the fused Pallas kernel: Triton on a GPU, interpreted
+# elsewhere), 'auto' (select.choose_kernel); chunk_size: rows and columns per
 # block of the chunked kernel; dense_max_mib: 'auto' keeps the dense kernel
 # while one call's scores (b * h * n * m in the compute dtype) take at most
 # this many MiB. Unset (None), those two are the platform's (select.POLICIES).
-KERNELS = ('auto', 'dense', 'chunked')
+KERNELS = ('auto', 'dense', 'chunked', 'pallas')
 KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': None, 'dense_max_mib': None}
 
 
@@ -202,7 +203,8 @@ def _with_terms(variant: AttentionVariant) -> AttentionVariant:
   if set(specs) & set(kwargs):
     raise ValueError(f'attention variant {variant.name!r}: parameters '
                      f'{sorted(set(specs) & set(kwargs))} are named like its options')
-  _UNCHECKED.add(variant.name)
+  if variant.terms(2, **kwargs).values is not from_terms.chunked.dot_values:
+    _UNCHECKED.add(variant.name)  # a values term of its own: checked at the first lookup
   fn, chunked = from_terms.variant_fns(variant.terms, variant.kwargs)
   arrays = variant.position_arrays
   return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked,
@@ -305,6 +307,11 @@ def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
     raise ValueError(f"attention_kwargs.implementation='chunked': attention={variant.name!r} "
                      'has no chunked form (its scores need the whole [n, m] array); variants '
                      f'that have one: {", ".join(chunked_names())}')
+  if impl == 'pallas' and not pallas_runs(variant):
+    raise ValueError(f"attention_kwargs.implementation='pallas': attention={variant.name!r} "
+                     "has a term the fused Pallas kernel does not run (one that reads the "
+                     "block's q and k, a values term, or a score that is not q.k's); "
+                     f"variants it runs: {', '.join(n for n in names() if pallas_runs(_REGISTRY[n]))}")
   if impl == 'cudnn' and select.platform() != 'gpu':
     raise ValueError(
         "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
@@ -313,6 +320,14 @@ def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
   for option, low in (('chunk_size', 1), ('dense_max_mib', 0)):
     if getattr(kernel, option) is not None:
       check_int(kernel._asdict(), option, low)
+
+
+def pallas_runs(variant: AttentionVariant) -> bool:
+  """Whether the fused Pallas kernel runs `variant` (select.pallas_runs on
+  its terms with default options)."""
+  if variant.terms is None:
+    return False
+  return select.pallas_runs(variant.terms(2, **dict(variant.kwargs)))
 
 
 # The `auto` policy, with its thresholds per platform, lives in select.py.
@@ -337,6 +352,7 @@ def describe(variant: AttentionVariant) -> Description:
   else:
     models = variant.models
   kernels = ('dense', 'chunked') if variant.chunked else ('dense',)
+  kernels += ('pallas',) if pallas_runs(variant) else ()
   return Description(variant.name, models, kernels + variant.dense_implementations,
                      tuple(f'{k}={v!r}' for k, v in variant.kwargs.items()) or ('-',),
                      variant.doc)

@@ -20,7 +20,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks
+from flaxformer_lite.attention import chunked, masks
 from flaxformer_lite.attention.kernels import splash
 
 
@@ -39,6 +39,9 @@ class Policy:
     device reports no bytes_limit (lowering for a platform this process
     does not run on).
   chunk_size: the chunked kernel's block, rows and columns.
+  pallas: every scheme whose terms the fused Pallas kernel runs
+    (`pallas_runs`) on that kernel (kernels/pallas_gpu.py) where
+    `pallas_fits`; dot_product keeps cuDNN where that fits.
   table_bias_max: the most query-key pairs (n * m) a head's dense scores
     take a bias looked up per pair from a learned per-head table (T5's
     buckets: parameters with logical axes ('relative', 'heads')) before the
@@ -50,6 +53,7 @@ class Policy:
   chunk_size: int
   table_bias_max: int | None = None
   splash: bool = False
+  pallas: bool = False
 
 
 POLICIES = {
@@ -58,7 +62,7 @@ POLICIES = {
     # The dense backward of a per-pair table lookup adds n * m gradients into
     # a few rows, atomically; the blocks' backward sums them per block first.
     'gpu': Policy(cudnn=True, memory_share=1 / 8, dense_max_mib=2048, chunk_size=1024,
-                  table_bias_max=1024 * 1024),
+                  table_bias_max=1024 * 1024, pallas=True),
     # Splash is the TPU's fused path: O(n) memory, so it runs at any size.
     'tpu': Policy(cudnn=False, memory_share=1 / 8, dense_max_mib=2048, chunk_size=512,
                   splash=True),
@@ -78,6 +82,10 @@ CUDNN_MAX_HEAD_DIM = 128
 SPLASH_BLOCK = 128
 SPLASH_DTYPES = (jnp.bfloat16, jnp.float32)
 SPLASH_HEAD_DIM = 128
+# The fused Pallas kernel (Triton): the compute dtypes and head sizes 'auto'
+# gives it (powers of two for Triton's tiles; the sizes it is built for).
+PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
+PALLAS_HEAD_DIMS = (64, 128)
 # The masks a fused kernel reads as structure (`mask_kind`): causal or full,
 # each with query and key padding.
 MASK_KINDS = ('causal', 'full')
@@ -186,24 +194,51 @@ def fused_fits(query, key, *, dtype=None, dropout=False, return_weights=False,
                          return_weights=return_weights, mask_kind=mask_kind))
 
 
+def pallas_runs(terms) -> bool:
+  """Whether the fused Pallas kernel runs a scheme given as `terms`
+  (chunked.BlockTerms, or None for a variant of another kind): an
+  elementwise `score` or none, no `block_score` without one (a term that
+  reads the block's q and k), the plain values and q.k product."""
+  if terms is None or terms.product is not None or terms.values is not chunked.dot_values:
+    return False
+  return terms.score is not None or terms.block_score is None
+
+
+def pallas_fits(terms, query, key, *, dtype=None, dropout=False, return_weights=False) -> bool:
+  """Whether 'auto' runs query [b, n, h, d], key [b, m, g, d] on the fused
+  Pallas kernel: a platform whose policy has it, a scheme it runs
+  (`pallas_runs`), a dtype of PALLAS_DTYPES, d of PALLAS_HEAD_DIMS, no
+  dropout, no weights asked for, more than one query (a decoding step is a
+  matrix-vector product: the blocks' kernel reads the cache in place)."""
+  (n, d) = query.shape[1::2]
+  return (policy().pallas and pallas_runs(terms)
+          and jnp.dtype(dtype or query.dtype) in PALLAS_DTYPES and d in PALLAS_HEAD_DIMS
+          and not dropout and not return_weights and n > 1)
+
+
 def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=None,
                   decoding: bool = False, positions: bool = False,
-                  dropout: bool = False, mask_kind: str | None = None) -> str:
-  """'chunked' or 'dense' for query [b, n, h, d] and key [b, m, g, d].
+                  dropout: bool = False, mask_kind: str | None = None, terms=None) -> str:
+  """'dense', 'chunked' or 'pallas' for query [b, n, h, d] and key [b, m, g, d].
 
-  `variant` is a registry.AttentionVariant, `kernel` its registry.Kernel.
+  `variant` is a registry.AttentionVariant, `kernel` its registry.Kernel,
+  `terms` its chunked.BlockTerms for this call's heads (None: not a scheme).
   'auto' keeps the dense path where the weights are asked for (only it has
   them), the variant has no chunked form, or its fused kernel fits
   (`variant.fused_fits`: dot_product's cuDNN, or splash for a mask of
-  `mask_kind`); when `decoding` (queries against a cache) it takes the chunked
-  form where the cache spans more than two blocks, whose causal bounds stop at
-  the cache index where the dense kernel reads all of it; else dense while the
-  scores, b * h * n * m in the compute dtype, fit `dense_max_bytes`. An
-  explicit 'chunked' with return_weights (plots) runs the dense path too, and
-  so does any call given `positions` as data (randomized positions): a chunked
-  form's block terms may read a block's positions as a range.
+  `mask_kind`); it runs the fused Pallas kernel where `pallas_fits`; when
+  `decoding` (queries against a cache) it takes the chunked form where the
+  cache spans more than two blocks, whose causal bounds stop at the cache
+  index where the dense kernel reads all of it; else dense while the scores,
+  b * h * n * m in the compute dtype, fit `dense_max_bytes`. An explicit
+  'chunked' with return_weights (plots) runs the dense path too, and so does
+  any call given `positions` as data (randomized positions) but the Pallas
+  kernel's: a block_score may read a block's positions as a range.
   """
-  if positions:
+  if kernel.implementation == 'pallas':
+    return 'dense' if return_weights else 'pallas'
+  if positions and not (kernel.implementation == 'auto' and pallas_fits(
+      terms, query, key, dtype=dtype, dropout=dropout, return_weights=return_weights)):
     return 'dense'
   if kernel.implementation == 'chunked':
     return 'dense' if return_weights else 'chunked'
@@ -213,6 +248,8 @@ def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=No
                                                             dropout=dropout,
                                                             mask_kind=mask_kind):
     return 'dense'
+  if pallas_fits(terms, query, key, dtype=dtype, dropout=dropout):
+    return 'pallas'
   (b, n, h, d), m = query.shape, key.shape[1]
   if decoding and m > 2 * chunk_size(kernel.chunk_size):
     return 'chunked'

@@ -81,3 +81,41 @@ def test_attend_names_what_is_valid_when_given_a_bad_scheme_kernel_or_option():
     attend(q, k, v, scheme='alibi', options={'max_distance': 3})
   with pytest.raises(ValueError, match='takes no explicit bias'):
     attend(q, k, v, scheme='dot_product', kernel='chunked', bias=jnp.zeros((1, 1, N, N)))
+
+
+PALLAS = [n for n in registry.names() if registry.pallas_runs(registry.get(n))]
+
+
+@pytest.mark.parametrize('name', PALLAS)
+def test_the_pallas_kernel_equals_the_dense_reference_for_every_scheme_it_runs(name):
+  """Over the live registry, each scheme the fused kernel runs
+  (registry.pallas_runs) through attend(kernel='pallas', interpreted here)
+  against attend(kernel='dense'), the derived reference: grouped heads, a
+  causal mask with key padding and a query that sees no key, randomized
+  positions; the output and the gradients of q, k, v and every parameter."""
+  variant = registry.get(name)
+  q, k, v = _inputs(4, G)
+  options = registry.resolve_kwargs(name, {})
+  specs = variant.params(H, D, options) if variant.params else {}
+  params = from_terms.random_params(specs, 5)
+  valid, seen = np.ones((B, N), bool), np.ones((B, N), bool)
+  valid[1, :2], seen[0, 4] = False, False  # row 1's first queries see no key
+  mask = masks.causal() & masks.key_padding(valid) & masks.query_padding(seen)
+  positions = np.sort(np.random.default_rng(6).choice(50, N, replace=False))
+  cotangent = np.random.default_rng(7).normal(size=(B, N, H, D)).astype(np.float32)
+  positions = positions if variant.position_arrays else None
+
+  def loss(kernel):
+    def f(q, k, v, params):
+      out = attend(q, k, v, scheme=name, mask=mask, kernel=kernel, params=params,
+                   positions=positions)
+      return jnp.sum(out * cotangent)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+  (want, dwant), (got, dgot) = (loss(kernel)(q, k, v, params) for kernel in ('dense', 'pallas'))
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-4, atol=1e-4)
+  for what, a, b in zip(('dq', 'dk', 'dv'), dgot[:3], dwant[:3]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4, err_msg=what)
+  for p in params:
+    np.testing.assert_allclose(np.asarray(dgot[3][p]), np.asarray(dwant[3][p]), rtol=2e-4,
+                               atol=2e-4, err_msg=f'd {p}')

@@ -27,10 +27,13 @@ def _pick(platform, name, b, n, m, h=8, g=None, d=64, dtype='float32', decoding=
           dropout=False, mask_kind=None, **options):
   query = jax.ShapeDtypeStruct((b, n, h, d), dtype)
   key = jax.ShapeDtypeStruct((b, m, g or h, d), dtype)
+  variant = registry.get(name)
+  terms = variant.terms(h, **registry.resolve_kwargs(name, {})) if variant.terms else None
   with select.target_platform(platform):
-    return select.choose_kernel(registry.get(name), registry.resolve_kernel(name, options),
+    return select.choose_kernel(variant, registry.resolve_kernel(name, options),
                                 query, key, return_weights=False, dtype=dtype,
-                                decoding=decoding, dropout=dropout, mask_kind=mask_kind)
+                                decoding=decoding, dropout=dropout, mask_kind=mask_kind,
+                                terms=terms)
 
 
 def _fits(platform, n=128, m=None, d=64, dtype='bfloat16', g=8, **kwargs):
@@ -57,12 +60,14 @@ def test_gpu_takes_cudnn_then_dense_while_an_eighth_of_memory_then_blocks_of_102
   """16 heads of 2048 x 2048 float32 scores are 256 MiB a row. Without a
   reported limit, 2048 MiB: 8 rows dense, 9 chunked; with 80 GiB, 10 GiB:
   40 rows dense, 41 chunked. dot_product in bfloat16 is cuDNN's (dense)
-  whatever its size; alibi has no fused kernel."""
+  whatever its size, alibi the fused Pallas kernel's; in float32 alibi
+  takes the size rule."""
   assert _pick('gpu', 'dot_product', 8, 2048, 2048, h=16) == 'dense'
   assert _pick('gpu', 'dot_product', 9, 2048, 2048, h=16) == 'chunked'
   assert _pick('gpu', 'dot_product', 64, 2048, 2048, h=16, dtype='bfloat16') == 'dense'
-  assert _pick('gpu', 'alibi', 16, 2048, 2048, h=16, dtype='bfloat16') == 'dense'
-  assert _pick('gpu', 'alibi', 17, 2048, 2048, h=16, dtype='bfloat16') == 'chunked'
+  assert _pick('gpu', 'alibi', 64, 2048, 2048, h=16, dtype='bfloat16') == 'pallas'
+  assert _pick('gpu', 'alibi', 8, 2048, 2048, h=16) == 'dense'
+  assert _pick('gpu', 'alibi', 9, 2048, 2048, h=16) == 'chunked'
   assert _pick('gpu', 'dot_product', 64, 2048, 2048, h=16, dtype='bfloat16',
                dropout=True) == 'chunked'  # no cuDNN with dropout: the size rule
   device_memory(80 * 2**30)
@@ -76,15 +81,14 @@ def test_gpu_takes_cudnn_then_dense_while_an_eighth_of_memory_then_blocks_of_102
 
 
 def test_gpu_runs_a_per_pair_bias_table_chunked_past_one_block_of_pairs(device_memory):
-  """t5_bias looks its bias up per query-key pair from a learned table:
-  chunked on GPU past 1024 x 1024 pairs a head, whatever the memory share;
-  alibi (a formula) and the other platforms keep the size rule; an explicit
+  """t5_bias looks its bias up per query-key pair from a learned table: in
+  float32 (no fused kernel) chunked on GPU past 1024 x 1024 pairs a head,
+  whatever the memory share; alibi (a formula) and the other platforms keep the size rule; an explicit
   dense_max_mib overrides it."""
-  assert _pick('gpu', 't5_bias', 4, 1024, 1024, dtype='bfloat16') == 'dense'
-  assert _pick('gpu', 't5_bias', 1, 1024, 1025, dtype='bfloat16') == 'chunked'
-  assert _pick('gpu', 't5_bias', 1, 8192, 8192, dtype='bfloat16',
-               dense_max_mib=4096) == 'dense'
-  assert _pick('gpu', 'alibi', 1, 8192, 8192, dtype='bfloat16') == 'dense'
+  assert _pick('gpu', 't5_bias', 4, 1024, 1024) == 'dense'
+  assert _pick('gpu', 't5_bias', 1, 1024, 1025) == 'chunked'
+  assert _pick('gpu', 't5_bias', 1, 8192, 8192, dense_max_mib=8192) == 'dense'
+  assert _pick('gpu', 'alibi', 1, 8192, 8192, h=4) == 'dense'
   assert _pick('tpu', 't5_bias', 1, 8192, 8192, dtype='bfloat16') == 'dense'
   assert [name for name in registry.names()
           if select._pair_table(registry.get(name), 8, 64)] == ['t5_bias']
@@ -230,3 +234,57 @@ def test_alibi_lowers_dense_for_a_gpu_then_chunked_in_blocks_of_1024_past_its_sh
   assert '__cudnn$fmha' not in blocks and 'stablehlo.while' in blocks
   assert 'stablehlo.while' in _cuda_hlo('alibi', n=256, chunk_size=64)
   assert chunk_sizes == [1024, 64]
+
+
+def test_the_gpu_runs_every_scheme_the_pallas_kernel_takes_on_it_in_16_bits(device_memory):
+  """Over the live registry: a scheme whose terms are an elementwise score
+  and q/k maps (select.pallas_runs) takes the fused Pallas kernel on a GPU
+  in bf16/fp16 with head dim 64 or 128, at any size, where dot_product keeps
+  cuDNN; not in float32, not for a decoding step, not with dropout, not on
+  the other platforms; schemes with terms it cannot run keep the others."""
+  fused = [n for n in registry.names() if registry.pallas_runs(registry.get(n))]
+  assert {'alibi', 'kerple', 'fire', 'sandwich', 't5_bias', 'rotary', 'xpos'} <= set(fused)
+  assert not {'shaw', 'transformer_xl', 'deberta', 'local', 'bahdanau'} & set(fused)
+  for name in fused:
+    if name in ('dot_product', 'rotary'):  # cuDNN's where it fits
+      assert _pick('gpu', name, 64, 2048, 2048, dtype='bfloat16') == 'dense', name
+      continue
+    for dtype, d in (('bfloat16', 64), ('float16', 128)):
+      assert _pick('gpu', name, 64, 8192, 8192, d=d, dtype=dtype) == 'pallas', name
+    assert _pick('gpu', name, 2, 256, 256, dtype='float32') == 'dense', name
+    assert _pick('gpu', name, 2, 256, 256, d=32, dtype='bfloat16') != 'pallas', name
+    assert _pick('gpu', name, 2, 1, 256, dtype='bfloat16', decoding=True) != 'pallas', name
+    assert _pick('gpu', name, 2, 256, 256, dtype='bfloat16', dropout=True) != 'pallas', name
+    assert _pick('tpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
+    assert _pick('cpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
+  assert _pick('gpu', 'shaw', 64, 2048, 2048, dtype='bfloat16') == 'chunked'
+  assert _pick('cpu', 'alibi', 2, 16, 16, implementation='pallas') == 'pallas'
+  with pytest.raises(ValueError, match="'pallas': attention='shaw' has a term"):
+    registry.resolve_kernel('shaw', {'implementation': 'pallas'})
+
+
+def test_a_scored_layer_lowers_to_the_pallas_kernel_for_a_gpu(device_memory):
+  """MultiHeadAttention with alibi and with t5_bias in bf16, heads of 64,
+  under a causal mask with key padding: lowered for CUDA as a GPU chooses,
+  the forward is one Triton call and the gradient three (forward, dk/dv,
+  dq); shaw's stays off it."""
+  def hlo(attention, grad):
+    layer = MultiHeadAttention(num_heads=2, qkv_features=128, attention=attention,
+                               dtype=jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((2, 32, 128), jnp.float32)
+    params = jax.eval_shape(layer.init, jax.random.key(0), x)
+    valid = jnp.ones((2, 32), bool).at[1, 20:].set(False)
+
+    def forward(params, x):
+      mask = masks.MaskSpec(causal=True, key_valid=valid)
+      return layer.apply(params, x, mask=mask).astype(jnp.float32).sum()
+    with select.target_platform('gpu'):
+      traced = jax.jit(jax.grad(forward) if grad else forward).trace(params, x)
+      return traced.lower(lowering_platforms=('cuda',)).as_text()
+
+  call = 'custom_call @__gpu$xla.gpu.triton'
+  for name in ('alibi', 't5_bias'):
+    assert hlo(name, grad=False).count(call) == 1, name
+    backward = hlo(name, grad=True)
+    assert backward.count(call) == 3, name
+  assert call not in hlo('shaw', grad=False)

@@ -12,7 +12,7 @@ finite, never NaN.
 """
 from __future__ import annotations
 
-from flaxformer_lite.attention import registry, select
+from flaxformer_lite.attention import chunked, registry, select
 from flaxformer_lite.attention.from_terms import dot_product_chunked
 from flaxformer_lite.attention.kernels.fused import auto_dot_product
 
@@ -21,6 +21,7 @@ registry.register(registry.AttentionVariant(
     name='dot_product',
     fn=auto_dot_product,
     chunked=dot_product_chunked,
+    terms=lambda num_heads: chunked.BlockTerms(),  # nothing to change: the fused kernels' view
     dense_implementations=('xla', 'cudnn'),
     fused_fits=select.fused_fits,
     grouped_kv=True,

@@ -65,21 +65,24 @@ def _score(s, q_pos, k_pos, head, tables):
 
 def _block_score(s, block):
   """_score for a whole block, the MLP a row tile at a time (block_score)."""
-  return block.add(s, fire_bias(block.tables, block.q_pos, block.k_pos))
+  rows = block.tables
+  params = {name: rows[f'{name}_rows'][0] for name in FIRE_PARAMS[:4]}
+  params.update(fire_w2=rows['fire_w2_rows'].T, fire_b2=rows['fire_b2_rows'])
+  return block.add(s, fire_bias(params, block.q_pos, block.k_pos))
 
 
 FIRE_PARAMS = ('fire_c', 'fire_threshold', 'fire_w1', 'fire_b1', 'fire_w2', 'fire_b2')
 
 
 def _per_head(num_heads, params, q_pos, k_pos):
-  """The parameters, and each as rows per head ('<name>_rows' [h, ...]) for
-  `_score`: fire_w2 [w, h] transposed, the shared ones repeated."""
+  """The parameters as rows per head ('<name>_rows' [h, ...]), what a
+  fused kernel reads: fire_w2 [w, h] transposed, the shared ones repeated."""
   del q_pos, k_pos
   rows = {'fire_w2_rows': params['fire_w2'].T, 'fire_b2_rows': params['fire_b2']}
   for name in ('fire_c', 'fire_threshold', 'fire_w1', 'fire_b1'):
     x = params[name]
     rows[f'{name}_rows'] = jnp.broadcast_to(x, (num_heads,) + x.shape)
-  return {**params, **rows}
+  return rows
 
 
 def _terms(num_heads, *, fire_width, fire_threshold_init):

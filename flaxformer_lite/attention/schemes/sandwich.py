@@ -33,10 +33,8 @@ def sandwich_bias(offset, num_heads: int, dim: int):
 
 def _score(dim, num_heads, s, q_pos, k_pos, head, tables):
   """s + the Sandwich bias of i - j for head h (chunked.BlockTerms.score)."""
-  del tables
   offset = (q_pos - k_pos).astype(jnp.float32)
-  inv = (10000.0 ** (-2.0 * np.arange(1, dim // 2 + 1) / dim)).astype(np.float32)  # [d'/2]
-  inner = jnp.sum(jnp.cos(offset[..., None] * inv), -1)
+  inner = jnp.sum(jnp.cos(offset[..., None] * tables['sandwich_frequencies'][head]), -1)
   compress = 8.0 * (head + 1).astype(jnp.float32) / num_heads
   return s + (inner - dim / 2) / compress
 
@@ -68,9 +66,18 @@ def sandwich_attention(query, key, value, *, q_offset=0, positions=None, sandwic
                                else pair_bias + bias, **common)
 
 
+def _frequencies(num_heads, dim, params, q_pos, k_pos):
+  """The embedding's frequencies 10000^(-2t/d'), t = 1..d'/2, as a table
+  per head [h, d'/2] (a fused kernel takes its constants as inputs)."""
+  del params, q_pos, k_pos
+  inv = (10000.0 ** (-2.0 * np.arange(1, dim // 2 + 1) / dim)).astype(np.float32)
+  return {'sandwich_frequencies': np.broadcast_to(inv, (num_heads, dim // 2))}
+
+
 def _terms(num_heads, *, sandwich_dim):
   return chunked.BlockTerms(score=functools.partial(_score, sandwich_dim, num_heads),
-                            block_score=functools.partial(_block_score, sandwich_dim))
+                            block_score=functools.partial(_block_score, sandwich_dim),
+                            prepare=functools.partial(_frequencies, num_heads, sandwich_dim))
 
 
 def _validate(kwargs):
