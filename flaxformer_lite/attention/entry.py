@@ -60,8 +60,7 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
   kernel_options = registry.resolve_kernel(scheme, given)
   params = dict(params or {})
   dtype = dtype or query.dtype
-  b, n, h, _ = query.shape
-  m, g = key.shape[1], key.shape[2]
+  h = query.shape[2]
   reads_positions = positions is not None and variant.uses_positions
   if reads_positions and not variant.position_arrays:
     raise ValueError(f'attention={scheme!r} reads positions as q_offset + 0..n-1 only; '
@@ -88,6 +87,18 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
                            chunk_size=select.chunk_size(kernel_options.chunk_size), dtype=dtype,
                            dropout_rate=dropout_rate if dropout else 0.0,
                            dropout_rng=dropout_rng if dropout else None, **params, **kwargs)
+  return _dense(variant, kernel_options, query, key, value, mask=mask, kind=kind, bias=bias,
+                q_offset=q_offset, positions=positions, rng=rng, prev_alignment=prev_alignment,
+                dropout_rate=dropout_rate if dropout else 0.0,
+                dropout_rng=dropout_rng if dropout else None, dtype=dtype,
+                return_weights=return_weights, **params, **kwargs)
+
+
+def _dense(variant, kernel_options, query, key, value, *, mask, kind, q_offset, positions, rng,
+           prev_alignment, **common):
+  """The variant's dense function `fn`, given what its registry entry says
+  it reads (positions, its own kernels, a PRNG key, the earlier alignment)."""
+  (b, n, h, _), (m, g) = query.shape, key.shape[1:3]
   if g != h and not variant.grouped_kv:
     # contiguous groups: heads [0, h/g) read key/value head 0, and so on
     key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
@@ -105,10 +116,8 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
   if variant.uses_alignment:
     extra['prev_alignment'] = (jnp.zeros((b, h, n, m), jnp.float32) if prev_alignment is None
                                else prev_alignment)
-  return variant.fn(query, key, value, mask=mask, bias=bias,
-                    dropout_rate=dropout_rate if dropout else 0.0,
-                    dropout_rng=dropout_rng if dropout else None, deterministic=not dropout,
-                    dtype=dtype, return_weights=return_weights, **params, **kwargs, **extra)
+  return variant.fn(query, key, value, mask=mask,
+                    deterministic=common['dropout_rng'] is None, **common, **extra)
 
 
 def fused_scheme(query, key, value, terms: chunked.BlockTerms, params, *, mask=None, q_offset=0,

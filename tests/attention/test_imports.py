@@ -161,3 +161,20 @@ def test_no_function_in_attention_imports_a_package_module():
            for line, target in _imports(module)[1]
            if (module, target) not in FUNCTION_IMPORTS_ALLOWED]
   assert not found, 'imports inside functions: ' + '; '.join(found)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_in_attention_is_longer_than_a_screen():
+  """A reader finds any scheme's or kernel's step in one screen."""
+  long = []
+  for module, path in sorted(MODULES.items()):
+    if not module.startswith(f'{NAME}.attention'):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_FUNCTION_LINES:
+          long.append(f'{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({lines})')
+  assert not long, f'functions over {MAX_FUNCTION_LINES} lines: ' + '; '.join(long)
