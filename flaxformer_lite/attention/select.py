@@ -284,6 +284,11 @@ def describe(name: str) -> str:
     fused = (f'dot_product and rotary (grouped-query too) in {dtypes} on Pallas splash for a '
              f'causal or full mask with padding (lengths multiples of {SPLASH_BLOCK}, head dim '
              f'a multiple of {SPLASH_HEAD_DIM}; no dropout or weights), else ')
+  if rule.pallas:
+    dtypes = '/'.join(jnp.dtype(t).name for t in PALLAS_DTYPES)
+    dims = ' or '.join(map(str, PALLAS_HEAD_DIMS))
+    fused += (f'every other scheme the fused Pallas kernel runs in {dtypes} on it (head dim '
+              f'{dims}; no dropout or weights; more than one query), else ')
   table = (f' A bias looked up per pair from a learned table (T5\'s buckets) goes chunked '
            f'past n*m = {math.isqrt(rule.table_bias_max)}^2.' if rule.table_bias_max else '')
   return (f'{name}: {fused}dense while scores (b*h*n*m*itemsize) <= {limit}, else chunked '
