@@ -61,10 +61,12 @@ def variant_fns(make_terms: Callable[..., chunked.BlockTerms], option_names) -> 
          dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
          return_weights=False, **rest):
     terms, params = split(query, rest)
+    # A block_score may read a block's positions as a range: with positions
+    # as data the elementwise score runs.
     return dense_attention(query, key, value, terms, params, mask=mask, bias=bias,
                            q_offset=q_offset, positions=positions, dropout_rate=dropout_rate,
                            dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype,
-                           return_weights=return_weights)
+                           return_weights=return_weights, elementwise=positions is not None)
 
   def chunked_fn(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None,
                  dropout_rate=0.0, dropout_rng=None, **rest):

@@ -146,7 +146,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
 
 def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *, mask=None,
                     bias=None, q_offset=0, positions=None, dropout_rate=0.0, dropout_rng=None,
-                    deterministic=True, dtype=None, return_weights=False):
+                    deterministic=True, dtype=None, return_weights=False,
+                    elementwise=True):
   """`terms` on the whole [n, m] as one block: the reference for chunked.attend.
 
   Args:
@@ -158,6 +159,9 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
       masks.Mask or MaskSpec (query i at index q_offset + i), evaluated here.
     bias: broadcastable to [b, h, n, m]; added to the terms' scores.
+    elementwise: the scheme's elementwise `score` where it has one (the
+      reference); False: its `block_score` where it has one (one lookup per
+      diagonal: the faster dense path; positions must then be a range).
   Returns:
     [b, n, h, dv] in `dtype` (default: query's dtype); with return_weights,
     (that, weights [b, h, n, m]). A row that sees no key gets uniform weights
@@ -171,7 +175,7 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
   tables = prepared(terms, params, q_pos, k_pos)
   logits = product.scores(terms, scaled, key.astype(dtype), tables, q_pos, k_pos,
-                          reference=True)  # [b, h, n, m]
+                          reference=elementwise)  # [b, h, n, m]
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
 def alibi_slopes(num_heads):
@@ -49,33 +48,13 @@ def alibi_bias(num_heads, q_len, k_len, *, q_offset=0, positions=None):
   return -slopes[None, :, None, None] * distance[None, None]  # [1, h, n, m]
 
 
-def alibi_attention(query, key, value, *, bias=None, q_offset=0, positions=None, **common):
-  """Dot-product attention with the ALiBi bias added to the scaled logits.
-
-  Args:
-    query: [b, n, h, d], query i at absolute position q_offset + i.
-    key, value: [b, m, h, d], key j at position j.
-    positions: None, or int [n] (n = m): query and key i at positions[i].
-    bias: broadcastable to [b, h, n, m]; added to the ALiBi bias.
-    common: dot_product_attention's mask, dropout, dtype and return_weights.
-  Returns:
-    [b, n, h, d] in `dtype` (default: query's dtype).
-  """
-  position_bias = alibi_bias(query.shape[2], query.shape[1], key.shape[1],
-                             q_offset=q_offset, positions=positions)  # [1, h, n, m]
-  if bias is not None:
-    position_bias = position_bias + bias
-  return dot_product_attention(query, key, value, bias=position_bias, **common)
-
-
 def _score(s, q_pos, k_pos, head, tables):
   """s - slope_h |j - p| (chunked.BlockTerms.score)."""
   return s - tables['alibi_slopes'][head] * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def _terms(num_heads):
-  """The terms (from_terms.py): the kernels', and the reference for
-  alibi_attention, the same bias through dot_product_attention."""
+  """The terms (from_terms.py): every kernel's, the dense one included."""
   slopes = _slopes(num_heads)
   return chunked.BlockTerms(score=_score,
                             prepare=lambda params, q_pos, k_pos: {'alibi_slopes': slopes})
@@ -84,9 +63,6 @@ def _terms(num_heads):
 registry.register(registry.AttentionVariant(
     name='alibi',
     models=registry.TRANSFORMER_MODELS,
-    fn=alibi_attention,
     terms=_terms,
-    uses_positions=True,
-    position_arrays=True,
     doc='fixed per-head linear distance penalty -slope*|j-i| (ALiBi, Press et al. '
         '2022); use with positions=none'))

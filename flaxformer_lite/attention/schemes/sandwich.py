@@ -19,8 +19,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, from_terms, registry
-from flaxformer_lite.attention.kernels.reference import dot_product_attention
+from flaxformer_lite.attention import chunked, registry
 
 
 def sandwich_bias(offset, num_heads: int, dim: int):
@@ -48,24 +47,6 @@ def _block_score(dim, s, block):
   return block.add(s, chunked.by_offset(sandwich_bias(offset, s.shape[1], dim), bq, bk))
 
 
-def sandwich_attention(query, key, value, *, q_offset=0, positions=None, sandwich_dim=128,
-                       bias=None, **common):
-  """The dense path: the block terms on the whole [n, m] (from_terms.py);
-  with `positions` (int [n], n = m: query and key i at positions[i]) the
-  bias of each pair, [h, n, m] from n * m offsets, as dot_product's bias.
-  query [b, n, h, d], key, value [b, m, h, d] -> [b, n, h, d]."""
-  if positions is None:
-    return from_terms.dense_attention(query, key, value, _terms(query.shape[2],
-                                                                sandwich_dim=sandwich_dim),
-                                      q_offset=q_offset, bias=bias, **common)
-  p = jnp.asarray(positions, jnp.float32)
-  n = p.shape[0]
-  pair_bias = sandwich_bias((p[:, None] - p[None, :]).reshape(-1), query.shape[2],
-                            sandwich_dim).reshape(1, -1, n, n)
-  return dot_product_attention(query, key, value, bias=pair_bias if bias is None
-                               else pair_bias + bias, **common)
-
-
 def _frequencies(num_heads, dim, params, q_pos, k_pos):
   """The embedding's frequencies 10000^(-2t/d'), t = 1..d'/2, as a table
   per head [h, d'/2] (a fused kernel takes its constants as inputs)."""
@@ -90,12 +71,9 @@ def _validate(kwargs):
 registry.register(registry.AttentionVariant(
     name='sandwich',
     models=registry.TRANSFORMER_MODELS,
-    fn=sandwich_attention,
     terms=_terms,
     kwargs={'sandwich_dim': 128},
     validate=_validate,
-    uses_positions=True,
-    position_arrays=True,  # sandwich_attention's; the block terms read ranges (by_offset)
     doc="parameter-free bias: the inner product of sinusoidal embeddings of i and j "
         "(sandwich_dim features), per-head compressed as ALiBi (Sandwich, Chi et al. 2023); "
         'use with positions=none'))
