@@ -2,6 +2,7 @@
 against a float64 loop of its paper's formula, position by position, on the
 dense path the registry derives and on the chunked kernel; and the contracts
 `register` checks for a variant given as block terms."""
+import dataclasses
 import math
 
 import jax
@@ -263,7 +264,9 @@ def test_a_parameter_named_like_an_option_is_refused():
   with pytest.raises(ValueError, match='named like its options'):
     registry.register(registry.AttentionVariant(
         name='clash_test', terms=lambda num_heads, width: chunked.BlockTerms(),
-        kwargs={'clash_width_test': 2},
+        options=dataclasses.make_dataclass(
+            'ClashOptions', [('clash_width_test', int, dataclasses.field(default=2))],
+            frozen=True),
         params=lambda h, d, kw: {'clash_width_test': ((h,), jax.nn.initializers.zeros,
                                                       ('heads',))}))
 
