@@ -355,11 +355,12 @@ def test_a_hand_written_dense_form_equals_the_one_its_block_terms_give(name):
   mask = np.arange(M)[None, :] <= Q_OFFSET + np.arange(N)[:, None]
   mask = np.broadcast_to(mask, (B, 1, N, M)).copy()
   mask[1, :, :, 12:] = False  # key padding in example 1
-  common = dict(mask=jnp.asarray(mask), bias=None, q_offset=Q_OFFSET, dropout_rate=0.0,
-                dropout_rng=None, deterministic=True, dtype=jnp.float32, return_weights=True)
-  got, got_w = variant.fn(q, k, v, **common, **params, **kwargs)
+  common = dict(mask=jnp.asarray(mask), bias=None, dropout_rate=0.0, dropout_rng=None,
+                deterministic=True, dtype=jnp.float32, return_weights=True)
+  offset = {'q_offset': Q_OFFSET} if variant.uses_positions else {}  # as the layer passes it
+  got, got_w = variant.fn(q, k, v, **common, **offset, **params, **kwargs)
   want, want_w = from_terms.dense_attention(q, k, v, variant.terms(H, **kwargs), params,
-                                            **common)
+                                            q_offset=Q_OFFSET, **common)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-5, atol=1e-6)
 
