@@ -195,6 +195,7 @@ def test_list_attention_table_lists_every_variant_in_aligned_columns(width):
     variant = registry.get(name)
     assert [m for cell in models for m in shorthand.get(cell, (cell,))] == list(variant.models)
     assert kernels == ['dense', *(['chunked'] if variant.chunked else []),
+                       *(['pallas'] if registry.pallas_runs(variant) else []),
                        *variant.dense_implementations]
     own = [f'{k}={v!r}' for k, v in variant.kwargs.items()] or ['-']
     assert ''.join(options) == ''.join(own)  # a long option may wrap inside its column

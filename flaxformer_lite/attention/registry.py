@@ -6,8 +6,10 @@ A variant is a pure function plus an entry here. `MultiHeadAttention` calls
      **params, **kwargs)
   -> [b, n, h, d], or (that, weights [b, h, n, m]) when return_weights
 where `params` are arrays the layer creates from `AttentionVariant.params`
-(learned tables, per-head matrices) and `kwargs` are the variant's options
-from `config.model.attention_kwargs`. Some variants receive more:
+(learned tables, per-head matrices) and `kwargs` are the fields of the
+variant's options (`AttentionVariant.options`, a frozen dataclass that
+validates itself), set from `config.model.attention_kwargs` (resolve_kwargs).
+Some variants receive more:
   uses_positions: `q_offset`, the absolute position of the first query
     (non-zero when decoding with a cache, or for an RNN decoder's step t).
   stochastic: `rng`, a PRNG key when deterministic=False, else None.
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import types
+import typing
 from typing import Any, Callable, Mapping, NamedTuple
 
 from flaxformer_lite import model_types
@@ -44,8 +48,12 @@ class AttentionVariant:
 
   name: the config value.
   fn: the pure attention function (signature above).
-  kwargs: option name -> default; the types of the defaults are the types
-    accepted from the command line.
+  options: the variant's options as a frozen dataclass type, or None where it
+    has none: each field an option (its name, its type, one of OPTION_TYPES,
+    the type the command line accepts, and its default), its docstring what
+    they mean, its `__post_init__` raising ValueError
+    'attention_kwargs.<name>=<value>; ...' naming what is valid (check_int,
+    check_choice, check_bool, check_positive). `kwargs` reads its defaults.
   params: (num_heads, head_dim, kwargs) -> {name: (shape, initializer,
     logical axes)}; the layer creates these parameters and passes them to `fn`
     by name. The logical axes (one name or None per dimension: 'heads',
@@ -53,7 +61,6 @@ class AttentionVariant:
     distance or bucket) say how a model axis shards the table
     (train/partitioning.py LOGICAL_RULES).
   models: model types that can use the variant.
-  validate: kwargs -> None, raising ValueError with a reason.
   check_head_dim: head size -> None, raising ValueError where the variant
     cannot run on heads of that size (rotary: pairs of features).
   uses_positions: fn takes `q_offset`.
@@ -85,10 +92,9 @@ class AttentionVariant:
   """
   name: str
   fn: Callable[..., Any] | None = None
-  kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  options: type | None = None
   params: Callable[..., Mapping[str, Any]] | None = None
   models: tuple[str, ...] = ALL_MODELS
-  validate: Callable[[Mapping[str, Any]], None] | None = None
   check_head_dim: Callable[[int], None] | None = None
   uses_positions: bool = False
   stochastic: bool = False
@@ -100,6 +106,18 @@ class AttentionVariant:
   grouped_kv: bool = False
   terms: Callable[..., Any] | None = None
   position_arrays: bool | None = None
+
+  @property
+  def kwargs(self) -> Mapping[str, Any]:
+    """Option name -> default, in the options' field order (read-only)."""
+    if self.options is None:
+      return types.MappingProxyType({})
+    return types.MappingProxyType({f.name: f.default for f in dataclasses.fields(self.options)})
+
+
+# The types an option may have: those a command-line flag (config.py's
+# placeholders, typed by the defaults) can carry.
+OPTION_TYPES = (bool, int, float, str)
 
 
 _REGISTRY: dict[str, AttentionVariant] = {}
@@ -152,38 +170,94 @@ def _check_options(variant: AttentionVariant) -> None:
             'shared option has one default: use the same one, or a name of its own')
 
 
-def check_int(kwargs: Mapping[str, Any], option: str, low: int, why: str = '') -> None:
-  """Raises ValueError unless kwargs[option] is an int (not a bool) >= low;
-  `why` (what the option is) ends the message."""
-  v = kwargs[option]
-  if isinstance(v, bool) or not isinstance(v, int) or v < low:
-    raise ValueError(f'attention_kwargs.{option}={v!r}; must be an int >= {low}'
-                     + (f' ({why})' if why else ''))
+def _value(options, option: str) -> Any:
+  """`option` of an options value (an attribute) or of a mapping of them."""
+  return options[option] if isinstance(options, Mapping) else getattr(options, option)
 
 
-def check_choice(kwargs: Mapping[str, Any], option: str, choices, why: str = '') -> None:
-  """Raises ValueError unless kwargs[option] is one of `choices`, naming them."""
-  if kwargs[option] not in choices:
-    raise ValueError(f'attention_kwargs.{option}={kwargs[option]!r}; valid: '
+def is_number(v: Any) -> bool:
+  """Whether `v` is an int or a float, not a bool."""
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_int(options, option: str, low: int | None = None, why: str = '') -> None:
+  """Raises ValueError unless `option` of `options` (an options value or a
+  mapping) is an int (not a bool), >= low unless low is None; `why` (what the
+  option is) ends the message."""
+  v = _value(options, option)
+  if isinstance(v, bool) or not isinstance(v, int) or (low is not None and v < low):
+    raise ValueError(f'attention_kwargs.{option}={v!r}; must be an int'
+                     + (f' >= {low}' if low is not None else '') + (f' ({why})' if why else ''))
+
+
+def check_choice(options, option: str, choices, why: str = '') -> None:
+  """Raises ValueError unless `option` of `options` is one of `choices`, naming them."""
+  v = _value(options, option)
+  if v not in choices:
+    raise ValueError(f'attention_kwargs.{option}={v!r}; valid: '
                      f'{", ".join(choices)}' + (f' ({why})' if why else ''))
 
 
-def positive_number(option: str) -> Callable[[Mapping[str, Any]], None]:
-  """A `validate` for a variant whose option `option` must be a number > 0."""
-  def validate(kwargs):
-    v = kwargs[option]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-      raise ValueError(f'attention_kwargs.{option}={v!r}; must be a number > 0')
-  return validate
+def check_bool(options, option: str) -> None:
+  """Raises ValueError unless `option` of `options` is True or False."""
+  v = _value(options, option)
+  if not isinstance(v, bool):
+    raise ValueError(f'attention_kwargs.{option}={v!r}; valid: True, False')
+
+
+def check_positive(options, option: str) -> None:
+  """Raises ValueError unless `option` of `options` is a number > 0."""
+  v = _value(options, option)
+  if not (is_number(v) and v > 0):
+    raise ValueError(f'attention_kwargs.{option}={v!r}; must be a number > 0')
+
+
+def option_values(options) -> dict[str, Any]:
+  """An options value (or None: no options) as option name -> value."""
+  if options is None:
+    return {}
+  return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def _check_options_type(variant: AttentionVariant) -> None:
+  """Raises unless `variant.options` is None or a frozen dataclass type."""
+  options = variant.options
+  if options is not None and not (isinstance(options, type) and dataclasses.is_dataclass(options)
+                                  and options.__dataclass_params__.frozen):
+    raise ValueError(f'attention variant {variant.name!r}: options must be a frozen '
+                     f'dataclass type, not {options!r}')
+
+
+def _check_option_fields(variant: AttentionVariant) -> None:
+  """Raises unless every field of `variant.options` has a default of its
+  annotated type, one of OPTION_TYPES, and the defaults validate (building
+  the options runs their `__post_init__`)."""
+  options = variant.options
+  if options is None:
+    return
+  hints = typing.get_type_hints(options)
+  for field in dataclasses.fields(options):
+    kind = hints.get(field.name)
+    if field.default is dataclasses.MISSING:
+      raise ValueError(f'attention variant {variant.name!r}: option {field.name!r} has no '
+                       'default (the value an unset attention_kwargs entry takes)')
+    if kind not in OPTION_TYPES or type(field.default) is not kind:
+      raise ValueError(
+          f'attention variant {variant.name!r}: option {field.name!r} is annotated '
+          f'{kind!r} with default {field.default!r}; an option is one of '
+          f'{", ".join(t.__name__ for t in OPTION_TYPES)} with a default of that type')
+  options()  # the defaults must pass the options' own checks
 
 
 def register(variant: AttentionVariant) -> AttentionVariant:
   if variant.name in _REGISTRY:
     raise ValueError(f'attention variant {variant.name!r} is registered twice')
+  _check_options_type(variant)
   clash = sorted(set(variant.kwargs) & set(KERNEL_OPTIONS))
   if clash:
     raise ValueError(f'attention variant {variant.name!r} declares {clash}: those are the '
                      'kernel options every variant takes (KERNEL_OPTIONS)')
+  _check_option_fields(variant)
   _check_options(variant)
   if variant.terms is not None:
     variant = _with_terms(variant)
@@ -197,8 +271,6 @@ def _with_terms(variant: AttentionVariant) -> AttentionVariant:
   """`variant` with the kernels its `terms` give where it names none; its
   values term is checked at its first `get` (_check_terms)."""
   kwargs = dict(variant.kwargs)
-  if variant.validate is not None:
-    variant.validate(kwargs)
   specs = variant.params(2, 4, kwargs) if variant.params else {}
   if set(specs) & set(kwargs):
     raise ValueError(f'attention variant {variant.name!r}: parameters '
@@ -256,12 +328,15 @@ def all_kwargs() -> dict[str, Any]:
           'chunk_size': cpu.chunk_size, 'dense_max_mib': cpu.dense_max_mib}
 
 
-def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]:
-  """The variant's options: its defaults overridden by `given`.
+def resolve_options(name: str, given: Mapping[str, Any] | None) -> Any | None:
+  """The variant's options value (None where it has none): its defaults
+  overridden by `given`, validated by building it.
 
   `given` may hold None for options left unset (the config declares every
-  option of every variant as an unset placeholder). An option set for a
-  variant that does not take it is an error naming the variant's options.
+  option of every variant as an unset placeholder), and the kernel options
+  (KERNEL_OPTIONS: checked here, resolved by resolve_kernel). An option set
+  for a variant that does not take it is an error naming the variant's
+  options.
   """
   variant = get(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
@@ -271,10 +346,15 @@ def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]
     raise ValueError(f'attention_kwargs {unknown} do not apply to attention='
                      f'{name!r}; its options are: {valid}')
   resolve_kernel(name, given)
-  kwargs = {**variant.kwargs, **{k: v for k, v in given.items() if k not in KERNEL_OPTIONS}}
-  if variant.validate is not None:
-    variant.validate(kwargs)
-  return kwargs
+  if variant.options is None:
+    return None
+  return variant.options(**{k: v for k, v in given.items() if k not in KERNEL_OPTIONS})
+
+
+def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]:
+  """resolve_options as option name -> value: the keyword arguments of the
+  variant's `fn`, `terms` and `params`."""
+  return option_values(resolve_options(name, given))
 
 
 def resolve_kernel(name: str, given: Mapping[str, Any] | None) -> Kernel:
@@ -319,7 +399,7 @@ def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
         "run) or 'dense'/'xla'/'chunked'")
   for option, low in (('chunk_size', 1), ('dense_max_mib', 0)):
     if getattr(kernel, option) is not None:
-      check_int(kernel._asdict(), option, low)
+      check_int(kernel, option, low)
 
 
 def pallas_runs(variant: AttentionVariant) -> bool:

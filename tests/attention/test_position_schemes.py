@@ -2,6 +2,7 @@
 against a float64 loop of its paper's formula, position by position, on the
 dense path the registry derives and on the chunked kernel; and the contracts
 `register` checks for a variant given as block terms."""
+import dataclasses
 import math
 
 import jax
@@ -263,7 +264,9 @@ def test_a_parameter_named_like_an_option_is_refused():
   with pytest.raises(ValueError, match='named like its options'):
     registry.register(registry.AttentionVariant(
         name='clash_test', terms=lambda num_heads, width: chunked.BlockTerms(),
-        kwargs={'clash_width_test': 2},
+        options=dataclasses.make_dataclass(
+            'ClashOptions', [('clash_width_test', int, dataclasses.field(default=2))],
+            frozen=True),
         params=lambda h, d, kw: {'clash_width_test': ((h,), jax.nn.initializers.zeros,
                                                       ('heads',))}))
 
@@ -353,12 +356,12 @@ def test_a_hand_written_dense_form_equals_the_one_its_block_terms_give(name):
   mask = np.arange(M)[None, :] <= Q_OFFSET + np.arange(N)[:, None]
   mask = np.broadcast_to(mask, (B, 1, N, M)).copy()
   mask[1, :, :, 12:] = False  # key padding in example 1
-  common = dict(mask=jnp.asarray(mask), bias=None, q_offset=Q_OFFSET, dropout_rate=0.0,
-                dropout_rng=None, deterministic=True, dtype=jnp.float32, return_weights=True)
-  own = {k: v for k, v in common.items() if k != 'q_offset' or variant.uses_positions}
-  got, got_w = variant.fn(q, k, v, **own, **params, **kwargs)
+  common = dict(mask=jnp.asarray(mask), bias=None, dropout_rate=0.0, dropout_rng=None,
+                deterministic=True, dtype=jnp.float32, return_weights=True)
+  offset = {'q_offset': Q_OFFSET} if variant.uses_positions else {}  # as the layer passes it
+  got, got_w = variant.fn(q, k, v, **common, **offset, **params, **kwargs)
   want, want_w = from_terms.dense_attention(q, k, v, variant.terms(H, **kwargs), params,
-                                            **common)
+                                            q_offset=Q_OFFSET, **common)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-5, atol=1e-6)
 

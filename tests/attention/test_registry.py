@@ -6,6 +6,9 @@ name that two variants take must mean the same thing in both: declared in
 `registry.SHARED_OPTIONS`, with one default.
 """
 import collections
+import dataclasses
+import re
+import typing
 
 import jax
 import pytest
@@ -51,8 +54,16 @@ def scratch_registry(monkeypatch):
   monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))
 
 
-def _fake(**kwargs):
-  return registry.AttentionVariant(name='fake', fn=lambda *a, **k: None, kwargs=kwargs)
+def _options(__post_init__=None, **defaults):
+  """A frozen options type whose fields are `defaults`, typed by them."""
+  return dataclasses.make_dataclass(
+      'FakeOptions', [(k, type(v), dataclasses.field(default=v)) for k, v in defaults.items()],
+      frozen=True, namespace={'__post_init__': __post_init__} if __post_init__ else None)
+
+
+def _fake(**defaults):
+  return registry.AttentionVariant(name='fake', fn=lambda *a, **k: None,
+                                   options=_options(**defaults))
 
 
 @pytest.mark.parametrize('option,default,other', [
@@ -94,6 +105,83 @@ def test_register_accepts_a_shared_name_with_its_default_and_new_names(scratch_r
 
 
 def test_scratch_registry_left_the_live_one_alone():
+  assert 'fake' not in registry.names()
+
+
+# ---- each variant's options: a frozen dataclass that validates itself ----------
+
+_WITH_OPTIONS = [name for name in registry.names() if registry.get(name).options is not None]
+
+
+def _wrong_values(kind):
+  """Values an option of type `kind` must refuse: a sample of each other
+  option type (an int passes for a float, as the checks allow)."""
+  samples = (True, 7, 7.5, 'seven')
+  return [v for v in samples if type(v) is not kind and not (kind is float and type(v) is int)]
+
+
+def test_the_registry_has_variants_with_and_without_options():
+  assert len(_WITH_OPTIONS) >= 10 and 'dot_product' not in _WITH_OPTIONS
+
+
+@pytest.mark.parametrize('name', _WITH_OPTIONS)
+def test_options_build_from_their_defaults_which_resolve_kwargs_returns(name):
+  variant = registry.get(name)
+  options = variant.options()
+  defaults = {f.name: f.default for f in dataclasses.fields(variant.options)}
+  assert registry.option_values(options) == defaults == dict(variant.kwargs)
+  assert list(variant.kwargs) == list(defaults)  # the field order, as --list_attention shows
+  assert registry.resolve_kwargs(name, None) == defaults
+  assert registry.resolve_options(name, {}) == options
+  hints = typing.get_type_hints(variant.options)
+  assert all(type(v) is hints[k] for k, v in defaults.items()), hints
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    setattr(options, next(iter(defaults)), None)
+  with pytest.raises(TypeError):
+    variant.kwargs[next(iter(defaults))] = None  # pytype: disable=unsupported-operands
+
+
+@pytest.mark.parametrize('name', _WITH_OPTIONS)
+def test_options_refuse_a_value_of_another_type_naming_the_option(name):
+  options = registry.get(name).options
+  hints = typing.get_type_hints(options)
+  for field in dataclasses.fields(options):
+    for wrong in _wrong_values(hints[field.name]):
+      shown = f'attention_kwargs.{field.name}={wrong!r}'
+      with pytest.raises(ValueError, match=re.escape(shown)):
+        options(**{field.name: wrong})
+      with pytest.raises(ValueError, match=re.escape(shown)):
+        registry.resolve_kwargs(name, {field.name: wrong})
+
+
+def test_variants_without_options_resolve_to_none_and_no_kwargs():
+  for name in sorted(set(registry.names()) - set(_WITH_OPTIONS)):
+    assert dict(registry.get(name).kwargs) == {} and registry.resolve_kwargs(name, None) == {}
+    assert registry.resolve_options(name, {'implementation': 'dense'}) is None
+
+
+def _must_be_even(self):
+  if self.fake_width % 2:
+    raise ValueError(f'attention_kwargs.fake_width={self.fake_width}; must be even')
+
+
+@pytest.mark.parametrize('options,match', [
+    ({'fake_width': 2}, 'frozen dataclass'),
+    (dataclasses.make_dataclass('Loose', [('fake_width', int, dataclasses.field(default=2))]),
+     'frozen dataclass'),
+    (dataclasses.make_dataclass('Mistyped', [('fake_width', int, dataclasses.field(default=2.0))],
+                                frozen=True), "'fake_width' is annotated"),
+    (dataclasses.make_dataclass('Unset', [('fake_width', int)], frozen=True),
+     "'fake_width' has no default"),
+    (dataclasses.make_dataclass('Listed', [('fake_sizes', list, dataclasses.field(
+        default_factory=list))], frozen=True), "'fake_sizes' has no default"),
+    (_options(fake_width=3, __post_init__=_must_be_even), 'fake_width=3; must be even'),
+])
+def test_register_refuses_options_that_are_not_typed_defaults_that_validate(
+    scratch_registry, options, match):
+  with pytest.raises(ValueError, match=match):
+    registry.register(registry.AttentionVariant(name='fake', fn=lambda *a, **k: None,
+                                                options=options))
   assert 'fake' not in registry.names()
 
 

@@ -19,6 +19,8 @@ backward).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -76,18 +78,26 @@ def _params(num_heads, head_dim, kwargs):
                              jax.nn.initializers.normal(head_dim ** -0.5), ('kv', None))}
 
 
-def _validate(kwargs):
-  registry.check_int(kwargs, 'cope_positions_max', 2,
-                     'P, the integer positions with an embedding')
+@dataclasses.dataclass(frozen=True)
+class CopeOptions:
+  """CoPE's option.
+
+  cope_positions_max: P, the integer positions 0 .. P - 1 with a learned
+    embedding (farther contextual positions are clipped to P - 1); >= 2.
+  """
+  cope_positions_max: int = 64
+
+  def __post_init__(self):
+    registry.check_int(self, 'cope_positions_max', 2,
+                       'P, the integer positions with an embedding')
 
 
 registry.register(registry.AttentionVariant(
     name='cope',
     models=registry.TRANSFORMER_MODELS,
     fn=cope_attention,
-    kwargs={'cope_positions_max': 64},
+    options=CopeOptions,
     params=_params,
-    validate=_validate,
     doc='contextual positions: p_ij = sum of sigmoid(q_i.k_t) over the visible keys t from j '
         'on, q_i.e[p_ij] (interpolated, learned) added to the logits (CoPE, Golovneva et al. '
         '2024); dense only: p_ij sums gates across key blocks'))

@@ -14,6 +14,8 @@ dropout then zeroes whole choices.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -63,11 +65,23 @@ def hard_attention(query, key, value, *, rng=None, temperature=1.0, mask=None, b
   return (out, weights) if return_weights else out
 
 
+@dataclasses.dataclass(frozen=True)
+class HardOptions:
+  """Hard attention's option.
+
+  temperature: of the soft weights whose gradient training takes
+    (softmax((l + g) / temperature)); a number > 0.
+  """
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    registry.check_positive(self, 'temperature')
+
+
 registry.register(registry.AttentionVariant(
     name='hard',
     fn=hard_attention,
-    kwargs={'temperature': 1.0},
-    validate=registry.positive_number('temperature'),
+    options=HardOptions,
     stochastic=True,
     doc='one key per query: straight-through Gumbel-softmax sample of softmax(q.k/sqrt(d)) '
         'in training, argmax in eval; temperature of the soft gradient'))

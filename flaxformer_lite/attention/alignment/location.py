@@ -17,6 +17,8 @@ as additive.py's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -94,22 +96,35 @@ def _params(num_heads, head_dim, kwargs):
   return params
 
 
-def _validate(kwargs):
-  for name in ('location_channels', 'location_kernel'):
-    registry.check_int(kwargs, name, 1)
-  if kwargs['location_kernel'] % 2 == 0:
-    raise ValueError(f"attention_kwargs.location_kernel={kwargs['location_kernel']}; must be "
-                     "odd (a 'same' convolution centred on each key)")
-  registry.check_choice(kwargs, 'location_mode', MODES)
+@dataclasses.dataclass(frozen=True)
+class LocationOptions:
+  """Location-sensitive attention's options (module docstring).
+
+  location_channels: the filters of the bank F; >= 1.
+  location_kernel: each filter's width over the key axis, odd (a 'same'
+    convolution centred on each key); >= 1.
+  location_mode: the terms of the score (MODES): 'hybrid', 'location_only'
+    or 'content_only'.
+  """
+  location_channels: int = 32
+  location_kernel: int = 31
+  location_mode: str = 'hybrid'
+
+  def __post_init__(self):
+    registry.check_int(self, 'location_channels', 1)
+    registry.check_int(self, 'location_kernel', 1)
+    if self.location_kernel % 2 == 0:
+      raise ValueError(f'attention_kwargs.location_kernel={self.location_kernel}; must be '
+                       "odd (a 'same' convolution centred on each key)")
+    registry.check_choice(self, 'location_mode', MODES)
 
 
 registry.register(registry.AttentionVariant(
     name='location_sensitive',
     models=('rnn_seq2seq',),
     fn=location_sensitive_attention,
-    kwargs={'location_channels': 32, 'location_kernel': 31, 'location_mode': 'hybrid'},
+    options=LocationOptions,
     params=_params,
-    validate=_validate,
     uses_alignment=True,
     doc='v_h . tanh(q + k + U_h (F * cumulative weights) + b_h) (Chorowski et al. '
         "2015, Tacotron 2); location_mode: hybrid | location_only | content_only"))

@@ -20,6 +20,8 @@ another name.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -207,8 +209,17 @@ def _local_p_params(num_heads, head_dim, kwargs):
                        ('heads', 'kv'))}
 
 
-def _validate(kwargs):
-  registry.check_int(kwargs, 'half_window', 1, 'D: query i sees the keys |j - p_i| <= D')
+@dataclasses.dataclass(frozen=True)
+class LuongLocalOptions:
+  """The local variants' option.
+
+  half_window: D (registry.SHARED_OPTIONS): query i sees the keys
+    |j - p_i| <= D around its window position p_i; >= 1.
+  """
+  half_window: int = 8
+
+  def __post_init__(self):
+    registry.check_int(self, 'half_window', 1, 'D: query i sees the keys |j - p_i| <= D')
 
 
 registry.register(registry.AttentionVariant(
@@ -228,9 +239,8 @@ registry.register(registry.AttentionVariant(
 registry.register(registry.AttentionVariant(
     name='luong_local_p',
     fn=luong_local_p_attention,
-    kwargs={'half_window': 8},
+    options=LuongLocalOptions,
     params=_local_p_params,
-    validate=_validate,
     doc='general score in a window |j-p_i| <= half_window around a predicted '
         'p_i = S*sigmoid(vp.tanh(Wp q_i)), times a Gaussian (sigma=half_window/2); '
         'rows sum to < 1 (Luong et al. 2015, local-p)'))
@@ -238,9 +248,8 @@ registry.register(registry.AttentionVariant(
 registry.register(registry.AttentionVariant(
     name='luong_local_m',
     fn=luong_local_m_attention,
-    kwargs={'half_window': 8},
+    options=LuongLocalOptions,
     params=_general_params,
-    validate=_validate,
     uses_positions=True,
     doc='general score in a window |j-p_i| <= half_window around p_i = query position '
         '(clipped to the last visible key) (Luong et al. 2015, local-m)'))

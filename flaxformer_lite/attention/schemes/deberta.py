@@ -25,6 +25,7 @@ the same per block (`_score`), from rows looked up once per call (`_prepare`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -211,20 +212,32 @@ def _params(num_heads, head_dim, kwargs):
                                     ('embed', 'heads', 'kv'))}
 
 
-def _validate(kwargs):
-  """position_buckets >= 2; max_relative_positions > position_buckets / 2 + 1,
-  else the log-spaced range is empty."""
-  s, top = kwargs['position_buckets'], kwargs['max_relative_positions']
-  for name, v in (('position_buckets', s), ('max_relative_positions', top)):
-    if not isinstance(v, int) or isinstance(v, bool):
-      raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int')
-  if s < 2:
-    raise ValueError(f'attention_kwargs.position_buckets={s}; must be >= 2')
-  registry.check_choice(kwargs, 'p2c_row', P2C_ROWS,
-                        "the released code's row of i - j, or eq. 4's j - i")
-  if top <= s // 2 + 1:
-    raise ValueError(f'attention_kwargs.max_relative_positions={top}; must be > '
-                     f'{s // 2 + 1} (position_buckets / 2 + 1 for position_buckets={s})')
+@dataclasses.dataclass(frozen=True)
+class DebertaOptions:
+  """DeBERTa's options.
+
+  position_buckets: s, the table P's 2s rows; offsets shorter than s/2 keep
+    their own row; >= 2.
+  max_relative_positions: longer offsets share log-spaced rows up to this;
+    > position_buckets / 2 + 1, else the log-spaced range is empty.
+  p2c_row: the position-to-content row, 'released' (of p_i - j, as the
+    released code and published weights) or 'paper' (eq. 4's j - p_i).
+  """
+  position_buckets: int = 256
+  max_relative_positions: int = 512
+  p2c_row: str = 'released'
+
+  def __post_init__(self):
+    registry.check_int(self, 'position_buckets')
+    registry.check_int(self, 'max_relative_positions')
+    s, top = self.position_buckets, self.max_relative_positions
+    if s < 2:
+      raise ValueError(f'attention_kwargs.position_buckets={s}; must be >= 2')
+    registry.check_choice(self, 'p2c_row', P2C_ROWS,
+                          "the released code's row of i - j, or eq. 4's j - i")
+    if top <= s // 2 + 1:
+      raise ValueError(f'attention_kwargs.max_relative_positions={top}; must be > '
+                       f'{s // 2 + 1} (position_buckets / 2 + 1 for position_buckets={s})')
 
 
 registry.register(registry.AttentionVariant(
@@ -232,9 +245,8 @@ registry.register(registry.AttentionVariant(
     models=registry.TRANSFORMER_MODELS,
     fn=deberta_attention,
     terms=_terms,
-    kwargs={'position_buckets': 256, 'max_relative_positions': 512, 'p2c_row': 'released'},
+    options=DebertaOptions,
     params=_params,
-    validate=_validate,
     uses_positions=True,
     position_arrays=True,
     doc='disentangled content-to-content, content-to-position and position-to-content '

@@ -15,6 +15,7 @@ pair of a block, TILE_ROWS rows at a time.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -103,18 +104,27 @@ def _params(num_heads, head_dim, kwargs):
           'fire_b2': ((num_heads,), init.zeros, ('heads',))}
 
 
-def _validate(kwargs):
-  registry.check_int(kwargs, 'fire_width', 1, "the MLP's hidden units")
-  registry.positive_number('fire_threshold_init')(kwargs)
+@dataclasses.dataclass(frozen=True)
+class FireOptions:
+  """FIRE's options.
+
+  fire_width: the hidden ReLU units of the MLP f (the paper: 32); >= 1.
+  fire_threshold_init: the threshold L's initial value, a number > 0.
+  """
+  fire_width: int = 32
+  fire_threshold_init: float = 512.0
+
+  def __post_init__(self):
+    registry.check_int(self, 'fire_width', 1, "the MLP's hidden units")
+    registry.check_positive(self, 'fire_threshold_init')
 
 
 registry.register(registry.AttentionVariant(
     name='fire',
     models=registry.TRANSFORMER_MODELS,
     terms=_terms,
-    kwargs={'fire_width': 32, 'fire_threshold_init': 512.0},
+    options=FireOptions,
     params=_params,
-    validate=_validate,
     doc='learned per-layer MLP of the log distance normalised by the log query position '
         '(FIRE, Li et al. 2023): f(psi(|i-j|) / psi(max(L, i))), psi(x) = log(cx + 1), '
         'c and L learned; use with positions=none'))

@@ -15,6 +15,7 @@ kernel, the fused one and decoding come from `_score`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -60,16 +61,24 @@ def _params(num_heads, head_dim, kwargs):
           'kerple_r2': ((num_heads,), uniform(r2_top), ('heads',))}
 
 
-def _validate(kwargs):
-  registry.check_choice(kwargs, 'kerple_form', FORMS)
+@dataclasses.dataclass(frozen=True)
+class KerpleOptions:
+  """KERPLE's option.
+
+  kerple_form: the kernel of |i - j|: 'log', -r1 log(1 + r2 |i - j|), or
+    'power', -r1 |i - j|^r2 (FORMS).
+  """
+  kerple_form: str = 'log'
+
+  def __post_init__(self):
+    registry.check_choice(self, 'kerple_form', FORMS)
 
 
 registry.register(registry.AttentionVariant(
     name='kerple',
     models=registry.TRANSFORMER_MODELS,
     terms=_terms,
-    kwargs={'kerple_form': 'log'},
+    options=KerpleOptions,
     params=_params,
-    validate=_validate,
     doc='learned per-head kernel of |i - j| added to the logits (KERPLE, Chi et al. 2022): '
         'kerple_form log: -r1 log(1 + r2 |i-j|) | power: -r1 |i-j|^r2; use with positions=none'))

@@ -22,6 +22,7 @@ keep mask is a function of the query and key indices):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -188,14 +189,20 @@ def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask
                              chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
-def validate_window(kwargs):
-  registry.check_int(kwargs, 'window', 1)
+@dataclasses.dataclass(frozen=True)
+class LocalOptions:
+  """Sliding-window attention's options.
 
+  window: the keys query p sees: |j - p| < window, or with causal
+    p - window < j <= p; >= 1.
+  causal: see only the window's keys up to the query's position.
+  """
+  window: int = 8
+  causal: bool = False
 
-def _validate(kwargs):
-  validate_window(kwargs)
-  if not isinstance(kwargs['causal'], bool):
-    raise ValueError(f"attention_kwargs.causal={kwargs['causal']!r}; valid: True, False")
+  def __post_init__(self):
+    registry.check_int(self, 'window', 1)
+    registry.check_bool(self, 'causal')
 
 
 registry.register(registry.AttentionVariant(
@@ -203,8 +210,7 @@ registry.register(registry.AttentionVariant(
     models=registry.TRANSFORMER_MODELS,
     fn=local_attention,
     chunked=local_chunked,
-    kwargs={'window': 8, 'causal': False},
-    validate=_validate,
+    options=LocalOptions,
     uses_positions=True,
     doc='sliding-window softmax(q.k/sqrt(d)): causal=True sees the window keys '
         'p-window < j <= p, causal=False |j-p| < window; blocked O(n*window) form'))

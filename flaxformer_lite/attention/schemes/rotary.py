@@ -23,6 +23,7 @@ it), or 'halves', (i, i + r/2) as in GPT-NeoX and Hugging Face's Llama.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -111,10 +112,6 @@ def apply_rotary(x, positions, *, max_wavelength=10000.0, rope_scaling='none', r
   return rotated if r == d else jnp.concatenate([rotated, x[..., r:]], axis=-1)
 
 
-OPTIONS = {'max_wavelength': 10000.0, 'rope_scaling': 'none', 'rope_factor': 1.0,
-           'rope_original_max_len': 0, 'rotary_fraction': 1.0, 'rotary_layout': 'interleaved'}
-
-
 def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavelength=10000.0,
                      rope_scaling='none', rope_factor=1.0, rope_original_max_len=0,
                      rotary_fraction=1.0, rotary_layout='interleaved', **common):
@@ -160,20 +157,40 @@ def _check_head_dim(head_dim):
     raise ValueError(f'rotary rotates pairs of features: the head size {head_dim} must be even')
 
 
-def _validate(kwargs):
-  registry.positive_number('max_wavelength')(kwargs)
-  registry.check_choice(kwargs, 'rope_scaling', SCALINGS)
-  registry.check_choice(kwargs, 'rotary_layout', LAYOUTS)
-  factor = kwargs['rope_factor']
-  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
-    raise ValueError(f'attention_kwargs.rope_factor={factor!r}; must be a number >= 1 '
-                     '(the context extension s: new context / trained context)')
-  if kwargs['rope_scaling'] == 'yarn' and not kwargs['rope_original_max_len'] > 0:
-    raise ValueError(f"attention_kwargs.rope_original_max_len={kwargs['rope_original_max_len']!r}"
-                     '; rope_scaling=yarn needs the trained context length (> 0)')
-  fraction = kwargs['rotary_fraction']
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-    raise ValueError(f'attention_kwargs.rotary_fraction={fraction!r}; must be in (0, 1]')
+@dataclasses.dataclass(frozen=True)
+class RotaryOptions:
+  """RoPE's options (module docstring).
+
+  max_wavelength: the base b, a number > 0 (registry.SHARED_OPTIONS).
+  rope_scaling: how a trained context is extended (SCALINGS): 'none',
+    'linear' (Position Interpolation), 'ntk' or 'yarn'.
+  rope_factor: s, the context extension (new context / trained context); >= 1.
+  rope_original_max_len: L, the trained context length; yarn needs it > 0.
+  rotary_fraction: the fraction of each head's features that turn, in (0, 1].
+  rotary_layout: which features form a pair (LAYOUTS): 'interleaved',
+    (2i, 2i+1), or 'halves', (i, i + r/2).
+  """
+  max_wavelength: float = 10000.0
+  rope_scaling: str = 'none'
+  rope_factor: float = 1.0
+  rope_original_max_len: int = 0
+  rotary_fraction: float = 1.0
+  rotary_layout: str = 'interleaved'
+
+  def __post_init__(self):
+    registry.check_positive(self, 'max_wavelength')
+    registry.check_choice(self, 'rope_scaling', SCALINGS)
+    registry.check_choice(self, 'rotary_layout', LAYOUTS)
+    factor, fraction = self.rope_factor, self.rotary_fraction
+    if not registry.is_number(factor) or factor < 1:
+      raise ValueError(f'attention_kwargs.rope_factor={factor!r}; must be a number >= 1 '
+                       '(the context extension s: new context / trained context)')
+    registry.check_int(self, 'rope_original_max_len', why='the trained context length')
+    if self.rope_scaling == 'yarn' and not self.rope_original_max_len > 0:
+      raise ValueError(f'attention_kwargs.rope_original_max_len={self.rope_original_max_len!r}'
+                       '; rope_scaling=yarn needs the trained context length (> 0)')
+    if not registry.is_number(fraction) or not 0 < fraction <= 1:
+      raise ValueError(f'attention_kwargs.rotary_fraction={fraction!r}; must be in (0, 1]')
 
 
 registry.register(registry.AttentionVariant(
@@ -181,8 +198,7 @@ registry.register(registry.AttentionVariant(
     models=registry.TRANSFORMER_MODELS,
     fn=rotary_attention,
     terms=_terms,
-    kwargs=OPTIONS,
-    validate=_validate,
+    options=RotaryOptions,
     check_head_dim=_check_head_dim,
     uses_positions=True,
     position_arrays=True,

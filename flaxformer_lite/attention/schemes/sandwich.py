@@ -14,6 +14,7 @@ Written once as block terms (from_terms.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -61,19 +62,27 @@ def _terms(num_heads, *, sandwich_dim):
                             prepare=functools.partial(_frequencies, num_heads, sandwich_dim))
 
 
-def _validate(kwargs):
-  registry.check_int(kwargs, 'sandwich_dim', 2, "d', the sinusoidal embedding's features")
-  if kwargs['sandwich_dim'] % 2:
-    raise ValueError(f"attention_kwargs.sandwich_dim={kwargs['sandwich_dim']}; must be even "
-                     '(sine and cosine pairs)')
+@dataclasses.dataclass(frozen=True)
+class SandwichOptions:
+  """Sandwich's option.
+
+  sandwich_dim: d', the features of the sinusoidal embeddings of i and j
+    (sine and cosine pairs): even, >= 2.
+  """
+  sandwich_dim: int = 128
+
+  def __post_init__(self):
+    registry.check_int(self, 'sandwich_dim', 2, "d', the sinusoidal embedding's features")
+    if self.sandwich_dim % 2:
+      raise ValueError(f"attention_kwargs.sandwich_dim={self.sandwich_dim}; must be even "
+                       '(sine and cosine pairs)')
 
 
 registry.register(registry.AttentionVariant(
     name='sandwich',
     models=registry.TRANSFORMER_MODELS,
     terms=_terms,
-    kwargs={'sandwich_dim': 128},
-    validate=_validate,
+    options=SandwichOptions,
     doc="parameter-free bias: the inner product of sinusoidal embeddings of i and j "
         "(sandwich_dim features), per-head compressed as ALiBi (Sandwich, Chi et al. 2023); "
         'use with positions=none'))

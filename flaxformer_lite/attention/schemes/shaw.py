@@ -15,6 +15,7 @@ Three forms compute the same numbers (`form=` in attention_kwargs):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -347,14 +348,33 @@ def _shaw_params(num_heads, head_dim, kwargs):
   return {name: (shape, init, ('relative', 'kv')) for name in names}
 
 
-def _validate_shaw(kwargs):
-  if kwargs['max_distance'] < 0:
-    raise ValueError(f"attention_kwargs.max_distance={kwargs['max_distance']} must be >= 0 "
-                     '(the clipping distance k; the paper uses 2..64)')
-  if not (kwargs['relative_keys'] or kwargs['relative_values']):
-    raise ValueError('attention_kwargs.relative_keys and relative_values are both False; '
-                     'use attention=dot_product for no relative positions')
-  registry.check_choice(kwargs, 'form', FORMS)
+@dataclasses.dataclass(frozen=True)
+class ShawOptions:
+  """Shaw et al.'s options.
+
+  max_distance: k, the clipping distance: offsets beyond +-k share the
+    tables' end rows (the paper uses 2..64); >= 0.
+  relative_keys: learn the keys' table a^K.
+  relative_values: learn the values' table a^V; one of the two at least.
+  form: how the dense path computes them (FORMS, module docstring): 'auto',
+    'naive', 'matmul' or 'banded'.
+  """
+  max_distance: int = 16
+  relative_keys: bool = True
+  relative_values: bool = True
+  form: str = 'auto'
+
+  def __post_init__(self):
+    registry.check_int(self, 'max_distance', why='the clipping distance k')
+    if self.max_distance < 0:
+      raise ValueError(f'attention_kwargs.max_distance={self.max_distance} must be >= 0 '
+                       '(the clipping distance k; the paper uses 2..64)')
+    registry.check_bool(self, 'relative_keys')
+    registry.check_bool(self, 'relative_values')
+    if not (self.relative_keys or self.relative_values):
+      raise ValueError('attention_kwargs.relative_keys and relative_values are both False; '
+                       'use attention=dot_product for no relative positions')
+    registry.check_choice(self, 'form', FORMS)
 
 
 def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **rest):
@@ -378,10 +398,8 @@ registry.register(registry.AttentionVariant(
     fn=_shaw,
     terms=_shaw_terms,
     chunked=shaw_chunked,
-    kwargs={'max_distance': 16, 'relative_keys': True, 'relative_values': True,
-            'form': 'auto'},
+    options=ShawOptions,
     params=_shaw_params,
-    validate=_validate_shaw,
     uses_positions=True,
     position_arrays=True,
     doc='Shaw et al. 2018 relative positions (tables [2k+1, d] for keys and values); '

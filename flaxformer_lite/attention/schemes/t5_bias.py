@@ -9,6 +9,7 @@ quantity); farther offsets share the last bucket. The bucketing is mesh-tensorfl
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -166,29 +167,39 @@ def _terms(num_heads, *, bidirectional, num_buckets, bucket_max_distance):
                             prepare=_rows)
 
 
-def _validate(kwargs):
-  """num_buckets >= 2 (bidirectional: even and >= 4, so each direction has an
-  exact bucket); bucket_max_distance > the number of exact buckets per
-  direction (num_buckets//4 bidirectional, num_buckets//2 otherwise), else the
-  log-spaced range is empty."""
-  num_buckets, max_distance = kwargs['num_buckets'], kwargs['bucket_max_distance']
-  bidirectional = kwargs['bidirectional']
-  if not isinstance(bidirectional, bool):
-    raise ValueError(f'attention_kwargs.bidirectional={bidirectional!r}; valid: True, False')
-  for name, v in (('num_buckets', num_buckets), ('bucket_max_distance', max_distance)):
-    if not isinstance(v, int) or isinstance(v, bool):
-      raise ValueError(f'attention_kwargs.{name}={v!r}; must be an int')
-  if bidirectional and (num_buckets < 4 or num_buckets % 2):
-    raise ValueError(f'attention_kwargs.num_buckets={num_buckets}; with '
-                     'bidirectional=True it must be even and >= 4')
-  if num_buckets < 2:
-    raise ValueError(f'attention_kwargs.num_buckets={num_buckets}; must be >= 2')
-  max_exact = num_buckets // 4 if bidirectional else num_buckets // 2
-  if max_distance <= max_exact:
-    raise ValueError(
-        f'attention_kwargs.bucket_max_distance={max_distance}; must be > {max_exact} '
-        f'(the exact buckets per direction for num_buckets={num_buckets}, '
-        f'bidirectional={bidirectional})')
+@dataclasses.dataclass(frozen=True)
+class T5Options:
+  """T5's options.
+
+  num_buckets: buckets of key - query offsets (the rows of the learned
+    table); >= 2, and with bidirectional even and >= 4, so that each
+    direction has an exact bucket.
+  bucket_max_distance: offsets at or beyond this share the farthest bucket;
+    > the exact buckets per direction (num_buckets//4 bidirectional,
+    num_buckets//2 otherwise), else the log-spaced range is empty.
+  bidirectional: half the buckets for keys before the query, half for keys
+    after it; False puts every later key in bucket 0 (causal models).
+  """
+  num_buckets: int = 32
+  bucket_max_distance: int = 128
+  bidirectional: bool = True
+
+  def __post_init__(self):
+    registry.check_bool(self, 'bidirectional')
+    registry.check_int(self, 'num_buckets')
+    registry.check_int(self, 'bucket_max_distance')
+    num_buckets, bidirectional = self.num_buckets, self.bidirectional
+    if bidirectional and (num_buckets < 4 or num_buckets % 2):
+      raise ValueError(f'attention_kwargs.num_buckets={num_buckets}; with '
+                       'bidirectional=True it must be even and >= 4')
+    if num_buckets < 2:
+      raise ValueError(f'attention_kwargs.num_buckets={num_buckets}; must be >= 2')
+    max_exact = num_buckets // 4 if bidirectional else num_buckets // 2
+    if self.bucket_max_distance <= max_exact:
+      raise ValueError(
+          f'attention_kwargs.bucket_max_distance={self.bucket_max_distance}; must be > '
+          f'{max_exact} (the exact buckets per direction for num_buckets={num_buckets}, '
+          f'bidirectional={bidirectional})')
 
 
 registry.register(registry.AttentionVariant(
@@ -196,11 +207,10 @@ registry.register(registry.AttentionVariant(
     models=registry.TRANSFORMER_MODELS,
     fn=t5_bias_attention,
     terms=_terms,
-    kwargs={'num_buckets': 32, 'bucket_max_distance': 128, 'bidirectional': True},
+    options=T5Options,
     params=lambda num_heads, head_dim, kwargs: {
         'rel_embedding': ((kwargs['num_buckets'], num_heads),
                           nn.initializers.normal(0.02), ('relative', 'heads'))},
-    validate=_validate,
     uses_positions=True,
     position_arrays=True,
     doc='learned per-head bias of bucketed key-query offset (T5, Raffel et al. '

@@ -21,6 +21,7 @@ the kernel's q.k of them.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -68,17 +69,27 @@ def _check_head_dim(head_dim):
     raise ValueError(f'xpos rotates pairs of features: the head size {head_dim} must be even')
 
 
-def _validate(kwargs):
-  registry.positive_number('xpos_scale_base')(kwargs)
-  registry.positive_number('max_wavelength')(kwargs)
+@dataclasses.dataclass(frozen=True)
+class XposOptions:
+  """xPos's options, numbers > 0.
+
+  xpos_scale_base: the decay's length scale: pair i decays by
+    zeta_i^((i - j)/xpos_scale_base).
+  max_wavelength: RoPE's base (registry.SHARED_OPTIONS).
+  """
+  xpos_scale_base: float = 512.0
+  max_wavelength: float = 10000.0
+
+  def __post_init__(self):
+    registry.check_positive(self, 'xpos_scale_base')
+    registry.check_positive(self, 'max_wavelength')
 
 
 registry.register(registry.AttentionVariant(
     name='xpos',
     models=('decoder_only',),
     terms=_terms,
-    kwargs={'xpos_scale_base': 512.0, 'max_wavelength': 10000.0},
-    validate=_validate,
+    options=XposOptions,
     check_head_dim=_check_head_dim,
     doc='RoPE times a per-pair decay zeta_i^((i-j)/xpos_scale_base) (xPos, Sun et al. 2023); '
         'causal, so decoder-only models; use with positions=none'))
