@@ -352,8 +352,9 @@ def test_an_experiments_expected_lines_say_what_its_record_measured():
 
 def test_readme_mask_example_runs_on_both_kernels_as_its_definition():
   """The ```python block that writes a mask, run as written: through
-  MultiHeadAttention on the dense and the chunked kernel, each equal to the
-  layer given the mask as a boolean array built here by loops."""
+  MultiHeadAttention on the dense, the chunked and the (interpreted) Pallas
+  kernel, each equal to the layer given the mask as a boolean array built
+  here by loops."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -370,12 +371,12 @@ def test_readme_mask_example_runs_on_both_kernels_as_its_definition():
         want[row, 0, i, j] = j <= i or j < lengths[row]
   x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, 8)), jnp.float32)
   outs = {}
-  for kernel in ('dense', 'chunked'):
+  for kernel in ('dense', 'chunked', 'pallas'):
     layer = MultiHeadAttention(num_heads=2, attention='alibi',
                                attention_kwargs={'implementation': kernel, 'chunk_size': 4})
     params = layer.init(jax.random.key(0), x)
     outs[kernel] = layer.apply(params, x, mask=scope['prefix_lm'](jnp.asarray(lengths)))
     outs[kernel + ' from the array'] = layer.apply(params, x, mask=jnp.asarray(want))
-  for kernel in ('dense', 'chunked'):
+  for kernel in ('dense', 'chunked', 'pallas'):
     np.testing.assert_allclose(np.asarray(outs[kernel]), np.asarray(outs['dense from the array']),
                                rtol=1e-5, atol=1e-5, err_msg=kernel)

@@ -71,7 +71,7 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
   chosen = select.choose_kernel(variant, kernel_options, query, key,
                                 return_weights=return_weights, dtype=dtype, decoding=decoding,
                                 positions=reads_positions, dropout=dropout, mask_kind=kind,
-                                terms=terms)
+                                terms=terms, mask=mask)
   if chosen == 'pallas':
     if bias is not None or dropout:
       raise ValueError("the fused Pallas kernel takes no explicit bias and no attention "
@@ -146,6 +146,10 @@ def fused_scheme(query, key, value, terms: chunked.BlockTerms, params, *, mask=N
   if causal or mask is None:
     rule = None
   elif isinstance(mask, masks.Mask):
+    if masks.closes_over_arrays(mask):
+      raise ValueError(f'mask {mask.name!r} reads an array its function closed over; the fused '
+                       'Pallas kernel takes a mask\'s data as inputs: give them as '
+                       'masks.Mask(fn, name, arrays=(...)), fn(b, h, q, k, *arrays)')
     rule = mask
   else:
     rule = (spec or masks.MaskSpec(dense=mask)).to_mask()

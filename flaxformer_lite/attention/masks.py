@@ -274,6 +274,16 @@ class Mask:
                 f'~{self.name}', self.arrays)
 
 
+def closes_over_arrays(mask: Mask) -> bool:
+  """Whether `mask`'s function reads an array it closed over instead of its
+  `arrays` (a fused kernel cannot take such a mask: its data must be inputs)."""
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  closed = jax.make_jaxpr(lambda *a: mask.fn(*a[:4], *a[4:]))(
+      *[scalar] * 4, *[jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                      for x in mask.arrays])
+  return any(jnp.ndim(c) > 0 for c in closed.consts)
+
+
 def _combine(op, first: Mask, second: Mask, name: str) -> Mask:
   """op of two masks; the arrays are first's then second's."""
   split, f, g = len(first.arrays), first.fn, second.fn

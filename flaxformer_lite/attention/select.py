@@ -204,25 +204,30 @@ def pallas_runs(terms) -> bool:
   return terms.score is not None or terms.block_score is None
 
 
-def pallas_fits(terms, query, key, *, dtype=None, dropout=False, return_weights=False) -> bool:
+def pallas_fits(terms, query, key, *, dtype=None, dropout=False, return_weights=False,
+                mask=None) -> bool:
   """Whether 'auto' runs query [b, n, h, d], key [b, m, g, d] on the fused
   Pallas kernel: a platform whose policy has it, a scheme it runs
   (`pallas_runs`), a dtype of PALLAS_DTYPES, d of PALLAS_HEAD_DIMS, no
   dropout, no weights asked for, more than one query (a decoding step is a
-  matrix-vector product: the blocks' kernel reads the cache in place)."""
+  matrix-vector product: the blocks' kernel reads the cache in place), and
+  no masks.Mask that closes over its data (masks.closes_over_arrays)."""
   (n, d) = query.shape[1::2]
   return (policy().pallas and pallas_runs(terms)
           and jnp.dtype(dtype or query.dtype) in PALLAS_DTYPES and d in PALLAS_HEAD_DIMS
-          and not dropout and not return_weights and n > 1)
+          and not dropout and not return_weights and n > 1
+          and not (isinstance(mask, masks.Mask) and masks.closes_over_arrays(mask)))
 
 
 def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=None,
                   decoding: bool = False, positions: bool = False,
-                  dropout: bool = False, mask_kind: str | None = None, terms=None) -> str:
+                  dropout: bool = False, mask_kind: str | None = None, terms=None,
+                  mask=None) -> str:
   """'dense', 'chunked' or 'pallas' for query [b, n, h, d] and key [b, m, g, d].
 
   `variant` is a registry.AttentionVariant, `kernel` its registry.Kernel,
-  `terms` its chunked.BlockTerms for this call's heads (None: not a scheme).
+  `terms` its chunked.BlockTerms for this call's heads (None: not a scheme),
+  `mask` the call's mask (pallas_fits reads it).
   'auto' keeps the dense path where the weights are asked for (only it has
   them), the variant has no chunked form, or its fused kernel fits
   (`variant.fused_fits`: dot_product's cuDNN, or splash for a mask of
@@ -237,8 +242,9 @@ def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=No
   """
   if kernel.implementation == 'pallas':
     return 'dense' if return_weights else 'pallas'
-  if positions and not (kernel.implementation == 'auto' and pallas_fits(
-      terms, query, key, dtype=dtype, dropout=dropout, return_weights=return_weights)):
+  fused = pallas_fits(terms, query, key, dtype=dtype, dropout=dropout,
+                      return_weights=return_weights, mask=mask)
+  if positions and not (kernel.implementation == 'auto' and fused):
     return 'dense'
   if kernel.implementation == 'chunked':
     return 'dense' if return_weights else 'chunked'
@@ -248,7 +254,7 @@ def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=No
                                                             dropout=dropout,
                                                             mask_kind=mask_kind):
     return 'dense'
-  if pallas_fits(terms, query, key, dtype=dtype, dropout=dropout):
+  if fused:
     return 'pallas'
   (b, n, h, d), m = query.shape, key.shape[1]
   if decoding and m > 2 * chunk_size(kernel.chunk_size):

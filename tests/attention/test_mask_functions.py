@@ -124,3 +124,16 @@ def test_a_mask_written_with_its_own_arrays():
   mask = masks.Mask(lambda b, h, q, k, width: k % width[h] == 0, 'strided', (jnp.asarray(per_head),))
   np.testing.assert_array_equal(_evaluated(mask & masks.causal()),
                                 _loop(lambda b, h, i, j: j % per_head[h] == 0 and j <= i))
+
+
+def test_a_mask_that_closes_over_its_data_is_told_apart_from_one_that_takes_it():
+  """A fused kernel takes a mask's data as inputs: masks.closes_over_arrays
+  finds a function that captured an array (so 'auto' keeps the other
+  kernels), and not one that reads its `arrays` or only its indices."""
+  lengths = jnp.asarray([3, 0])
+  captured = masks.Mask(lambda b, h, q, k: (k <= q) | (k < lengths[b]))
+  given = masks.Mask(lambda b, h, q, k, n: (k <= q) | (k < n[b]), arrays=(lengths,))
+  assert masks.closes_over_arrays(captured)
+  assert not masks.closes_over_arrays(given)
+  assert not masks.closes_over_arrays(masks.causal() & masks.key_padding(jnp.ones((2, 5), bool)))
+  assert masks.closes_over_arrays(masks.causal() & captured)
