@@ -23,6 +23,11 @@ evaluation and a prompt's prefill run it.
 cuDNN attention; an NVIDIA GPU and --dtype bfloat16), timed interleaved, and
 the chunked time over it (c/cudnn) in dot_product's rows.
 
+--pallas adds the layer on implementation='pallas' (the fused Pallas kernel,
+kernels/pallas_gpu.py: Triton on an NVIDIA GPU; elsewhere interpreted, so
+only its memory means anything there) for the variants it runs, timed
+interleaved, and the chunked time over it (c/pallas).
+
 --masked_blocks adds the chunked kernel masking every block (its blocks
 below the causal diagonal too: blockwise.UNMASKED_MIN_SCORES out of reach),
 timed interleaved, and the chunked time over it (c/mask).
@@ -140,6 +145,9 @@ def _measure(variant, n, b, args, x, dot):
                                                         args, x) for c in args.chunk_sizes})
   if args.cudnn and variant == 'dot_product':
     builds['cudnn'] = functools.partial(_step, variant, 'cudnn', args.chunk_sizes[0], 0.0, args, x)
+  if args.pallas and registry.pallas_runs(registry.get(variant)):
+    builds['pallas'] = functools.partial(_step, variant, 'pallas', args.chunk_sizes[0],
+                                         args.dropout, args, x)
   if args.masked_blocks:
     builds.update({f'masked {c}': _traced_with(functools.partial(
         _step, variant, 'chunked', c, args.dropout, args, x), 'UNMASKED_MIN_SCORES', math.inf)
@@ -183,6 +191,9 @@ def _rows(variant, n, b, args, x, dot):
       row += [(timing.ratio(times.get(f'padded {c}'), t), '6.2f')]
     if args.cudnn:
       row += [(times.get('cudnn'), '9.2f'), (timing.ratio(t, times.get('cudnn')), '7.2f')]
+    if args.pallas:
+      row += [(times.get('pallas'), '9.2f'), (temps.get('pallas'), '10.0f'),
+              (timing.ratio(t, times.get('pallas')), '8.2f')]
     print(f'{variant:14s} {n:6d} {b:2d} {c:5d}', *(timing.cell(v, spec) for v, spec in row),
           flush=True)
   for name, why in failed.items():
@@ -204,6 +215,8 @@ def main(argv=None):
                       help='attention dropout rate in both kernels (0: none)')
   parser.add_argument('--cudnn', action='store_true',
                       help="add dot_product on implementation='cudnn' (NVIDIA GPU, bfloat16)")
+  parser.add_argument('--pallas', action='store_true',
+                      help="add implementation='pallas' (the fused kernel; a GPU's timing)")
   parser.add_argument('--masked_blocks', action='store_true',
                       help='also time the chunked kernel masking every block (c/mask)')
   parser.add_argument('--no_staircase', action='store_true',
@@ -228,7 +241,9 @@ def main(argv=None):
         + (f' {"c/mask":>6s}' if args.masked_blocks else '')
         + (f' {"c/flat":>6s}' if args.no_staircase else '')
         + (f' {"pad/c":>6s}' if args.padding else '')
-        + (f' {"cudnn ms":>9s} {"c/cudnn":>7s}' if args.cudnn else ''), flush=True)
+        + (f' {"cudnn ms":>9s} {"c/cudnn":>7s}' if args.cudnn else '')
+        + (f' {"pallas ms":>9s} {"pallas MiB":>10s} {"c/pallas":>8s}' if args.pallas else ''),
+        flush=True)
   for n in args.lengths:
     b = batch_at.get(n, 1)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, args.d_model)),

@@ -232,9 +232,12 @@ def kernel_cases(quick):
 
 def picked(lowered_text: str) -> str:
   """Which kernel a lowered attention program runs: cuDNN's fused call, the
-  chunked kernel's loop over blocks, else the dense path."""
+  Pallas kernel's Triton call, the chunked kernel's loop over blocks, else
+  the dense path."""
   if '__cudnn$fmha' in lowered_text:
     return 'cudnn'
+  if '__gpu$xla.gpu.triton' in lowered_text:
+    return 'pallas'
   if 'stablehlo.while' in lowered_text:
     return 'chunked'
   return 'dense'
@@ -248,6 +251,7 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
 
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import timing
+  from flaxformer_lite.attention import registry
   from flaxformer_lite.attention.masks import MaskSpec
   from flaxformer_lite.layers import MultiHeadAttention
 
@@ -271,6 +275,8 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
     kernels = ['dense', 'chunked']
     if variant == 'dot_product' and dtype != 'float32' and on_gpu:
       kernels.append('cudnn')
+    if registry.pallas_runs(registry.get(variant)) and dtype != 'float32' and on_gpu:
+      kernels.append('pallas')
     fns, temps, failed = timing.compile_all({k: lambda k=k: build(k) for k in kernels})
     auto_fn, auto_args = build('auto')
     auto = picked(auto_fn.lower(*auto_args).as_text())
@@ -310,6 +316,8 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
   heads = 2 if quick else 8
   alibi = registry.get('alibi').terms(heads)  # the scheme's own score and tables
   alibi_tables = alibi.prepare({}, None, None)
+  t5 = registry.get('t5_bias').terms(heads, **registry.resolve_kwargs('t5_bias', {}))
+  t5_table = jnp.asarray(np.random.default_rng(2).normal(size=(32, heads)) * 0.1, jnp.float32)
 
   out = []
   for n, b, d in fused_cases(quick):
@@ -333,6 +341,9 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
     if on_gpu:
       builds['cudnn'] = grad_of(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=True, implementation='cudnn'))
+      builds['pallas t5_bias'] = grad_of(lambda q, k, v: pallas_gpu.flash_attention(
+          q, k, v, causal=True, score=t5.score,
+          tables=t5.prepare({'rel_embedding': t5_table}, None, None)))
     fns, temps, failed = timing.compile_all(builds)
     times = timing.interleaved_times(fns, repeats)
     ms = {name: timing.median(v) for name, v in times.items()}
@@ -362,7 +373,8 @@ def kernels(rows: Rows, quick: bool, seconds: float):
            if line.startswith('KERNEL ')]
   for c in cases:
     ms = c['ms']
-    cells = ' / '.join(f'{k} {ms[k]:.2f}' for k in ('dense', 'chunked', 'cudnn') if k in ms)
+    cells = ' / '.join(f'{k} {ms[k]:.2f}' for k in ('dense', 'chunked', 'cudnn', 'pallas')
+                       if k in ms)
     best = min(ms, key=ms.get) if ms else None
     verdict = '' if best is None else (
         'auto = fastest' if c['auto'] == best or ms.get(c['auto']) == ms[best]
@@ -375,8 +387,10 @@ def kernels(rows: Rows, quick: bool, seconds: float):
     cells = ' / '.join(f'{k} {ms[k]:.2f} ({tf[k]:.0f} TFLOP/s)' for k in ms)
     anchor = ''
     if 'cudnn' in ms:
-      anchor = (f"pallas {ms['pallas'] / ms['cudnn']:.2f}x cuDNN (target <= 1.3), alibi "
-                f"{ms['pallas alibi'] / ms['pallas']:.2f}x plain (target <= 1.3)")
+      anchor = (f"pallas {ms['pallas'] / ms['cudnn']:.2f}x cuDNN (target <= 1.3); alibi, t5 "
+                f"{ms['pallas alibi'] / ms['pallas']:.2f}x, "
+                f"{ms.get('pallas t5_bias', float('nan')) / ms['pallas']:.2f}x plain "
+                '(target <= 1.3)')
     rows.add('kernels', f"attention only, bf16 causal n={c['n']} b={c['b']} d={c['d']} "
              '(fwd+bwd ms)', cells + ('; failed: ' + ', '.join(c['failed']) if c['failed']
                                       else ''), anchor)
