@@ -214,8 +214,11 @@ def test_readme_error_examples_print_what_they_show(env):
 
 def test_readme_variant_example_registers_and_equals_its_formula():
   """The ```python block that registers a variant, run as written: the
-  variant it adds runs on the derived dense path and the chunked kernel, each
-  equal to softmax(q.k / sqrt(d) - softplus(s_h) |i - j|) v in float64."""
+  variant it adds runs on the derived dense path, the chunked kernel and the
+  (interpreted) Pallas kernel, each equal to softmax(q.k / sqrt(d) -
+  softplus(s_h) |i - j|) v in float64, and the slopes' gradient of the
+  fused kernel equals the dense path's."""
+  import jax
   import jax.numpy as jnp
   import numpy as np
   from flaxformer_lite.attention import masks, registry
@@ -237,8 +240,16 @@ def test_readme_variant_example_registers_and_equals_its_formula():
                        my_slopes=slopes)
     chunked = variant.chunked(q, k, v, mask=masks.MaskSpec(causal=True), chunk_size=3,
                               my_slopes=slopes)
-    for what, x in (('dense', dense), ('chunked', chunked)):
+    from flaxformer_lite.attention import attend
+    fused = attend(q, k, v, scheme='learned_alibi', mask=masks.causal(), kernel='pallas',
+                   params={'my_slopes': slopes})
+    for what, x in (('dense', dense), ('chunked', chunked), ('pallas', fused)):
       np.testing.assert_allclose(np.asarray(x), want, rtol=1e-5, atol=1e-5, err_msg=what)
+    d_slopes = {kernel: jax.grad(lambda s, kernel=kernel: jnp.sum(attend(
+        q, k, v, scheme='learned_alibi', mask=masks.causal(), kernel=kernel,
+        params={'my_slopes': s}) ** 2))(jnp.asarray(slopes)) for kernel in ('dense', 'pallas')}
+    np.testing.assert_allclose(np.asarray(d_slopes['pallas']), np.asarray(d_slopes['dense']),
+                               rtol=1e-4, atol=1e-5)
   finally:
     registry._REGISTRY.pop('learned_alibi', None)  # pylint: disable=protected-access
 
@@ -350,11 +361,14 @@ def test_an_experiments_expected_lines_say_what_its_record_measured():
   assert "'1.500'" in problems[0]
 
 
-def test_readme_mask_example_runs_on_both_kernels_as_its_definition():
+def test_readme_mask_example_runs_on_both_kernels_as_its_definition(monkeypatch):
   """The ```python block that writes a mask, run as written: through
   MultiHeadAttention on the dense, the chunked and the (interpreted) Pallas
   kernel, each equal to the layer given the mask as a boolean array built
-  here by loops."""
+  here by loops; the chunked kernel visits exactly the blocks some row of
+  that array needs (counted through blockwise.VISIT_HOOK)."""
+  import collections
+  from flaxformer_lite.attention.kernels import blockwise
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -370,13 +384,22 @@ def test_readme_mask_example_runs_on_both_kernels_as_its_definition():
       for j in range(n):
         want[row, 0, i, j] = j <= i or j < lengths[row]
   x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, 8)), jnp.float32)
-  outs = {}
+  outs, visits = {}, collections.Counter()
   for kernel in ('dense', 'chunked', 'pallas'):
     layer = MultiHeadAttention(num_heads=2, attention='alibi',
                                attention_kwargs={'implementation': kernel, 'chunk_size': 4})
     params = layer.init(jax.random.key(0), x)
+    if kernel == 'chunked':
+      monkeypatch.setattr(blockwise, 'VISIT_HOOK', lambda pass_name, masked, qb, kb: visits.update(
+          [(pass_name, int(qb), int(kb))]))
     outs[kernel] = layer.apply(params, x, mask=scope['prefix_lm'](jnp.asarray(lengths)))
+    jax.effects_barrier()
+    monkeypatch.setattr(blockwise, 'VISIT_HOOK', None)
     outs[kernel + ' from the array'] = layer.apply(params, x, mask=jnp.asarray(want))
   for kernel in ('dense', 'chunked', 'pallas'):
     np.testing.assert_allclose(np.asarray(outs[kernel]), np.asarray(outs['dense from the array']),
                                rtol=1e-5, atol=1e-5, err_msg=kernel)
+  needed = {(qb, kb) for qb in range(3) for kb in range(3)
+            if want[:, :, 4 * qb:4 * qb + 4, 4 * kb:4 * kb + 4].any()}
+  assert len(needed) < 9  # the mask hides some blocks
+  assert {(qb, kb) for _, qb, kb in visits} == needed and set(visits.values()) == {1}, visits
