@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import chunked, registry
-from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
 def t5_relative_position_bucket(relative_position, *, bidirectional=True,
@@ -76,49 +75,6 @@ def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, positions=None, bidirect
   return jnp.transpose(values, (2, 0, 1))[None]  # [1, h, n, m]
 
 
-def broadcast_batch(x, batch: int):
-  """[1, ...] -> [batch, ...] as `batch` copies, so that its transpose sums
-  the gradient over the batch by adds of slices.
-
-  Autodiff of jnp.broadcast_to would reduce the logits' gradient over its
-  leading axis, and XLA:CPU's reduction over a leading axis runs many times
-  slower than the same sum as adds (benchmarks/relative_attention.py).
-  """
-  return jnp.concatenate([x] * batch, axis=0)
-
-
-def t5_bias_attention(query, key, value, rel_embedding, *, bias=None, q_offset=0,
-                      positions=None, bidirectional=True, num_buckets=32,
-                      bucket_max_distance=128, **common):
-  """Dot-product attention with the T5 relative position bias added.
-
-  logits = q.k / sqrt(d) + t5_bias + bias. T5 itself drops the 1/sqrt(d)
-  (it folds it into the query initialization); we keep it so that every
-  variant here shares `dot_product_attention` and its initialization.
-
-  Args:
-    query: [b, n, h, d], query i at absolute position q_offset + i.
-    key, value: [b, m, h, d], key j at position j.
-    rel_embedding: [num_buckets, h].
-    positions: None, or int [n] (n = m): query and key i at positions[i].
-    bucket_max_distance: `t5_relative_position_bucket`'s max_distance.
-    bias: broadcastable to [b, h, n, m]; added to the T5 bias.
-    common: dot_product_attention's mask, dropout, dtype and return_weights.
-  Returns:
-    [b, n, h, d] in `dtype` (default: query's dtype).
-  """
-  position_bias = t5_bias(
-      rel_embedding.astype(jnp.float32), query.shape[1], key.shape[1],
-      q_offset=q_offset, positions=positions, bidirectional=bidirectional,
-      num_buckets=num_buckets,
-      max_distance=bucket_max_distance)  # [1, h, n, m]
-  if query.shape[0] > 1:
-    position_bias = broadcast_batch(position_bias, query.shape[0])  # [b, h, n, m]
-  if bias is not None:
-    position_bias = position_bias + bias
-  return dot_product_attention(query, key, value, bias=position_bias, **common)
-
-
 def _score(bucket_kw, s, q_pos, k_pos, head, tables):
   """s + table[h, bucket(j - p)] (chunked.BlockTerms.score)."""
   return s + tables['t5_rows'][head, t5_relative_position_bucket(k_pos - q_pos, **bucket_kw)]
@@ -156,9 +112,8 @@ def _rows(params, q_pos, k_pos):
 
 
 def _terms(num_heads, *, bidirectional, num_buckets, bucket_max_distance):
-  """The block terms (from_terms.py): the kernels' (the table's gradient
-  summed over the blocks), and the reference for t5_bias_attention, the
-  [n, m] bias of mesh-tensorflow's form."""
+  """The block terms (from_terms.py): every kernel's, the dense one
+  included (the table's gradient summed over the blocks)."""
   del num_heads  # the table carries the heads
   bucket_kw = dict(bidirectional=bidirectional, num_buckets=num_buckets,
                    max_distance=bucket_max_distance)
@@ -205,7 +160,6 @@ class T5Options:
 registry.register(registry.AttentionVariant(
     name='t5_bias',
     models=registry.TRANSFORMER_MODELS,
-    fn=t5_bias_attention,
     terms=_terms,
     options=T5Options,
     params=lambda num_heads, head_dim, kwargs: {
