@@ -37,6 +37,9 @@ optional:
       across), head the query head (an index array [h, 1, 1] here, the
       program's head in a fused kernel), tables per head [h, ...], read as
       tables[name][head] or tables[name][head, index].
+  additive: True where score(s, ...) = s + score(0, ...), a bias (ALiBi,
+      KERPLE): the kernels then make the bias once for the batch and add it
+      as Block.add does (checked on random scores at the first lookup).
   block_score(s float32 [b, h, bq, bk], block) -> float32 [b, h, bq, bk]: the
       same change for a whole block at once, where that is faster (one
       lookup per diagonal: T5's buckets) or needs the block's q and k
@@ -176,6 +179,7 @@ class BlockTerms:
   brings its own `uniform` (what a row that sees no key gets): with
   mean_values such rows would silently differ from the dense path's."""
   score: Callable[..., Any] | None = None  # elementwise (module docstring)
+  additive: bool = False  # score(s) = s + score(0): a bias
   block_score: Callable[..., Any] | None = None  # a whole block at once
   prepare: Callable[..., Any] | None = None  # None: the tables are the parameters
   transform_q: Callable[..., Any] | None = None

@@ -88,7 +88,8 @@ def _run_now(fn: Callable, *args):
 
 def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
                 num_heads: int, head_dim: int, seed: int = 0) -> None:
-  """Raises TypeError unless terms.values is linear in the weights:
+  """Raises TypeError unless terms.values is linear in the weights (and, with
+  additive=True, its score adds a bias: _check_additive):
   values(a p1 + c p2) = a values(p1) + c values(p2) on random inputs (a
   block of 3 queries at positions 5..7 against 4 keys at 0..3, the tables
   terms.prepare makes of `params`), computed at float32 matmul precision
@@ -117,6 +118,27 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
         f'(values(0.7 p1 - 1.9 p2) differs from 0.7 values(p1) - 1.9 values(p2) by up to '
         f'{float(np.max(np.abs(got - want))):.3g}); the chunked backward needs '
         'sum_j p_ij dvalues/dp_ij = dO . O, which holds only for a linear term')
+  if terms.additive:
+    _check_additive(name, terms, params, num_heads, r)
+
+
+def _check_additive(name, terms, params, num_heads, r):
+  """Raises TypeError unless score(s) = s + score(0) on random scores (a
+  BlockTerms with additive=True: the kernels add score(0) as a bias)."""
+  s = np.float32(r.normal(size=(1, num_heads, 3, 4)) * 3)
+  q_pos, k_pos = np.arange(5, 8), np.arange(4)
+  heads = np.arange(num_heads)[:, None, None]
+
+  def both(s, params):
+    tables = prepared(terms, params, q_pos, k_pos)
+    score = lambda x: terms.score(x, q_pos[:, None], k_pos[None, :], heads, tables)
+    return score(s), s + score(jnp.zeros_like(s))
+
+  got, want = (np.asarray(x, np.float64) for x in _run_now(both, s, params))
+  if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+    raise TypeError(f'attention variant {name!r}: BlockTerms(additive=True) but its score is '
+                    f'not s + score(0) (off by up to {float(np.max(np.abs(got - want))):.3g}); '
+                    'drop additive=True')
 
 
 def random_params(specs: Mapping[str, Any], seed: int = 0) -> dict:

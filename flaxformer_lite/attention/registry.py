@@ -275,8 +275,9 @@ def _with_terms(variant: AttentionVariant) -> AttentionVariant:
   if set(specs) & set(kwargs):
     raise ValueError(f'attention variant {variant.name!r}: parameters '
                      f'{sorted(set(specs) & set(kwargs))} are named like its options')
-  if variant.terms(2, **kwargs).values is not from_terms.chunked.dot_values:
-    _UNCHECKED.add(variant.name)  # a values term of its own: checked at the first lookup
+  terms = variant.terms(2, **kwargs)
+  if terms.values is not from_terms.chunked.dot_values or terms.additive:
+    _UNCHECKED.add(variant.name)  # a values term or a bias: checked at the first lookup
   fn, chunked = from_terms.variant_fns(variant.terms, variant.kwargs)
   arrays = variant.position_arrays
   return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked,

@@ -93,3 +93,21 @@ def test_a_block_score_equals_the_elementwise_score_and_its_gradients(name):
   for p in params:
     np.testing.assert_allclose(np.asarray(dp_b[p]), np.asarray(dp_e[p]), rtol=1e-4, atol=1e-4,
                                err_msg=f'{name}: gradient of {p}')
+
+
+def test_a_score_declared_additive_must_add_a_bias():
+  """additive=True lets the kernels add score(0) once for the batch; a score
+  that scales s is refused at its first lookup, and alibi and kerple (biases)
+  pass the same check."""
+  from flaxformer_lite.attention import chunked
+  for name in ('alibi', 'kerple'):
+    assert registry.get(name).terms(H, **registry.resolve_kwargs(name, {})).additive
+  registry.register(registry.AttentionVariant(
+      name='scaled_test', terms=lambda num_heads: chunked.BlockTerms(
+          score=lambda s, q_pos, k_pos, head, tables: 2.0 * s, additive=True)))
+  try:
+    with pytest.raises(TypeError, match="'scaled_test': BlockTerms\\(additive=True\\) but its "
+                                        'score is not s \\+ score\\(0\\)'):
+      registry.get('scaled_test')
+  finally:
+    registry._REGISTRY.pop('scaled_test', None)  # pylint: disable=protected-access

@@ -49,13 +49,15 @@ def heads(h: int):
 
 class HeadRows:
   """A per-head table [h, ...] as an elementwise `score` reads it on a whole
-  block: table[heads] -> [h, 1, 1, ...] (a reshape) and table[heads, index]
-  (index int [bq, bk]) -> [h, bq, bk] (a one-hot product), so that neither
-  the value nor its gradient holds a gather or a scatter (XLA:GPU's
-  scatter-add sums in a varying order)."""
+  [b, h, bq, bk] block: table[heads] -> [b, h, 1, 1, ...] and table[heads,
+  index] (index int [bq, bk]) -> [h, bq, bk] (a one-hot product), so that
+  neither the value nor its gradient holds a gather or a scatter (XLA:GPU's
+  scatter-add sums in a varying order). A row per head comes as b copies,
+  not a broadcast over the batch: its gradient then sums the batch by adds of
+  slices, not by XLA:CPU's slow reduction over the leading axis (as Block.add)."""
 
-  def __init__(self, table):
-    self.table = jnp.asarray(table)
+  def __init__(self, table, batch: int):
+    self.table, self.batch = jnp.asarray(table), batch
 
   def __getitem__(self, key):
     head, index = (key, None) if not isinstance(key, tuple) else key
@@ -63,7 +65,8 @@ class HeadRows:
     if not isinstance(head, np.ndarray) or head.shape != (x.shape[0], 1, 1):
       return x[key]  # not the whole-block head index: plain indexing
     if index is None:
-      return x.reshape((x.shape[0], 1, 1) + x.shape[1:])
+      rows = x.reshape((1, x.shape[0], 1, 1) + x.shape[1:])
+      return jnp.concatenate([rows] * self.batch, axis=0) if self.batch > 1 else rows
     one_hot = jax.nn.one_hot(index, x.shape[1], dtype=jnp.float32)  # [bq, bk, rows]
     return jnp.einsum('hr,qkr->hqk', x.astype(jnp.float32), one_hot)
 
@@ -86,10 +89,16 @@ def scores(terms, q, k, tables, q_pos, k_pos, transformed_keys=False, reference=
   s = dot_logits(q, k) if terms.product is None else terms.product(q, k, tables)
   if terms.block_score is not None and not (reference and terms.score is not None):
     return terms.block_score(s, Block(q, k, q_pos, k_pos, tables))
-  if terms.score is not None:
-    rows = {name: HeadRows(table) for name, table in (tables or {}).items()}
-    return terms.score(s, q_pos[:, None], k_pos[None, :], heads(q.shape[2]), rows)
-  return s
+  if terms.score is None:
+    return s
+  h = q.shape[2]
+  if terms.additive:  # the bias once for the batch, added as Block.add adds
+    rows = {name: HeadRows(table, 1) for name, table in (tables or {}).items()}
+    bias = terms.score(jnp.zeros((1, h, 1, 1), jnp.float32), q_pos[:, None], k_pos[None, :],
+                       heads(h), rows)
+    return add_head_bias(s, jnp.broadcast_to(bias, (1,) + s.shape[1:])[0])
+  rows = {name: HeadRows(table, s.shape[0]) for name, table in (tables or {}).items()}
+  return terms.score(s, q_pos[:, None], k_pos[None, :], heads(h), rows)
 
 
 @jax.custom_jvp

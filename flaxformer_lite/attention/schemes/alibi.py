@@ -7,6 +7,7 @@ function serves bidirectional attention and equals the paper where j <= i.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -48,16 +49,24 @@ def alibi_bias(num_heads, q_len, k_len, *, q_offset=0, positions=None):
   return -slopes[None, :, None, None] * distance[None, None]  # [1, h, n, m]
 
 
-def _score(s, q_pos, k_pos, head, tables):
+def head_slope(head, num_heads: int):
+  """alibi_slopes' entry for `head` (an int array of any shape, or a traced
+  scalar): the paper's formula evaluated on the index, so that no kernel
+  carries the slopes as a table."""
+  p = 2 ** int(math.floor(math.log2(num_heads)))
+  h = jnp.asarray(head).astype(jnp.float32)
+  return jnp.where(h < p, jnp.exp2(-8.0 * (h + 1) / p), jnp.exp2(-8.0 * (2 * (h - p) + 1) / (2 * p)))
+
+
+def _score(num_heads, s, q_pos, k_pos, head, tables):
   """s - slope_h |j - p| (chunked.BlockTerms.score)."""
-  return s - tables['alibi_slopes'][head] * jnp.abs(k_pos - q_pos).astype(jnp.float32)
+  del tables
+  return s - head_slope(head, num_heads) * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def _terms(num_heads):
   """The terms (from_terms.py): every kernel's, the dense one included."""
-  slopes = _slopes(num_heads)
-  return chunked.BlockTerms(score=_score,
-                            prepare=lambda params, q_pos, k_pos: {'alibi_slopes': slopes})
+  return chunked.BlockTerms(score=functools.partial(_score, num_heads), additive=True)
 
 
 registry.register(registry.AttentionVariant(

@@ -50,7 +50,7 @@ def _score(form, s, q_pos, k_pos, head, tables):
 
 def _terms(num_heads, *, kerple_form):
   del num_heads  # the parameters carry the heads
-  return chunked.BlockTerms(score=functools.partial(_score, kerple_form))
+  return chunked.BlockTerms(score=functools.partial(_score, kerple_form), additive=True)
 
 
 def _params(num_heads, head_dim, kwargs):
