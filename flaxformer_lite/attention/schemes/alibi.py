@@ -26,15 +26,7 @@ def alibi_slopes(num_heads):
   """
   if not isinstance(num_heads, int) or num_heads < 1:
     raise ValueError(f'alibi needs num_heads >= 1, got {num_heads!r}')
-  return jnp.asarray(_slopes(num_heads))
-
-
-def _slopes(num_heads):
-  """alibi_slopes as a numpy constant (for a closure that jit must not trace)."""
-  p = 2 ** int(math.floor(math.log2(num_heads)))
-  base = 2.0 ** (-8.0 * np.arange(1, p + 1) / p)  # [p]
-  extra = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - p), 2) / (2 * p))  # [h - p]
-  return np.concatenate([base, extra]).astype(np.float32)
+  return head_slope(np.arange(num_heads), num_heads)
 
 
 def alibi_bias(num_heads, q_len, k_len, *, q_offset=0, positions=None):
@@ -50,9 +42,9 @@ def alibi_bias(num_heads, q_len, k_len, *, q_offset=0, positions=None):
 
 
 def head_slope(head, num_heads: int):
-  """alibi_slopes' entry for `head` (an int array of any shape, or a traced
-  scalar): the paper's formula evaluated on the index, so that no kernel
-  carries the slopes as a table."""
+  """The slope of `head` (an int array of any shape, or a traced scalar) ->
+  float32, alibi_slopes' formula on the index: so that no kernel carries the
+  slopes as a table."""
   p = 2 ** int(math.floor(math.log2(num_heads)))
   h = jnp.asarray(head).astype(jnp.float32)
   return jnp.where(h < p, jnp.exp2(-8.0 * (h + 1) / p), jnp.exp2(-8.0 * (2 * (h - p) + 1) / (2 * p)))
