@@ -88,13 +88,21 @@ def _run_now(fn: Callable, *args):
 
 def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
                 num_heads: int, head_dim: int, seed: int = 0) -> None:
-  """Raises TypeError unless terms.values is linear in the weights (and, with
-  additive=True, its score adds a bias: _check_additive):
-  values(a p1 + c p2) = a values(p1) + c values(p2) on random inputs (a
+  """Raises TypeError unless a values term of the scheme's own is linear in
+  the weights (_check_linear; dot_values is, as written) and, with
+  additive=True, its score adds a bias (_check_additive)."""
+  r = np.random.default_rng(seed)
+  if terms.values is not chunked.dot_values:
+    _check_linear(name, terms, params, num_heads, head_dim, r)
+  if terms.additive:
+    _check_additive(name, terms, params, num_heads, r)
+
+
+def _check_linear(name, terms, params, num_heads, head_dim, r):
+  """values(a p1 + c p2) = a values(p1) + c values(p2) on random inputs (a
   block of 3 queries at positions 5..7 against 4 keys at 0..3, the tables
   terms.prepare makes of `params`), computed at float32 matmul precision
   whatever the backend's default."""
-  r = np.random.default_rng(seed)
   p1, p2 = (np.float32(r.uniform(size=(1, num_heads, 3, 4))) for _ in range(2))
   v = np.float32(r.normal(size=(1, 4, num_heads, head_dim)))
   q_pos, k_pos = np.arange(5, 8), np.arange(4)
@@ -118,8 +126,6 @@ def check_terms(name: str, terms: chunked.BlockTerms, params: Mapping[str, Any],
         f'(values(0.7 p1 - 1.9 p2) differs from 0.7 values(p1) - 1.9 values(p2) by up to '
         f'{float(np.max(np.abs(got - want))):.3g}); the chunked backward needs '
         'sum_j p_ij dvalues/dp_ij = dO . O, which holds only for a linear term')
-  if terms.additive:
-    _check_additive(name, terms, params, num_heads, r)
 
 
 def _check_additive(name, terms, params, num_heads, r):

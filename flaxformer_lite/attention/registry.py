@@ -269,7 +269,7 @@ def register(variant: AttentionVariant) -> AttentionVariant:
 
 def _with_terms(variant: AttentionVariant) -> AttentionVariant:
   """`variant` with the kernels its `terms` give where it names none; its
-  values term is checked at its first `get` (_check_terms)."""
+  values term and an additive score are checked at its first `get` (_check_terms)."""
   kwargs = dict(variant.kwargs)
   specs = variant.params(2, 4, kwargs) if variant.params else {}
   if set(specs) & set(kwargs):
