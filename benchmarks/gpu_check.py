@@ -508,6 +508,20 @@ def nanogpt(rows: Rows, quick: bool, seconds: float):
            f'{min(vals)[0]:.4f} ({min(vals)[1]})' if vals else '-', 'published: 1.4697')
 
 
+def _failure_causes(path: str, limit: int = 12) -> list[tuple[str, str]]:
+  """(cause, 'N tests, e.g. NODEID') for the failures that tests/conftest.py
+  logged to `path` (FFL_FAILURE_LOG), the commonest causes first."""
+  if not os.path.exists(path):
+    return []
+  by_cause: dict[str, list[str]] = {}
+  with open(path) as f:
+    for line in f:
+      node, _, cause = line.rstrip('\n').partition(': ')
+      by_cause.setdefault(cause.strip()[:200], []).append(node)
+  ranked = sorted(by_cause.items(), key=lambda kv: -len(kv[1]))[:limit]
+  return [(cause, f'{len(nodes)} tests, e.g. {nodes[0]}') for cause, nodes in ranked]
+
+
 def tests(rows: Rows, quick: bool, seconds: float):
   if quick:
     return
@@ -517,10 +531,14 @@ def tests(rows: Rows, quick: bool, seconds: float):
   workers = ['-n', '4'] if importlib.util.find_spec('xdist') else []
   command = [sys.executable, '-m', 'pytest', 'tests/attention', 'tests/test_decoding.py',
              'tests/layers', 'tests/test_models.py', '-q', '-rfE', '-p', 'no:cacheprovider',
-             *workers, '--maxfail=50']
+             *workers]
+  failures = os.path.join(LOG_DIR, 'tests_failures.txt')
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(failures)
   # Several test processes share the GPU: each takes memory as it needs it,
-  # not JAX's default 75% of the device at start.
-  env = _env(XLA_PYTHON_CLIENT_PREALLOCATE='false')
+  # not JAX's default 75% of the device at start. Each failure is logged as it
+  # happens, so a run the time limit stops still says why tests failed.
+  env = _env(XLA_PYTHON_CLIENT_PREALLOCATE='false', FFL_FAILURE_LOG=failures)
   try:
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=seconds)
@@ -536,8 +554,8 @@ def tests(rows: Rows, quick: bool, seconds: float):
     ended = [f'stopped at the time limit ({seconds:.0f} s): {progress.count(".")} passed, '
              f'{progress.count("F") + progress.count("E")} failed so far']
   rows.add('tests', 'attention, decoding, layers, models on this device', ended[0])
-  for line in [l for l in out.splitlines() if l.startswith(('FAILED ', 'ERROR '))][:15]:
-    rows.add('tests', '  ' + line.split()[0].lower(), line.split(' ', 1)[1][:160])
+  for cause, where in _failure_causes(failures):
+    rows.add('tests', f'  failed: {cause}', where)
 
 
 RUNNERS = {'compile': compile_settings, 'recipe': recipe, 'kernels': kernels, 'scan': scan, 'mfu': mfu, 'mha': mha,

@@ -27,6 +27,12 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# The tests hold float32 results to float64 references; a GPU's default
+# float32 matmul (TF32, 10 bits of mantissa) would fail them for the
+# platform's rounding, not for the code's math.
+if _ACCELERATOR:
+  jax.config.update('jax_default_matmul_precision', 'highest')
+
 from flaxformer_lite import compilation, config as config_lib
 from flaxformer_lite import main as main_lib
 from flaxformer_lite.data import corpora, shared
@@ -105,6 +111,13 @@ def shared_raw_files():
 def pytest_runtest_logreport(report):
   if report.skipped and _NOT_FOUND in str(report.longrepr):
     _SKIPPED_FOR_DATA.append(report.nodeid)
+  # FFL_FAILURE_LOG=FILE: each failure's test and last line, as it happens
+  # (benchmarks/gpu_check.py reads it when its time runs out mid-suite).
+  if report.failed and os.environ.get('FFL_FAILURE_LOG'):
+    lines = [line for line in report.longreprtext.splitlines() if line.strip()]
+    raised = [line for line in lines if line.startswith('E ')]
+    with open(os.environ['FFL_FAILURE_LOG'], 'a') as f:
+      f.write(f'{report.nodeid} ({report.when}): {(raised[:1] or lines[-1:] or ["?"])[0][:300]}\n')
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -34,3 +34,29 @@ def test_gpu_check_quick_runs_every_section_and_writes_its_table(tmp_path, share
   assert len(fused) == 1 and all(f'{k} ' in fused[0] for k in ('pallas', 'pallas alibi', 'xla'))
   assert 'failed' not in fused[0], fused
   assert (out / 'results.md').read_text().count('\n| ') >= len(rows)
+
+
+def test_failures_logged_as_they_happen_are_counted_by_cause(tmp_path, monkeypatch):
+  """The suite's conftest appends each failure (test, phase, the raised line)
+  to FFL_FAILURE_LOG; gpu_check's tests section ranks their causes."""
+  import sys
+  from types import SimpleNamespace
+
+  sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
+  import gpu_check
+  from tests import conftest
+
+  log = tmp_path / 'failures.txt'
+  monkeypatch.setenv('FFL_FAILURE_LOG', str(log))
+  raised = 'E   RuntimeError: no GPU kernel for this shape\ntests/a.py:3: RuntimeError'
+  for node, when, text in [('tests/a.py::one', 'setup', raised),
+                           ('tests/a.py::two', 'setup', raised),
+                           ('tests/b.py::three', 'call', 'E   assert 1 == 2\nE    +  where'),
+                           ('tests/b.py::passed', 'call', '')]:
+    conftest.pytest_runtest_logreport(SimpleNamespace(
+        nodeid=node, when=when, failed=node != 'tests/b.py::passed', skipped=False,
+        longrepr=text, longreprtext=text))
+  assert gpu_check._failure_causes(str(log)) == [
+      ('E   RuntimeError: no GPU kernel for this shape', '2 tests, e.g. tests/a.py::one (setup)'),
+      ('E   assert 1 == 2', '1 tests, e.g. tests/b.py::three (call)')]
+  assert gpu_check._failure_causes(str(tmp_path / 'none.txt')) == []
