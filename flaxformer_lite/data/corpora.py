@@ -27,9 +27,11 @@ import logging
 import os
 import sys
 import time
-
 import urllib.error
 import urllib.request
+import zipfile
+
+import numpy as np
 
 from flaxformer_lite.data import shared
 
@@ -325,6 +327,78 @@ def _examples(builder, split: str) -> list[dict]:
     return source.__getitems__(keys)  # one batched read, not a read per item
   except TypeError:  # tfds.testing.mock_data's source: its __getitems__ is set without `self`
     return [source[i] for i in keys]
+
+
+# Beside a prepared dataset's files: its numeric examples decoded, per split.
+EXAMPLES_FILE = 'flaxformer_lite_examples.npz'
+
+
+def read_examples(builder, splits) -> dict[str, list[dict]]:
+  """split -> its examples, as the builder's data source gives them (dicts of
+  numpy scalars and 1-D arrays). TFDS decodes records one at a time in
+  Python, so the first read also writes them, column by column, to
+  EXAMPLES_FILE in the builder's data_dir; later reads load that instead (the
+  prepared files never change under a version's folder). An unreadable file is
+  read past and rewritten; a read-only data_dir just keeps no copy."""
+  path = os.path.join(builder.data_dir, EXAMPLES_FILE)
+  try:
+    with np.load(path) as columns:
+      return {split: _from_columns(columns, split) for split in splits}
+  except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+    pass
+  examples = {split: _examples(builder, split) for split in splits}
+  columns = {}
+  for split, rows in examples.items():
+    split_columns = _to_columns(split, rows)
+    if split_columns is None:  # text, or arrays of more than one axis: no copy
+      return examples
+    columns.update(split_columns)
+  partial = f'{path}.{os.getpid()}.tmp'
+  try:
+    with open(partial, 'wb') as f:
+      np.savez(f, **columns)
+    os.replace(partial, path)
+  except OSError as e:
+    log.info('data: no copy of the decoded examples in %s (%s)', builder.data_dir, e)
+    with contextlib.suppress(OSError):
+      os.remove(partial)
+  return examples
+
+
+def _to_columns(split: str, rows: list[dict]) -> dict | None:
+  """{'SPLIT/#': [count], 'SPLIT/KEY': values, 'SPLIT/KEY/lengths': ...}: a
+  scalar feature as one array, a 1-D one concatenated with each row's length;
+  None for any other feature."""
+  columns = {f'{split}/#': np.array([len(rows)])}
+  for key in (rows[0] if rows else {}):
+    values = [np.asarray(row[key]) for row in rows]
+    if any(v.dtype.kind not in 'biuf' for v in values) or len({v.ndim for v in values}) > 1:
+      return None
+    if values[0].ndim == 0:
+      columns[f'{split}/{key}'] = np.stack(values)
+    elif values[0].ndim == 1:
+      columns[f'{split}/{key}'] = np.concatenate(values)
+      columns[f'{split}/{key}/lengths'] = np.array([v.size for v in values])
+    else:
+      return None
+  return columns
+
+
+def _from_columns(columns, split: str) -> list[dict]:
+  """`_to_columns`' rows back: a list of {key: scalar or 1-D array}."""
+  count = int(columns[f'{split}/#'][0])
+  names = [n[len(split) + 1:] for n in columns.files
+           if n.startswith(f'{split}/') and n.count('/') == 1 and not n.endswith('/#')]
+  features = {}
+  for key in names:
+    values = columns[f'{split}/{key}']
+    if f'{split}/{key}/lengths' in columns.files:
+      ends = np.cumsum(columns[f'{split}/{key}/lengths'])
+      values = np.split(values, ends[:-1]) if count else []
+    if len(values) != count:
+      raise ValueError(f'{EXAMPLES_FILE}: {split}/{key} has {len(values)} rows, not {count}')
+    features[key] = values
+  return [dict(zip(features, row)) for row in zip(*features.values())]
 
 
 def read_pairs(builder, split: str, source: str, target: str) -> tuple[list[str], list[str]]:

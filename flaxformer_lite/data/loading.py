@@ -146,10 +146,7 @@ def _load_synthetic(d, data_dir) -> Dataset:
   else:
     builder = synthetic.builder(d, data_dir)
     corpora.prepare(builder)
-    examples = {}
-    for split in ('train', 'validation', 'test', 'test_long'):
-      source = builder.as_data_source(split=split)
-      examples[split] = source.__getitems__(list(range(len(source))))
+    examples = corpora.read_examples(builder, ('train', 'validation', 'test', 'test_long'))
 
   def longest(splits, feature):
     return max(len(ex[feature]) for s in splits for ex in examples[s])

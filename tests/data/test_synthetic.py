@@ -87,6 +87,38 @@ def test_prepare_prints_nothing_of_tfds_and_logs_one_line(tmp_path, capfd, caplo
   assert builder.is_prepared()
 
 
+@pytest.mark.usefixtures('tfds')
+def test_decoded_examples_are_kept_beside_the_files_and_read_back_unchanged(tmp_path):
+  """The first load writes the decoded examples next to the prepared files;
+  the next reads them from there, equal to TFDS's own records and to the
+  generator's examples in the files' order; a damaged copy is read past
+  and rewritten."""
+  config = dict(task='reverse_string', data_dir=str(tmp_path), **SPEC, test_lengths=(9, 12))
+  first = data.load(config)
+  builder = synthetic.builder(config, str(tmp_path))
+  copy = builder.data_path / corpora.EXAMPLES_FILE
+  assert copy.exists()
+  splits = ('train', 'validation', 'test', 'test_long')
+  cached = corpora.read_examples(builder, splits)
+  generated = synthetic.in_memory(config)
+  for split in splits:
+    records = builder.as_data_source(split=split)
+    assert len(cached[split]) == len(records) == len(generated[split])
+    for i, example in enumerate(cached[split]):
+      for source in (records[i], generated[split][i]):
+        assert example.keys() == source.keys()
+        for key in example:
+          np.testing.assert_array_equal(example[key], source[key])
+          assert np.asarray(example[key]).dtype == np.asarray(records[i][key]).dtype
+  copy.write_bytes(b'not a zip file')
+  again = data.load(config)
+  assert np.load(copy)['train/#'][0] == SPEC['num_train']
+  for split in splits:
+    for key in ('inputs', 'targets'):
+      np.testing.assert_array_equal(again.splits[split][key], first.splits[split][key])
+  np.testing.assert_array_equal(again.length_groups['test_long'], first.length_groups['test_long'])
+
+
 def test_an_algorithmic_task_loads_with_its_test_lengths_spread_evenly(tfds_dir):
   """reverse_string through data.load: the answer is the input reversed (the
   task's definition), EOS ends both, test_long holds num_eval examples at
