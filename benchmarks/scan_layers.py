@@ -35,12 +35,15 @@ EXPERIMENT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 VOCAB = 65  # Tiny Shakespeare's characters
 
 
-def experiment_config(layers: int, scan_layers: bool):
+def experiment_config(layers: int, scan_layers: bool, d_model: int = 0):
   spec = importlib.util.spec_from_file_location('tiny_shakespeare', EXPERIMENT)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
   config.model.update(vocab_size=VOCAB, num_decoder_layers=layers, scan_layers=scan_layers)
+  if d_model:  # a narrower model of the same shape (--d_model; heads of 64 at most)
+    config.model.update(d_model=d_model, mlp_dim=4 * d_model,
+                        num_heads=max(1, min(config.model.num_heads, d_model // 64)))
   models.validate(config.model)
   return config
 
@@ -74,27 +77,30 @@ def main():
   parser.add_argument('--layers', type=int, nargs='+', default=[6])
   parser.add_argument('--batch', type=int, default=8)
   parser.add_argument('--repeats', type=int, default=6)
+  parser.add_argument('--d_model', type=int, default=0, help="default: the experiment's 384")
+  parser.add_argument('--context', type=int, default=0, help="default: the experiment's 256")
   args = parser.parse_args()
   jax.config.update('jax_enable_compilation_cache', False)  # timing.py turns it on
 
   rows = []
   for layers in args.layers:
-    config = experiment_config(layers, False)
+    config = experiment_config(layers, False, args.d_model)
     rng = np.random.default_rng(0)
-    context = config.data.max_len
+    context = args.context or config.data.max_len
     batch = {'inputs': rng.integers(3, VOCAB, (args.batch, context), dtype=np.int32),
              'targets': rng.integers(3, VOCAB, (args.batch, context), dtype=np.int32)}
     fns, lower, compile_s = {}, {}, {}
     for scanned in (False, True):
       compiled, fn_args, lower[scanned], compile_s[scanned] = build_step(
-          experiment_config(layers, scanned), batch)
+          experiment_config(layers, scanned, args.d_model), batch)
       fns[scanned] = compiled, fn_args
     times = timing.interleaved_times(fns, args.repeats)
     rows.append((layers, lower, compile_s, {k: timing.median(v) for k, v in times.items()}))
 
+  d = config.model.d_model
   print(f'device: {jax.devices()[0].device_kind} x{jax.device_count()}; jax {jax.__version__}; '
-        f'{os.path.basename(EXPERIMENT)} model (d 384, MLP 1536), batch {args.batch} x 256 '
-        'tokens, train step; compilation cache off')
+        f'{os.path.basename(EXPERIMENT)} model (d {d}, MLP {4 * d}), batch {args.batch} x '
+        f'{context} tokens, train step; compilation cache off')
   print('| layers | lower s (unrolled / scanned) | ratio | compile s (unrolled / scanned) '
         '| ratio | step ms, median (unrolled / scanned) | ratio |')
   print('| ---: | ---: | ---: | ---: | ---: | ---: | ---: |')

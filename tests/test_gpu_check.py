@@ -24,6 +24,9 @@ def test_gpu_check_quick_runs_every_section_and_writes_its_table(tmp_path, share
   assert len(compiled) == 1 and all(float(v.split('; ')[1]) > 0 for v in compiled), compiled
   # the second run of the recipe found every step it compiles in the cache
   assert float(rows['recipe', 'first step, empty cache (s after launch)']) > 0
+  for cache in ('empty', 'warm'):  # the first step's own call, from its log line
+    assert 0 < float(rows['recipe', f'  the step itself, {cache} cache (s)']) < float(
+        rows['recipe', f'first step, {cache} cache (s after launch)'])
   served = rows['recipe', '  served by the cache']
   assert 'train step' in served and 'eval step' in served and 'greedy sample' in served, served
   # on CPU at n=64, auto takes the dense path

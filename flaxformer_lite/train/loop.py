@@ -153,10 +153,14 @@ def _load_dataset(config):
 
 
 def _init_state(config, model, first_batch, parallel):
-  """(a new train state in `parallel`'s layout, the dropout rng)."""
-  init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
+  """(a new train state in `parallel`'s layout, the dropout rng), drawn
+  where state.init_device says, then placed."""
   example = {k: v[:1] for k, v in first_batch.items()}
-  state = jax.device_put(state_lib.create(model, config, example, init_rng), parallel.replicated)
+  init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
+  device = state_lib.init_device(model, config, example)
+  with jax.default_device(device) if device else contextlib.nullcontext():
+    state = state_lib.create(model, config, example, init_rng)
+  state = jax.device_put(state, parallel.replicated)
   if parallel.mode != 'pmap':
     parallel.layout(state, state_lib.param_axes(model, config, example))
   return state, dropout_rng
@@ -528,10 +532,12 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
         batch = data.pad_rows(batch, partitioning.padded_rows(len(batch['inputs']),
                                                               row_multiple))
         tracer.before(step)
+        called = time.perf_counter()
         state, sums = train_step(state, parallel.place_batch(batch), dropout_rng)
         if step == start:
           jax.block_until_ready(sums)
-          log.info('first step done, %.1f s after the process started', _process_age())
+          log.info('first step done, %.1f s after the process started (the step itself '
+                   '%.1f s)', _process_age(), time.perf_counter() - called)
         tracer.after(done, state)
         # One step in flight: a signal is acted on after the step running
         # when it came, not after a queue of them.

@@ -57,6 +57,29 @@ def init_params(model, config, example_batch, rng):
   return params
 
 
+# Parameters up to this many bytes are initialised on the host (init_device).
+HOST_INIT_BYTES = 1 << 30
+
+
+def init_device(model, config, example_batch):
+  """Where to initialise a train state: the host's CPU when the default
+  backend is an accelerator and the parameters take at most HOST_INIT_BYTES,
+  else None (the default device). An accelerator compiles the initialisers
+  (a random program per parameter shape, run once) into kernels of its own
+  before it runs them; the host's compiler makes light work of them, and the
+  values are the same wherever they are drawn (JAX's random bits depend on
+  the key alone)."""
+  if jax.default_backend() == 'cpu':
+    return None
+  try:
+    host = jax.local_devices(backend='cpu')[0]
+  except RuntimeError:  # JAX_PLATFORMS without cpu
+    return None
+  shapes = jax.eval_shape(_init_fn(model, config), jax.random.key(0), example_batch)['params']
+  size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nn.unbox(shapes)))
+  return host if size <= HOST_INIT_BYTES else None
+
+
 def create(model, config, example_batch, rng) -> train_state.TrainState:
   """The parameters (`init_params`) and the optimizer."""
   params = init_params(model, config, example_batch, rng)

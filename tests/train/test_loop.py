@@ -133,3 +133,33 @@ def test_rerunning_a_finished_run_writes_no_second_record(tiny_config, tmp_path,
   assert [r['split'] for r in records].count('test') == 1
   for split in ('eval', 'test'):
     assert again[split] == pytest.approx(first[split])
+
+
+def test_a_small_state_is_drawn_on_the_host_when_the_default_device_is_an_accelerator(
+    tiny_config, monkeypatch):
+  """With an accelerator as the default backend, a model whose parameters
+  fit in state.HOST_INIT_BYTES is initialised on the host's CPU and then
+  placed (the same values: the random bits depend on the key alone); a
+  larger one stays on the default device; on a CPU backend nothing changes."""
+  import jax
+  from flaxformer_lite import models
+  from flaxformer_lite.train import partitioning, state as state_lib
+
+  c = tiny_config
+  c.model.vocab_size = 3 + c.data.num_symbols
+  model = models.build(c.model)
+  example = {'inputs': np.ones((1, 6), np.int32), 'targets': np.ones((1, 6), np.int32)}
+  parallel = partitioning.Partitioner('jit')
+  on_default, _ = loop._init_state(c, model, example, parallel)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(on_default.params))
+  assert state_lib.init_device(model, c, example) is None
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  assert state_lib.init_device(model, c, example) == jax.local_devices(backend='cpu')[0]
+  on_host, _ = loop._init_state(c, model, example, parallel)
+  assert all(x.sharding == parallel.replicated for x in jax.tree.leaves(on_host.params))
+  for got, want in zip(jax.tree.leaves(on_host), jax.tree.leaves(on_default)):
+    np.testing.assert_array_equal(got, want)
+  monkeypatch.setattr(state_lib, 'HOST_INIT_BYTES', nbytes - 1)
+  assert state_lib.init_device(model, c, example) is None
+  monkeypatch.setattr(state_lib, 'HOST_INIT_BYTES', nbytes)
+  assert state_lib.init_device(model, c, example) is not None
