@@ -14,6 +14,14 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   simple-parsing tensorflow-metadata termcolor toml docstring-parser googleapis-common-protos \
   importlib_resources pytest pytest-xdist execnet pluggy iniconfig pygments
 pip download -q --no-deps --no-binary=:all: -d .gpu_carry/wheels promise  # no wheel exists
+# tokamax (a Pallas kernel library; jax >= 0.11.1) for gpu_check's attention-only
+# table, apart: its install may fail without failing the rest. On that machine:
+#   python3 -m pip install -q --no-deps --no-index .gpu_carry/tokamax/* || true
+mkdir -p .gpu_carry/tokamax
+pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 -d .gpu_carry/tokamax \
+  tokamax einshape jaxtyping wadler-lindig qwix pydantic pydantic-core annotated-types \
+  typing-inspection immutabledict
 # nanoGPT's own train.py for gpu_check's side-by-side section (read, never committed)
 if [ ! -f .gpu_carry/nanogpt/train.py ]; then
   git clone -q --depth 1 https://github.com/karpathy/nanoGPT .gpu_carry/nanogpt ||

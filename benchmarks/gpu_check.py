@@ -308,7 +308,8 @@ def fused_cases(quick):
 def fused_section(quick: bool, repeats: int) -> list[dict]:
   """Attention alone, forward and backward: kernels/pallas_gpu.py (plain and
   with ALiBi's slopes as a score), cuDNN and XLA through
-  jax.nn.dot_product_attention; TFLOP/s counts the causal half of
+  jax.nn.dot_product_attention, and tokamax.dot_product_attention where
+  tokamax imports; TFLOP/s counts the causal half of
   4 * b * h * n^2 * d forward (3.5x that with the backward, FlashAttention's
   convention). On CPU (--quick) the Pallas kernel runs interpreted."""
   import jax
@@ -321,6 +322,12 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
   from flaxformer_lite.attention.kernels import pallas_gpu
 
   on_gpu = jax.default_backend() == 'gpu'
+  try:  # a Pallas kernel library (benchmarks/gpu_carry.sh carries its wheels)
+    import tokamax
+  except Exception as e:  # noqa: BLE001  (missing, or its own imports fail)
+    tokamax = None
+    if on_gpu:
+      print(f'FUSED-NOTE tokamax not measured: {type(e).__name__}: {str(e)[:200]}', flush=True)
   heads = 2 if quick else 8
   alibi = registry.get('alibi').terms(heads)  # the scheme's own score and tables
   alibi_tables = {}  # ALiBi's slopes are a formula of the head index
@@ -349,6 +356,9 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
     if on_gpu:
       builds['cudnn'] = grad_of(lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=True, implementation='cudnn'))
+      if tokamax is not None:  # its own choice of kernel, as a user calls it
+        builds['tokamax'] = grad_of(lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, is_causal=True))
       builds['pallas t5_bias'] = grad_of(lambda q, k, v: pallas_gpu.flash_attention(
           q, k, v, causal=True, score=t5.score,
           tables=t5.prepare({'rel_embedding': t5_table}, None, None)))
@@ -394,14 +404,19 @@ def kernels(rows: Rows, quick: bool, seconds: float):
     ms, tf = c['ms'], c['tflops']
     cells = ' / '.join(f'{k} {ms[k]:.2f} ({tf[k]:.0f} TFLOP/s)' for k in ms)
     anchor = ''
+    if 'tokamax' in ms and 'cudnn' in ms:
+      anchor = f"tokamax {ms['tokamax'] / ms['cudnn']:.2f}x cuDNN; "
     if 'cudnn' in ms:
-      anchor = (f"pallas {ms['pallas'] / ms['cudnn']:.2f}x cuDNN (target <= 1.3); alibi, t5 "
+      anchor += (f"pallas {ms['pallas'] / ms['cudnn']:.2f}x cuDNN (target <= 1.3); alibi, t5 "
                 f"{ms['pallas alibi'] / ms['pallas']:.2f}x, "
                 f"{ms.get('pallas t5_bias', float('nan')) / ms['pallas']:.2f}x plain "
                 '(target <= 1.3)')
     rows.add('kernels', f"attention only, bf16 causal n={c['n']} b={c['b']} d={c['d']} "
              '(fwd+bwd ms)', cells + ('; failed: ' + ', '.join(c['failed']) if c['failed']
                                       else ''), anchor)
+  for note in [line[len('FUSED-NOTE '):] for line in stdout.splitlines()
+               if line.startswith('FUSED-NOTE ')][:1]:
+    rows.add('kernels', 'attention only: tokamax', note)
   if failure:
     raise RuntimeError(f'after {len(cases)} cases: {failure}')
 
