@@ -4,6 +4,7 @@
 # check's tests section), for Python 3.12
 # on x86_64, nanoGPT's source and the shared corpora. On that machine:
 #   python3 -m pip install -q --no-deps --no-index --no-build-isolation .gpu_carry/wheels/*
+#   python3 -m pip install -q --no-deps --no-index .gpu_carry/tokamax/* || true
 #   FFL_PYTHON=python3 FFL_SHARED_DATA=$PWD/.gpu_carry/data benchmarks/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,7 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   importlib_resources pytest pytest-xdist execnet pluggy iniconfig pygments
 pip download -q --no-deps --no-binary=:all: -d .gpu_carry/wheels promise  # no wheel exists
 # tokamax (a Pallas kernel library; jax >= 0.11.1) for gpu_check's attention-only
-# table, apart: its install may fail without failing the rest. On that machine:
-#   python3 -m pip install -q --no-deps --no-index .gpu_carry/tokamax/* || true
+# table, apart: its install may fail without failing the rest.
 mkdir -p .gpu_carry/tokamax
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .gpu_carry/tokamax \
