@@ -60,7 +60,9 @@ CASE_IDS = [f'{VARIANT_IDS[i]}-{config}' for i, config in CASES]
 # XLA:CPU's LLVM code generation at -O0 (the HLO passes still run): half the
 # compile time. The block kernel's many loops compile faster through the
 # fusion emitters, which tests/conftest.py turns off for the rest.
-FAST_COMPILE = {'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': True}
+# XLA:CPU's settings only: an accelerator compiles under its own.
+FAST_COMPILE = ({'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': True}
+                if jax.default_backend() == 'cpu' else {})
 
 
 def _compile(fn, *args):
