@@ -6,6 +6,7 @@ import logging
 import os
 import time
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -157,12 +158,13 @@ def _init_state(config, model, first_batch, parallel):
   where state.init_device says, then placed."""
   example = {k: v[:1] for k, v in first_batch.items()}
   init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
-  device = state_lib.init_device(model, config, example)
+  shapes = state_lib.abstract_params(model, config, example)  # one trace for both uses
+  device = state_lib.init_device(shapes)
   with jax.default_device(device) if device else contextlib.nullcontext():
     state = state_lib.create(model, config, example, init_rng)
   state = jax.device_put(state, parallel.replicated)
   if parallel.mode != 'pmap':
-    parallel.layout(state, state_lib.param_axes(model, config, example))
+    parallel.layout(state, nn.get_partition_spec(shapes))
   return state, dropout_rng
 
 

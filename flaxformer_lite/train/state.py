@@ -38,11 +38,16 @@ def _init_fn(model, config):
   return lambda rng, batch: model.init(rng, batch['inputs'], shift_right(batch['targets']))
 
 
+def abstract_params(model, config, example_batch):
+  """The parameters' shapes and dtypes, boxed with their logical axes (a
+  trace of the initialisers; nothing is computed)."""
+  return jax.eval_shape(_init_fn(model, config), jax.random.key(0), example_batch)['params']
+
+
 def param_axes(model, config, example_batch):
   """The parameters' logical axes: a tree like the params of PartitionSpecs of
   logical names (P() where a layer gives none: replicated). Nothing is computed."""
-  shapes = jax.eval_shape(_init_fn(model, config), jax.random.key(0), example_batch)
-  return nn.get_partition_spec(shapes['params'])
+  return nn.get_partition_spec(abstract_params(model, config, example_batch))
 
 
 def init_params(model, config, example_batch, rng):
@@ -61,10 +66,11 @@ def init_params(model, config, example_batch, rng):
 HOST_INIT_BYTES = 1 << 30
 
 
-def init_device(model, config, example_batch):
-  """Where to initialise a train state: the host's CPU when the default
-  backend is an accelerator and the parameters take at most HOST_INIT_BYTES,
-  else None (the default device). An accelerator compiles the initialisers
+def init_device(shapes):
+  """Where to initialise a train state whose parameters have `shapes`
+  (abstract_params): the host's CPU when the default backend is an
+  accelerator and they take at most HOST_INIT_BYTES, else None (the default
+  device). An accelerator compiles the initialisers
   (a random program per parameter shape, run once) into kernels of its own
   before it runs them; the host's compiler makes light work of them, and the
   values are the same wherever they are drawn (JAX's random bits depend on
@@ -75,7 +81,6 @@ def init_device(model, config, example_batch):
     host = jax.local_devices(backend='cpu')[0]
   except RuntimeError:  # JAX_PLATFORMS without cpu
     return None
-  shapes = jax.eval_shape(_init_fn(model, config), jax.random.key(0), example_batch)['params']
   size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nn.unbox(shapes)))
   return host if size <= HOST_INIT_BYTES else None
 

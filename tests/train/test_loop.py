@@ -150,16 +150,17 @@ def test_a_small_state_is_drawn_on_the_host_when_the_default_device_is_an_accele
   model = models.build(c.model)
   example = {'inputs': np.ones((1, 6), np.int32), 'targets': np.ones((1, 6), np.int32)}
   parallel = partitioning.Partitioner('jit')
+  shapes = state_lib.abstract_params(model, c, example)
   on_default, _ = loop._init_state(c, model, example, parallel)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(on_default.params))
-  assert state_lib.init_device(model, c, example) is None
+  assert state_lib.init_device(shapes) is None
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  assert state_lib.init_device(model, c, example) == jax.local_devices(backend='cpu')[0]
+  assert state_lib.init_device(shapes) == jax.local_devices(backend='cpu')[0]
   on_host, _ = loop._init_state(c, model, example, parallel)
   assert all(x.sharding == parallel.replicated for x in jax.tree.leaves(on_host.params))
   for got, want in zip(jax.tree.leaves(on_host), jax.tree.leaves(on_default)):
     np.testing.assert_array_equal(got, want)
   monkeypatch.setattr(state_lib, 'HOST_INIT_BYTES', nbytes - 1)
-  assert state_lib.init_device(model, c, example) is None
+  assert state_lib.init_device(shapes) is None
   monkeypatch.setattr(state_lib, 'HOST_INIT_BYTES', nbytes)
-  assert state_lib.init_device(model, c, example) is not None
+  assert state_lib.init_device(shapes) is not None
