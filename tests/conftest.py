@@ -108,6 +108,27 @@ def shared_raw_files():
   return require_shared_data()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """FFL_TEST_CPU_LOG=FILE: each test's CPU seconds (setup, call and teardown;
+  this process's and its finished subprocesses'), a line each: where the
+  suite's time goes, apart from the waiting that wall-clock durations add
+  when several workers share the cores."""
+  path = os.environ.get('FFL_TEST_CPU_LOG')
+  if not path:
+    yield
+    return
+  import resource
+  def cpu(who):
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+  own, children = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+  yield
+  own, children = cpu(resource.RUSAGE_SELF) - own, cpu(resource.RUSAGE_CHILDREN) - children
+  with open(path, 'a') as f:
+    f.write(f'{own + children:.2f} {own:.2f} {children:.2f} {item.nodeid}\n')
+
+
 def pytest_runtest_logreport(report):
   if report.skipped and _NOT_FOUND in str(report.longrepr):
     _SKIPPED_FOR_DATA.append(report.nodeid)
