@@ -23,6 +23,12 @@ for _flag in ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensiv
   if not _ACCELERATOR and _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()
 
+# Each lowered op's location carries the Python traceback that made it, up to
+# 100 frames (pytest's and flax's included) by default: building them is about
+# a twentieth of the suite's CPU time, and no test reads them. The innermost
+# frame (file and line) stays. Subprocesses inherit it.
+os.environ.setdefault('JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS', 'false')
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
