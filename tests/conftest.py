@@ -23,12 +23,6 @@ for _flag in ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensiv
   if not _ACCELERATOR and _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()
 
-# Each lowered op's location carries the Python traceback that made it, up to
-# 100 frames (pytest's and flax's included) by default: building them is about
-# a twentieth of the suite's CPU time, and no test reads them. The innermost
-# frame (file and line) stays. Subprocesses inherit it.
-os.environ.setdefault('JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS', 'false')
-
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -186,18 +180,19 @@ def run_main():
   return run
 
 
-# Tests that train in subprocesses or on real data run first: with several
-# workers (launch.sh test runs pytest-xdist), the short ones then fill the
-# gaps instead of one worker finishing a long test alone at the end.
-SLOW_FIRST = ('tests/train/', 'tests/test_real_data.py', 'tests/test_readme.py',
-              'tests/test_sweep.py', 'tests/test_main.py', 'tests/test_plot_attention.py',
-              'tests/test_packing.py', 'tests/test_decoding.py', 'tests/layers/test_transformer.py',
-              'tests/test_pretrained.py', 'tests/test_two_stream.py')
-# Before those, the tests that share one large module-scoped compilation
-# (these fixtures), together: pytest-xdist hands each worker a first batch of
-# consecutive tests (a twelfth of the suite each, with 3 workers), so they all
-# reach the first worker and each fixture is built once, not once per worker
-# that gets one of its tests.
+# The files whose tests train in subprocesses or on real data, heaviest first
+# (CPU seconds: FFL_TEST_CPU_LOG): with several workers (launch.sh test runs
+# pytest-xdist) they start first, and the short tests fill the gaps, instead
+# of one worker finishing a long test alone at the end.
+SLOW_FIRST = ('tests/train/test_parallel.py', 'tests/train/test_faults.py', 'tests/test_readme.py',
+              'tests/train/test_multihost.py', 'tests/test_gpu_check.py',
+              'tests/test_real_data.py', 'tests/train/test_loop.py', 'tests/test_pretrained.py',
+              'tests/test_packing.py', 'tests/test_two_stream.py', 'tests/train/test_memory.py',
+              'tests/test_plot_attention.py', 'tests/test_main.py', 'tests/test_sweep.py',
+              'tests/train/test_evaluation.py', 'tests/train/test_checkpoints.py',
+              'tests/test_decoding.py', 'tests/layers/test_transformer.py')
+# The tests that share one large module-scoped compilation (these fixtures),
+# together on one worker, so that each fixture is built once.
 SHARED_COMPILATIONS = ('trained', 'cases')
 SHARED_FIRST = ('tests/test_chunked_models.py', 'tests/attention/test_chunked.py')
 
@@ -207,11 +202,41 @@ def _order(item):
   if path in SHARED_FIRST:
     shares = any(f in item.fixturenames for f in SHARED_COMPILATIONS)
     return (0, SHARED_FIRST.index(path), not shares)
-  return (1 if item.nodeid.startswith(SLOW_FIRST) else 2,)
+  return (1, SLOW_FIRST.index(path)) if path in SLOW_FIRST else (2,)
+
+
+def _dealt(items, workers: int) -> list:
+  """`items` reordered for pytest-xdist's work stealing, which hands worker i
+  the i-th of `workers` consecutive slices of the queue, then lets an idle
+  worker take the tail of the longest queue: the shared compilations head
+  the first slice, the slow files (whole, their tests in order) head the
+  slices in turn, the rest fills them in order. In one slice, the slow files
+  would run one after another on one worker, the last ones at the suite's end."""
+  sizes, left = [], len(items)
+  for i in range(workers):  # xdist's split: len(pending) // nodes remaining
+    sizes.append(left // (workers - i))
+    left -= sizes[-1]
+  groups = {0: [], 1: {}, 2: []}
+  for item in items:
+    rank = _order(item)[0]
+    if rank == 1:
+      groups[1].setdefault(item.nodeid.split('::')[0], []).append(item)
+    else:
+      groups[rank].append(item)
+  heads = [list(groups[0])] + [[] for _ in range(workers - 1)]
+  for i, tests in enumerate(groups[1].values()):
+    heads[(i + 1) % workers] += tests
+  rest, order = iter(groups[2]), []
+  for head, size in zip(heads, sizes):
+    order += head + [item for _, item in zip(range(size - len(head)), rest)]
+  return order + list(rest)
 
 
 def pytest_collection_modifyitems(items):
   items.sort(key=_order)
+  workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '0'))
+  if workers > 1:
+    items[:] = _dealt(items, workers)
 
 
 def pytest_runtest_teardown(item, nextitem):
