@@ -31,6 +31,7 @@ from flaxformer_lite import config as config_lib
 from flaxformer_lite import decoding, models
 from flaxformer_lite.attention import registry
 from flaxformer_lite.train import losses, steps
+from tests.xla_options import BLOCK_KERNEL_COMPILE
 
 V = 13
 TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only')
@@ -39,11 +40,6 @@ TYPES = ('encoder_decoder', 'decoder_only', 'encoder_only')
 OPTIONS = {'shaw': {'max_distance': 2}, 'local': {'window': 3},
            't5_bias': {'num_buckets': 8, 'bucket_max_distance': 4},
            'deberta': {'position_buckets': 4, 'max_relative_positions': 6}}
-# XLA:CPU's LLVM at -O0 (the same HLO), and the fusion emitters that
-# tests/conftest.py turns off: the block kernel's loops compile faster there.
-# XLA:CPU's settings only: an accelerator compiles under its own.
-FAST_COMPILE = ({'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': True}
-                if jax.default_backend() == 'cpu' else {})
 
 
 def _model_cases():
@@ -140,7 +136,7 @@ def trained(counting_chunked_attend):
                                  batches[t], t)
             for name, t in MODEL_CASES}
   with counting_chunked_attend(_ATTEND_CALLS):
-    compiled = jax.jit(_train_all).lower(params, batches).compile(FAST_COMPILE)
+    compiled = jax.jit(_train_all).lower(params, batches).compile(BLOCK_KERNEL_COMPILE)
   return jax.tree.map(np.asarray, compiled(params, batches)), params
 
 
@@ -218,7 +214,7 @@ def test_cached_decoding_on_the_chunked_kernel_equals_the_full_pass_for_every_va
             for name in DECODERS}
   calls = []
   with counting_chunked_attend(calls):
-    results = jax.jit(_decode_all).lower(params, ids).compile(FAST_COMPILE)(params, ids)
+    results = jax.jit(_decode_all).lower(params, ids).compile(BLOCK_KERNEL_COMPILE)(params, ids)
   # per variant: the cache's shapes (init), the prompt and the step, all on the chunked kernel
   assert len(calls) == 3 * len(DECODERS)
   for name, (full, cached) in results.items():

@@ -33,6 +33,7 @@ from flaxformer_lite.attention import chunked, registry
 from flaxformer_lite.attention.kernels.reference import dot_product_attention
 from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.masks import MaskSpec
+from tests.xla_options import BLOCK_KERNEL_COMPILE
 
 B, H, D, CHUNK = 3, 2, 4, 8
 CONFIGS = {
@@ -57,16 +58,10 @@ VARIANTS = [(name, extra) for name in registry.chunked_names()
 VARIANT_IDS = [name + ''.join(f'-{k}={v}' for k, v in extra.items()) for name, extra in VARIANTS]
 CASES = [(i, config) for i in range(len(VARIANTS)) for config in CONFIGS]
 CASE_IDS = [f'{VARIANT_IDS[i]}-{config}' for i, config in CASES]
-# XLA:CPU's LLVM code generation at -O0 (the HLO passes still run): half the
-# compile time. The block kernel's many loops compile faster through the
-# fusion emitters, which tests/conftest.py turns off for the rest.
-# XLA:CPU's settings only: an accelerator compiles under its own.
-FAST_COMPILE = ({'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': True}
-                if jax.default_backend() == 'cpu' else {})
 
 
 def _compile(fn, *args):
-  return jax.jit(fn).lower(*args).compile(FAST_COMPILE)
+  return jax.jit(fn).lower(*args).compile(BLOCK_KERNEL_COMPILE)
 
 
 def _inputs(config, dtype=np.float32):

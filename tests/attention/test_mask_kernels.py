@@ -36,6 +36,7 @@ import pytest
 from flaxformer_lite.attention import chunked, masks, registry, select
 from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.layers import MultiHeadAttention
+from tests.xla_options import BLOCK_KERNEL_COMPILE
 
 B, H, D, N, CHUNK = 2, 2, 4, 19, 4
 # Small options so that windows, clipping distances and buckets end inside
@@ -43,11 +44,6 @@ B, H, D, N, CHUNK = 2, 2, 4, 19, 4
 OPTIONS = {'shaw': {'max_distance': 3}, 'local': {'window': 3},
            't5_bias': {'num_buckets': 8, 'bucket_max_distance': 4},
            'deberta': {'position_buckets': 4, 'max_relative_positions': 6}}
-# XLA:CPU's LLVM at -O0 and the fusion emitters: the block kernel's loops
-# compile faster there (tests/attention/test_chunked.py).
-# XLA:CPU's settings only: an accelerator compiles under its own.
-FAST_COMPILE = ({'xla_backend_optimization_level': 0, 'xla_cpu_use_fusion_emitters': True}
-                if jax.default_backend() == 'cpu' else {})
 
 PREFIX = np.array([7, 0])
 DOCUMENTS = np.array([[0] * 12 + [1] * 7, [0] * 9 + [1] * 10])
@@ -157,7 +153,8 @@ def results(counting_chunked_attend):
   inputs = {case: _inputs(n, seed) for seed, (case, (_, _, n, _)) in enumerate(CASES.items())}
   params = {name: _params(name, 100 + i) for i, name in enumerate(VARIANTS)}
   with counting_chunked_attend(_ATTEND_CALLS):
-    compiled = jax.jit(_all).lower(inputs, params, COMBINATION_OFFSET).compile(FAST_COMPILE)
+    lowered = jax.jit(_all).lower(inputs, params, COMBINATION_OFFSET)
+    compiled = lowered.compile(BLOCK_KERNEL_COMPILE)
   return jax.tree.map(np.asarray, compiled(inputs, params, COMBINATION_OFFSET))
 
 
