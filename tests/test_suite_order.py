@@ -1,5 +1,9 @@
-"""The suite's order for pytest-xdist (tests/conftest.py), checked against
-xdist's own work-stealing scheduler: what each worker is handed first."""
+"""The suite's own machinery (tests/conftest.py): its order for pytest-xdist,
+checked against xdist's own work-stealing scheduler (what each worker is
+handed first), and FFL_TEST_CPU_LOG's seconds against those a test burned."""
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -73,3 +77,45 @@ def test_each_worker_starts_on_slow_files_and_one_gets_the_shared_compilations(w
   heaviest = conftest.SLOW_FIRST[:workers - 1]
   assert len({owner[p] for p in heaviest}) == len(heaviest)
   assert 0 not in {owner[p] for p in heaviest}  # not behind the shared compilations
+
+
+BUSY = '''
+import subprocess, sys, time
+
+
+def burn(seconds):
+  start = time.process_time()
+  while time.process_time() - start < seconds:
+    pass
+
+
+def test_busy():
+  burn(0.4)
+  child = subprocess.run([sys.executable, '-c',
+                          'import time\\nstart = time.process_time()\\n'
+                          'while time.process_time() - start < 0.6: pass\\n'
+                          'print(time.process_time())'],
+                         capture_output=True, text=True, check=True)
+  with open(sys.argv[0] + '.child', 'w') as f:
+    f.write(child.stdout)
+'''
+
+
+def test_the_cpu_log_counts_a_test_and_its_subprocesses(tmp_path):
+  """FFL_TEST_CPU_LOG: one line per test, its own CPU seconds and its
+  subprocesses', against the seconds each burned (time.process_time)."""
+  test = tmp_path / 'test_busy.py'
+  test.write_text(BUSY.replace("sys.argv[0] + '.child'", repr(str(tmp_path / 'child.txt'))))
+  log = tmp_path / 'cpu.txt'
+  done = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+                         '-p', 'tests.conftest', str(test), '--rootdir', str(tmp_path)],
+                        cwd=conftest.REPO, capture_output=True, text=True, timeout=120,
+                        env={**os.environ, 'FFL_TEST_CPU_LOG': str(log)})
+  assert done.returncode == 0, done.stdout[-2000:]
+  [line] = log.read_text().splitlines()
+  total, own, children, nodeid = line.split(' ', 3)
+  assert nodeid.endswith('test_busy.py::test_busy')
+  child = float((tmp_path / 'child.txt').read_text())
+  assert 0.4 <= float(own) < 1.5
+  assert child <= float(children) < child + 1.0  # the child's start-up on top
+  assert float(total) == pytest.approx(float(own) + float(children), abs=0.011)
