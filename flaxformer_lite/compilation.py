@@ -14,9 +14,11 @@ XLA_FLAGS (each unless XLA_FLAGS already names it, so a user's setting wins).
 """
 from __future__ import annotations
 
+import collections
 import importlib.util
 import logging
 import os
+import threading
 import time
 
 import jax
@@ -26,7 +28,9 @@ from flaxformer_lite.train import preemption
 
 ENV = 'FFL_COMPILE_CACHE'
 _HITS, _MISSES = '/jax/compilation_cache/cache_hits', '/jax/compilation_cache/cache_misses'
-_counts = {_HITS: 0, _MISSES: 0}
+# The cache's hits and misses per thread: two programs compile at once (the
+# train step in a thread, the eval steps in the caller's).
+_counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
 _listening = False
 # XLA:GPU's defaults spend a train step's compile on autotuning: Triton
 # matmul kernels, each tried in many tilings (compiled and timed on the
@@ -92,30 +96,50 @@ def enable_cache(environ=None) -> str | None:
 
 
 def _count(event: str, **_):
-  if event in _counts:
-    _counts[event] += 1
+  if event in (_HITS, _MISSES):
+    _counts[threading.get_ident()][event] += 1
+
+
+class Compiling:
+  """A program lowered, its XLA compile running in a thread of its own (so
+  that a signal stops the run mid-compile: train/preemption.py, and so that
+  the caller can lower and compile another program meanwhile: XLA releases
+  the GIL). Lowering stays in the caller's thread: tracing runs Python that
+  is not safe in two threads at once (flax builds the classes of nn.scan and
+  nn.remat while tracing, and empties a base class's dataclass fields while
+  it does)."""
+
+  def __init__(self, name: str, jitted, *args, log: logging.Logger | None = None):
+    global _listening
+    if not _listening:
+      monitoring.register_event_listener(_count)
+      _listening = True
+    self.name, self._log = name, log or logging.getLogger('flaxformer_lite')
+    start = time.perf_counter()
+    self.lowered = jitted.lower(*args)
+    self.lowered_seconds = time.perf_counter() - start
+    self._pending = preemption.start(self._compile)
+
+  def _compile(self):
+    counts = _counts[threading.get_ident()]
+    hits, misses = counts[_HITS], counts[_MISSES]
+    start = time.perf_counter()
+    compiled = self.lowered.compile()
+    served = counts[_HITS] > hits and counts[_MISSES] == misses
+    return compiled, served, time.perf_counter() - start
+
+  def result(self):
+    """(lowered, compiled), after one log line saying how long each took and
+    whether the persistent cache served it ('NAME compiled in ... s (lowered
+    in ... s)' or 'NAME: cache, ... s (lowered in ... s)')."""
+    compiled, served, seconds = self._pending.result()
+    self._log.info('%s: cache, %.1f s (lowered in %.1f s)' if served else
+                   '%s compiled in %.1f s (lowered in %.1f s)', self.name, seconds,
+                   self.lowered_seconds)
+    return self.lowered, compiled
 
 
 def compile_logged(name: str, jitted, *args, log: logging.Logger | None = None):
-  """jitted.lower(*args) and its compile, with one log line saying how long
-  each took and whether the persistent cache served it ('NAME compiled in
-  ... s (lowered in ... s)' or 'NAME: cache, ... s (lowered in ... s)').
+  """jitted.lower(*args) and its compile, logged (Compiling.result).
   Returns (lowered, compiled)."""
-  global _listening
-  if not _listening:
-    monitoring.register_event_listener(_count)
-    _listening = True
-  start = time.perf_counter()
-  lowered = jitted.lower(*args)
-  lowered_seconds = time.perf_counter() - start
-  hits, misses = _counts[_HITS], _counts[_MISSES]
-  start = time.perf_counter()
-  # In a thread of its own, so that a signal stops the run mid-compile
-  # (train/preemption.py).
-  compiled = preemption.start(lowered.compile).result()
-  seconds = time.perf_counter() - start
-  served = _counts[_HITS] > hits and _counts[_MISSES] == misses
-  (log or logging.getLogger('flaxformer_lite')).info(
-      '%s: cache, %.1f s (lowered in %.1f s)' if served else
-      '%s compiled in %.1f s (lowered in %.1f s)', name, seconds, lowered_seconds)
-  return lowered, compiled
+  return Compiling(name, jitted, *args, log=log).result()

@@ -91,29 +91,45 @@ def test_gpu_xla_flags_are_added_where_the_cuda_plugin_is_and_a_users_setting_wi
 @pytest.mark.parametrize('backend', ['cpu', 'gpu'])
 def test_the_loop_compiles_the_eval_programs_beside_the_train_step_on_cpu_only(
     monkeypatch, backend):
+  """The train step is lowered in the caller's thread (tracing is not safe in
+  two threads), its XLA compile runs in a thread: beside the eval programs'
+  on CPU, before them on a GPU."""
   import threading
 
   from flaxformer_lite.train import loop
   events, train_started, eval_done = [], threading.Event(), threading.Event()
 
-  def compile_train():
-    events.append(('train starts', threading.current_thread() is threading.main_thread()))
-    train_started.set()
-    eval_done.wait(timeout=2)  # returns at once where the eval compiles alongside
-    events.append(('train ends', None))
-    return 'lowered', 'compiled'
+  def in_main():
+    return threading.current_thread() is threading.main_thread()
+
+  class Lowered:
+    def compile(self):
+      events.append(('train starts', in_main()))
+      train_started.set()
+      eval_done.wait(timeout=2)  # returns at once where the eval compiles alongside
+      events.append(('train ends', None))
+      return 'compiled'
+
+  class Jitted:
+    def lower(self, *args):
+      events.append(('train lowered', in_main()))
+      return lowered
 
   def eval_programs(*_):
     train_started.wait(timeout=10)
-    events.append(('eval', None))
+    events.append(('eval', in_main()))
     eval_done.set()
     yield 'eval step', None
 
+  lowered = Lowered()
   monkeypatch.setattr(loop.jax, 'default_backend', lambda: backend)
   monkeypatch.setattr(loop, '_eval_programs', eval_programs)
-  assert loop._compile_programs(None, None, None, None, compile_train) == ('lowered', 'compiled')
+  train = compilation.Compiling('train step', Jitted(), 'state', 'batch')
+  assert loop._compile_programs(None, None, None, None, train) == (lowered, 'compiled')
   order = [name for name, _ in events]
-  if backend == 'gpu':  # one after another, in the main thread
-    assert order == ['train starts', 'train ends', 'eval'] and events[0][1]
-  else:  # the eval program compiled while the train step did, in a thread
-    assert order == ['train starts', 'eval', 'train ends'] and not events[0][1]
+  threads = dict(events)
+  assert threads['train lowered'] and threads['eval'] and not threads['train starts']
+  if backend == 'gpu':  # one after another
+    assert order == ['train lowered', 'train starts', 'train ends', 'eval']
+  else:  # the eval program compiled while the train step did
+    assert order == ['train lowered', 'train starts', 'eval', 'train ends']

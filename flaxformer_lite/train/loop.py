@@ -272,29 +272,28 @@ def _eval_programs(config, dataset, evaluate, params):
     yield f'greedy sample after {prompt.shape[1]} tokens', generate
 
 
-def _compile_programs(config, dataset, evaluate, params, compile_train):
-  """Compiles the train step (`compile_train()`, returning (lowered,
-  compiled)) and every program of `_eval_programs`; returns the train step's.
+def _compile_programs(config, dataset, evaluate, params, train: compilation.Compiling):
+  """Compiles every program of `_eval_programs` while the train step (lowered
+  already) compiles; returns the train step's (lowered, compiled).
 
   On CPU the eval steps and the sampler compile while the train step compiles
-  in a thread (XLA's compiler releases the GIL): the first step waits for the
-  longest compile, not their sum. On a GPU they compile one after another:
+  in its thread (XLA's compiler releases the GIL): the first step waits for
+  the longest compile, not their sum. On a GPU they compile one after another:
   XLA:GPU autotunes each program by running candidate kernels on the one
   device, and two compiles at once slow each other down several times over
   (benchmarks/compile_flags.py compiles them in turn, as here).
   """
   if jax.default_backend() == 'gpu':
-    train = compile_train()
+    compiled = train.result()
     for _ in _eval_programs(config, dataset, evaluate, params):
       pass
-    return train
-  pending = preemption.start(compile_train)
+    return compiled
   try:
     for _ in _eval_programs(config, dataset, evaluate, params):
       pass
   finally:
-    train = pending.result()  # also when an eval program failed: its error follows
-  return train
+    compiled = train.result()  # also when an eval program failed: its error follows
+  return compiled
 
 
 def _check_needs(config, needs: dict, kept: dict, limit) -> None:
@@ -513,8 +512,7 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
         len(first_batch['inputs']), row_multiple)))
     lowered_train, compiled_train = _compile_programs(
         config, dataset, evaluate, parallel.unplace_state(state).params,
-        lambda: compilation.compile_logged('train step', train_step, state, example,
-                                           dropout_rng))
+        compilation.Compiling('train step', train_step, state, example, dropout_rng))
     _check_memory(config, dataset, parallel, state, lowered_train, compiled_train, example,
                   evaluate, limit)
     step_flops = profiling.step_flops(compiled_train)

@@ -2,11 +2,13 @@
 import glob
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
 
 from flaxformer_lite import config as config_lib
+from flaxformer_lite.layers import transformer
 from flaxformer_lite.train import loop, metrics
 
 
@@ -81,11 +83,17 @@ def test_resume_with_a_different_model_is_refused(tiny_config, tmp_path):
     assert json.load(f)['model']['d_model'] == 32  # the saved run is untouched
 
 
-def test_a_run_resumes_with_its_layers_scanned(tiny_config, tmp_path, caplog):
+def test_a_run_resumes_with_its_layers_scanned(tiny_config, tmp_path, caplog, monkeypatch):
   """model.scan_layers turned on between legs: the checkpoint's layers are
   stacked on restore, and the run reaches the losses of an uninterrupted
   unrolled run (no dropout: the layouts draw their masks differently).
-  test_checkpoints.py reads each layout into the other."""
+  test_checkpoints.py reads each layout into the other.
+
+  Every program of the run is traced in the run's own thread, while only
+  XLA's compiles run in threads: flax builds nn.scan's classes while tracing
+  and meanwhile empties their base class's dataclass fields, which a second
+  thread tracing the same layers would read ('dictionary changed size during
+  iteration')."""
   c = tiny_config
   c.train.num_steps, c.train.log_every, c.train.checkpoint_every = 4, 2, 2
   c.eval.final_test, c.model.dropout_rate = False, 0.0
@@ -94,9 +102,17 @@ def test_a_run_resumes_with_its_layers_scanned(tiny_config, tmp_path, caplog):
   leg.train.num_steps = 2
   loop.train_and_evaluate(leg, str(tmp_path / 'parts'))
   leg.model.scan_layers, leg.train.num_steps = True, 4
+  traced_in, run_layers = set(), transformer._run_layers
+
+  def recorded(*args, **kwargs):
+    traced_in.add(threading.get_ident())
+    return run_layers(*args, **kwargs)
+  monkeypatch.setattr(transformer, '_run_layers', recorded)
   with caplog.at_level('INFO', logger='flaxformer_lite'):
     loop.train_and_evaluate(leg, str(tmp_path / 'parts'))
+  assert traced_in == {threading.get_ident()}
   assert 'checkpoint 2: layers stacked' in caplog.text
+  assert 'train step compiled in' in caplog.text and 'eval step' in caplog.text
   a, b = _train_points(str(tmp_path / 'whole')), _train_points(str(tmp_path / 'parts'))
   assert sorted(a) == sorted(b) == [2, 4]
   for step in (2, 4):
