@@ -131,8 +131,6 @@ setup_venv() {
     local py; py=$(find_python)
     echo "launch.sh: installing into $VENV with $py (first run takes a few minutes)" >&2
     [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
-    # --no-compile: Python writes the bytecode of the modules a run imports as
-    # it imports them, not of every module of every package at install time.
     "$VENV/bin/python" -m pip install -q --no-compile --upgrade pip >&2
     # setuptools' notice on every editable install of a flat layout is not an error.
     PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation" \
@@ -140,6 +138,14 @@ setup_venv() {
       | grep -v "is ignored: it is neither" >&2 || true
     "$VENV/bin/python" -c "import flaxformer_lite, jax, flax, optax, orbax.checkpoint" \
       || { echo "launch.sh: installation into $VENV failed (see above)" >&2; exit 1; }
+    # The packages' bytecode, written once here on both cores (pip's own step
+    # is serial): where PYTHONDONTWRITEBYTECODE is set (CI machines often set
+    # it), Python never writes it, and every process (each test worker, each
+    # run a test starts) would compile jax, flax and the rest from source
+    # again: 2 of the 3 CPU seconds of a run that stops at a config error.
+    "$VENV/bin/python" -m compileall -q -j 0 \
+      "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null \
+      || echo "launch.sh: some of $VENV's modules did not byte-compile; they compile as imported" >&2
     echo "$want" > "$VENV/.pyproject.sha256"
   fi
 }

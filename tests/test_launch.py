@@ -1,8 +1,9 @@
-"""launch.sh: its help, --devices, the `run` subcommand and the glibc malloc
-settings it exports.
+"""launch.sh: its help, --devices, the `run` subcommand, the glibc malloc
+settings it exports and the bytecode of the venv it installs.
 
 What the settings do to page faults is measured by benchmarks/page_faults.py
 (a timing-dependent property, so not asserted here)."""
+import importlib.util
 import os
 import platform
 import subprocess
@@ -102,3 +103,20 @@ def test_fetch_names_the_models_it_knows():
   assert "unknown model 'gpt5'; valid: minilm, smollm2" in r.stderr
   r = launch('fetch')
   assert r.returncode == 2 and 'usage: ./launch.sh fetch NAME; NAME: minilm, smollm2' in r.stderr
+
+
+def test_the_venv_holds_the_bytecode_of_every_module_of_its_packages():
+  """launch.sh byte-compiles the packages it installs: where
+  PYTHONDONTWRITEBYTECODE is set, Python would otherwise compile jax, flax
+  and the rest from source in every process (each test worker, each run a
+  test starts). Every module has its bytecode, imported by now or not."""
+  skip_unless_launch_uses_this_venv()
+  import flax
+  import jax
+  for package in (jax, flax):
+    root = os.path.dirname(package.__file__)
+    sources = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files
+               if f.endswith('.py')]
+    missing = [s for s in sources if not os.path.exists(importlib.util.cache_from_source(s))]
+    assert sources and not missing, (
+        f'{len(missing)} of {len(sources)} modules without bytecode, e.g. {missing[:3]}')
