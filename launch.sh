@@ -138,11 +138,10 @@ setup_venv() {
       | grep -v "is ignored: it is neither" >&2 || true
     "$VENV/bin/python" -c "import flaxformer_lite, jax, flax, optax, orbax.checkpoint" \
       || { echo "launch.sh: installation into $VENV failed (see above)" >&2; exit 1; }
-    # The packages' bytecode, written once here on both cores (pip's own step
-    # is serial): where PYTHONDONTWRITEBYTECODE is set (CI machines often set
-    # it), Python never writes it, and every process (each test worker, each
-    # run a test starts) would compile jax, flax and the rest from source
-    # again: 2 of the 3 CPU seconds of a run that stops at a config error.
+    # The packages' bytecode, written once here on all cores (pip's own step
+    # is serial): where PYTHONDONTWRITEBYTECODE is set, Python never writes
+    # it, and every process (each test worker, each run a test starts) would
+    # compile jax, flax and the rest from source again (benchmarks/README.md).
     "$VENV/bin/python" -m compileall -q -j 0 \
       "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null \
       || echo "launch.sh: some of $VENV's modules did not byte-compile; they compile as imported" >&2
