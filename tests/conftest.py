@@ -194,7 +194,7 @@ SLOW_FIRST = ('tests/train/test_parallel.py', 'tests/train/test_faults.py', 'tes
 # The tests that share one large module-scoped compilation (these fixtures),
 # together on one worker, so that each fixture is built once.
 SHARED_COMPILATIONS = ('trained', 'cases')
-SHARED_FIRST = ('tests/test_chunked_models.py', 'tests/attention/test_chunked.py')
+SHARED_FIRST = ('tests/test_chunked_models.py', 'tests/attention/kernels/test_blockwise.py')
 
 
 def _order(item):

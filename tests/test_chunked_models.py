@@ -7,7 +7,7 @@ the loss curves and the final parameters must agree to float32 rounding. chunk_s
 blocks, the last one partial. Each variant trains one model type, the types
 taken in turn over the variants (every type is covered, each variant is
 covered once; the whole matrix would triple the compile time, and
-tests/attention/test_chunked.py already puts every variant through causal,
+tests/attention/kernels/test_blockwise.py already puts every variant through causal,
 bidirectional and rectangular masks). All of it is traced into one jit and
 compiled once.
 

@@ -282,3 +282,14 @@ def test_auto_keeps_variants_without_a_chunked_form_dense():
 def test_dense_max_mib_is_checked():
   with pytest.raises(ValueError, match='dense_max_mib=-1'):
     registry.resolve_kernel('dot_product', {'dense_max_mib': -1})
+
+
+def test_registry_holds_exactly_the_expected_variants():
+  assert set(registry.names()) == {
+      'dot_product', 'shaw', 't5_bias', 'alibi', 'rotary', 'local', 'bahdanau', 'luong_dot',
+      'luong_general', 'luong_concat', 'luong_local_p', 'luong_local_m',
+      'location_sensitive', 'hard', 'transformer_xl', 'deberta', 'kerple', 'sandwich', 'fire',
+      'xpos', 'cope'}
+  for name in registry.names():
+    row = registry.describe(registry.get(name))
+    assert row.name == name and row.models and row.kernels and row.options and row.doc

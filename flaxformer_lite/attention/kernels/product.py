@@ -131,7 +131,7 @@ def dot_logits_(q, k):
   takes ds in the inputs' dtype, as FlashAttention-2's backward does: in
   bfloat16 the backward's matmuls run at the bfloat16 rate and accumulate
   in float32 (preferred_element_type), and the gradients are as accurate
-  as the dense bfloat16 path's (tests/attention/test_chunked.py)."""
+  as the dense bfloat16 path's (tests/attention/kernels/test_blockwise.py)."""
   if q.shape[1] == 1:  # one query (a decoding step): _one_query
     return jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), -1).transpose(0, 2, 1)[:, :, None]
   return jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)
