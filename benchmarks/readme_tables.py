@@ -202,7 +202,8 @@ def sweep_numbers() -> dict[str, dict]:
 # heading's anchor) and a sentence whose {source[value]} fields come from
 # measurements.json (by record) or from sweep_numbers() (by source).
 HEADLINE = [
-    ('How soon does a run start?', 'KERNELS.md#how-soon-does-a-run-start-compile-time-and-the-first-step',
+    ('How soon does a run start?',
+     'KERNELS.md#how-soon-does-a-run-start-compile-time-and-the-first-step',
      "the default experiment's first step {first_step_cpu[empty_max]:.0f} s after launch, "
      '{first_step_cpu[warm_max]:.0f} s on a warm compilation cache '
      "(2-core CPU); the nanoGPT recipe's on an H200: {recipe_gpu[first_step_warm]:.1f} s, warm cache"),
@@ -221,7 +222,8 @@ HEADLINE = [
      '{position_study[shaw_k16_sd]:.1f}, rotary {position_study[rotary]:.1f} ± '
      '{position_study[rotary_sd]:.1f}; Tiny Shakespeare: Shaw '
      '{position_study[shakespeare_shaw_gain]:.3f} nats/char below sinusoidal (2-core CPU)'),
-    ('Train short, test long', 'RESULTS.md#train-short-test-long-which-positions-extrapolate-on-real-text',
+    ('Train short, test long',
+     'RESULTS.md#train-short-test-long-which-positions-extrapolate-on-real-text',
      'trained at 256 characters, at 16384: ALiBi {short_long[alibi]:.3f}, Transformer-XL '
      '{short_long[transformer_xl]:.3f}, rotary {short_long[rotary]:.3f} nats/char (2-core CPU)'),
     ('Which position scheme generalises?',
@@ -233,11 +235,13 @@ HEADLINE = [
      'Tiny Shakespeare val loss {tiny_shakespeare_cpu[eval_loss]:.3f} (nanoGPT 1.88), '
      '{tiny_shakespeare_cpu[wall]}; Multi30k test2016 BLEU {multi30k_cpu[test_bleu]:.1f}, '
      '{multi30k_cpu[wall]} (2-core CPU)'),
-    ('Chunked kernel', 'KERNELS.md#chunked_attentionpy-the-chunked-kernel-against-each-variants-dense-form',
+    ('Chunked kernel',
+     'KERNELS.md#chunked_attentionpy-the-chunked-kernel-against-each-variants-dense-form',
      'causal fwd+bwd, b=4, dot_product against dense: {chunked_kernel[dot_time_2048]:.2f}x the time '
      'and {chunked_kernel[dot_temp_2048]:.2f}x the memory at n=2048, '
      '{chunked_kernel[dot_time_8192]:.2f}x and {chunked_kernel[dot_temp_8192]:.2f}x at 8192 '
-     '(2-core CPU; GPU: [KERNELS.md](benchmarks/KERNELS.md#the-chunked-kernel-dense-and-cudnn-on-an-h100))'),
+     '(2-core CPU; GPU: '
+     '[KERNELS.md](benchmarks/KERNELS.md#the-chunked-kernel-dense-and-cudnn-on-an-h100))'),
     ('Position schemes as block terms', 'KERNELS.md#the-schemes-written-as-block-terms',
      "kerple, sandwich, fire, xpos on the chunked kernel at n=2048: "
      "{block_terms[time_min]:.2f}-{block_terms[time_max]:.2f}x dot_product's time; at 16384 tokens "

@@ -82,7 +82,8 @@ def index_entries(text: str) -> dict[str, str]:
 def test_the_index_is_short():
   with open(INDEX) as f:
     lines = f.read().splitlines()
-  assert len(lines) <= MAX_LINES, f'benchmarks/README.md has {len(lines)} lines (at most {MAX_LINES})'
+  assert len(lines) <= MAX_LINES, (
+      f'benchmarks/README.md has {len(lines)} lines (at most {MAX_LINES})')
 
 
 def test_every_script_is_in_the_index_with_its_command_and_results():
@@ -91,7 +92,8 @@ def test_every_script_is_in_the_index_with_its_command_and_results():
   assert scripts(), 'no scripts found in benchmarks/'
   missing = [s for s in scripts() if s not in entries]
   assert not missing, f'benchmarks/README.md does not list {missing}'
-  assert not set(entries) - set(scripts()), f'listed but not in benchmarks/: {set(entries) - set(scripts())}'
+  extra = set(entries) - set(scripts())
+  assert not extra, f'benchmarks/README.md lists scripts that benchmarks/ lacks: {extra}'
   for name, body in entries.items():
     commands = re.findall(r'`([^`\n]+)`', body)
     assert any(f'benchmarks/{name}' in c for c in commands), (
