@@ -141,7 +141,7 @@ setup_venv() {
     # The packages' bytecode, written once here on all cores (pip's own step
     # is serial): where PYTHONDONTWRITEBYTECODE is set, Python never writes
     # it, and every process (each test worker, each run a test starts) would
-    # compile jax, flax and the rest from source again (benchmarks/README.md).
+    # compile jax, flax and the rest from source again (tests/README.md).
     "$VENV/bin/python" -m compileall -q -j 0 \
       "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null \
       || echo "launch.sh: some of $VENV's modules did not byte-compile; they compile as imported" >&2
@@ -216,7 +216,7 @@ fi
 # glibc malloc (Linux): XLA:CPU mallocs each call's temp buffer. A block above
 # glibc's mmap threshold (32 MiB at most by default) is mapped afresh on every
 # call and faulted in page by page: a Transformer-base train step ran 16% slower
-# (README, "CPU allocator"). One arena with high mmap and trim thresholds keeps
+# (benchmarks/KERNELS.md, "CPU allocator"). One arena with high mmap and trim thresholds keeps
 # such blocks in the heap. Variables already set win; FFL_SYSTEM_MALLOC=1 skips.
 if [ "$(uname -s)" = Linux ] && [ -z "${FFL_SYSTEM_MALLOC:-}" ]; then
   export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-1}"

@@ -13,7 +13,7 @@ interleaved in one run:
 Prints median ms and XLA's compiled temp memory (MiB) of each and their
 ratios to `registered`: a hand-written form that is not faster than `block`
 has no reason to exist. --out FILE also writes the table as markdown
-(benchmarks/README.md includes benchmarks/results/dense_forms.md).
+(benchmarks/KERNELS.md includes benchmarks/results/dense_forms.md).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The step is a jitted gradient whose XLA temp buffer (float32 [4096, 4096]
 intermediates) is far above glibc's largest default mmap threshold (32 MiB).
 Under plain glibc every call maps that buffer afresh and faults it in, about
 one fault per 4 KiB page; under launch.sh's settings it stays in the heap
-(README, "CPU allocator"). Some calls there still fault a whole fresh buffer
+(benchmarks/KERNELS.md, "CPU allocator"). Some calls there still fault a whole fresh buffer
 in, by timing, hence the median beside the max. Each setting runs in a fresh
 process (glibc reads the variables at start-up); the values are read from
 launch.sh itself.

@@ -54,7 +54,7 @@ benchmarks/results/pretrained_context/): results.jsonl, one JSON line a cell
 (a re-run skips the cells done with the same settings, so a long grid can
 be stopped and resumed), tables.md, and the maps' PNG. The results and
 their wall times on the 2-core CPU (about 50 minutes for the second command)
-are in benchmarks/README.md, "Does RoPE scaling extend a pretrained model's
+are in benchmarks/RESULTS.md, "Does RoPE scaling extend a pretrained model's
 context?".
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ time. A value named SPLIT_METRIC (`test_sequence_accuracy`, `eval_loss`) is
 the last SPLIT point's METRIC in the run's metrics.jsonl; the record's other
 values (a benchmark's ratios, a memory peak) are listed as not read from the
 run and stay as they were. The date becomes today's, the machine this one's
-(or --machine). Then benchmarks/readme_tables.py rewrites both READMEs.
+(or --machine). Then benchmarks/readme_tables.py rewrites the documents' tables.
 """
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import readme_tables
     readme_tables.main([])
-    print('record.py: README.md and benchmarks/README.md rewritten (git diff shows what moved)')
+    print('record.py: the tables of README.md, benchmarks/RESULTS.md, benchmarks/KERNELS.md and '
+          'tests/README.md rewritten (git diff shows what moved)')
   return 0
 
 

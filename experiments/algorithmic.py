@@ -19,7 +19,7 @@ the papers' (1,000 steps of 32 here; Deletang et al. train 1M steps of 128),
 the same for every scheme. 1-2 minutes a run on one CPU core.
 Expected: reverse_string with alibi about 0.8 exact match on lengths 1-40
 and none beyond; every task and scheme: the suite's tables
-(benchmarks/README.md).
+(benchmarks/RESULTS.md).
 """
 from flaxformer_lite import config as config_lib
 

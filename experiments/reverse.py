@@ -13,7 +13,7 @@ whole-sequence accuracy the last few points (the paper's rsqrt schedule,
 --config.train.schedule=rsqrt --config.train.learning_rate=1.0, plateaus near
 0.985 at 2000 steps here).
 Expected: eval sequence_accuracy >= 0.99 (exact match of the whole decoded
-sequence; 1.000 measured); 3m21s on 2 CPU cores (benchmarks/README.md), data
+sequence; 1.000 measured); 3m21s on 2 CPU cores (benchmarks/RESULTS.md), data
 preparation and evaluation included. Lengths 17..32 are not learned
 (long_sequence_accuracy ~0): absolute positions do not extrapolate.
 """

@@ -13,7 +13,7 @@ fetched (step 0: perplexity on the first 64 validation windows and a greedy
 sample of the text's continuation; eval.at_start), trains 40 steps of 8
 windows, and evaluates the same way at step 40. The layers run under nn.scan
 (model.scan_layers): one layer to compile, not 30.
-Expected (2 CPU cores, benchmarks/README.md): validation perplexity 59.07 as
+Expected (2 CPU cores, benchmarks/RESULTS.md): validation perplexity 59.07 as
 fetched, 32.29 after the 40 steps; 11m51s, peak RSS 11.5 GiB.
 """
 from flaxformer_lite import config as config_lib

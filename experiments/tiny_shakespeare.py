@@ -9,7 +9,7 @@ gradient clipping 1.0, GPT-2's initialisation. nanoGPT reports validation loss 1
 minutes on an A100). Corpus, split and model family as in
 experiments/tiny_shakespeare_cpu.py.
 Computes in bfloat16 on a GPU or TPU (model.dtype='auto'), float32 on CPU.
-Expected: nanoGPT's 1.4697 is the anchor. On one H200 (benchmarks/README.md,
+Expected: nanoGPT's 1.4697 is the anchor. On one H200 (benchmarks/KERNELS.md,
 "How soon does a run start?"): best validation loss 1.484 at step 1500, 153
 steps/s, first step 11 s after launch on a warm compilation cache.
 """

@@ -14,7 +14,7 @@ Raw data: data.manual_dir (input.txt), else the shared corpora (README,
 "Data"), else downloaded from karpathy/char-rnn.
 Expected: validation loss 1.760 (bpc 2.54) over every character of the
 validation split after 2000 steps (nanoGPT reports 1.88, averaged over 20
-random batches); 2m10s on 2 CPU cores (benchmarks/README.md, "Real corpora").
+random batches); 2m10s on 2 CPU cores (benchmarks/RESULTS.md, "Real corpora").
 """
 import os
 import runpy

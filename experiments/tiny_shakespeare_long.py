@@ -5,7 +5,7 @@
 experiments/tiny_shakespeare_cpu.py (a 4-layer GPT, d=128, 4 heads) trained
 on windows of 4096 characters instead of 64, with no absolute positions and
 ALiBi's distance biases (Press et al. 2022), which extrapolate past the
-training length (benchmarks/README.md, "train short, test long"), attention
+training length (benchmarks/RESULTS.md, "Train short, test long"), attention
 dropout 0.1, and the kernel left to 'auto'. Evaluated over the whole
 validation split in non-overlapping windows of 4096 characters (loss, bpc)
 and of 16384 (loss_16384, bpc_16384), in eval batches of 131,072 characters

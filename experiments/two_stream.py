@@ -15,7 +15,7 @@ prediction per example); train records carry `step_flops` (XLA's cost
 analysis of the train step). About 3 minutes on one CPU core.
 Expected: test accuracy above 0.99 (early fusion and the bottleneck alike);
 with --config.model.fusion_layer=4 (the streams meet only in the classifier)
-near chance. The grid's table: benchmarks/README.md.
+near chance. The grid's table: benchmarks/RESULTS.md.
 """
 from flaxformer_lite import config as config_lib
 

@@ -255,9 +255,10 @@ def test_readme_variant_example_registers_and_equals_its_formula():
 
 
 def test_the_generated_parts_match_the_live_registry_and_the_results_files():
-  """README.md's variant count, variants table and headline table, and
-  benchmarks/README.md's results tables, are what benchmarks/readme_tables.py
-  writes from the registry and benchmarks/results/ today."""
+  """README.md's variant count, variants table and headline table, and the
+  results tables of benchmarks/RESULTS.md, benchmarks/KERNELS.md and
+  tests/README.md, are what benchmarks/readme_tables.py writes from the
+  registry and benchmarks/results/ today."""
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import readme_tables
   assert readme_tables.main(['--check']) == 0, 'run ./launch.sh run benchmarks/readme_tables.py'
@@ -287,24 +288,26 @@ def test_the_readme_check_fails_on_a_stale_count_row_or_number(tmp_path, capsys)
   assert 'differ from what benchmarks/readme_tables.py writes' in capsys.readouterr().out
 
 
-def test_a_new_measurement_reaches_both_readmes_through_its_record():
-  """A record's value changes the headline and its benchmarks/README row; the
-  rows name their machine and date."""
+def test_a_new_measurement_reaches_the_documents_through_its_record():
+  """A record's value changes the headline and its row in benchmarks/RESULTS.md;
+  every record has its row in one of the documents, naming its machine and date."""
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import readme_tables
   measurements = readme_tables.load_measurements()
   changed = json.loads(json.dumps(measurements))
   changed['tiny_shakespeare_cpu']['values']['eval_loss'] = 1.234
   changed['tiny_shakespeare_cpu']['wall'] = '9m99s'
-  for name in readme_tables.FILES:
+  for name in ('README.md', os.path.join('benchmarks', 'RESULTS.md')):
     with open(os.path.join(REPO, name)) as f:
       text = f.read()
     assert '1.234' not in text
     new = readme_tables.generate(text, changed)
     assert 'val loss 1.234' in new or 'val loss **1.234**' in new, name
     assert '9m99s' in new, name
-  with open(os.path.join(REPO, 'benchmarks', 'README.md')) as f:
-    text = f.read()
+  text = ''
+  for name in readme_tables.FILES[1:]:
+    with open(os.path.join(REPO, name)) as f:
+      text += f.read()
   for record in measurements.values():
     assert f'{record["machine"]}, {record["wall"]}, {record["date"]} |' in text
   with pytest.raises(KeyError, match='no value'):
