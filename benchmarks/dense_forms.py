@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
-from flaxformer_lite.attention import from_terms, registry  # noqa: E402
+from flaxformer_lite.attention import registry  # noqa: E402, scheme
 from flaxformer_lite.attention.kernels import reference  # noqa: E402
 
 FORMS = ('registered', 'block', 'elementwise')
@@ -39,7 +39,7 @@ def _builds(name, b, n, h, d):
   """{form: () -> (jitted gradient, args)} for `name` at this size."""
   variant = registry.get(name)
   options = registry.resolve_kwargs(name, {})
-  params = from_terms.random_params(variant.params(h, d, options) if variant.params else {}, 0)
+  params = scheme.random_params(variant.params(h, d, options) if variant.params else {}, 0)
   terms = variant.terms(h, **options)
   r = np.random.default_rng(0)
   q, k, v, g = (jnp.asarray(r.normal(size=(b, n, h, d)), jnp.float32) for _ in range(4))

@@ -253,20 +253,20 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope='session')
 def counting_chunked_attend():
   """counting_chunked_attend(calls): a context in which each call of
-  chunked.attend first appends 1 to the list `calls`. Traced inside it, a
+  blockwise.attend first appends 1 to the list `calls`. Traced inside it, a
   chunked form shows that it ran the block kernel, not a dense fallback."""
-  from flaxformer_lite.attention import chunked
+  from flaxformer_lite.attention.kernels import blockwise
 
   @contextlib.contextmanager
   def counting(calls):
-    attend = chunked.attend
+    attend = blockwise.attend
 
     def counted(*args, **kwargs):
       calls.append(1)
       return attend(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(chunked, 'attend', counted)
+      patch.setattr(blockwise, 'attend', counted)
       yield
 
   return counting

@@ -30,6 +30,7 @@ from flax.training import train_state
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import decoding, models
 from flaxformer_lite.attention import registry
+from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.train import losses, steps
 from tests.xla_options import BLOCK_KERNEL_COMPILE
 
@@ -98,7 +99,7 @@ def _random_params(model, batch, model_type):
                                    for s in leaves])
 
 
-# chunked.attend's calls while tracing (the fixture counts them): the chunked
+# blockwise.attend's calls while tracing (the fixture counts them): the chunked
 # kernel must really run in the 'chunked' models (not fall back on 'dense').
 _ATTEND_CALLS = []
 _TRACED_ATTEND_CALLS = {}

@@ -254,6 +254,45 @@ def test_readme_variant_example_registers_and_equals_its_formula():
     registry._REGISTRY.pop('learned_alibi', None)  # pylint: disable=protected-access
 
 
+def test_readme_inline_score_runs_on_every_kernel_as_its_formula():
+  """The ```python block with an inline score (soft-capping), run as written
+  with q, k, v given: on the dense, blockwise and (interpreted) Pallas
+  kernels, output and q's gradient equal softmax(30 tanh(q.k / 30 sqrt(d)))
+  v under a causal mask, written out in float64 (the gradient by central
+  differences of that formula along one direction)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  block, = [b for b in fenced(open(README).read(), 'python') if 'score=softcap' in '\n'.join(b)]
+  assert len([line for line in block if line.strip()]) <= 6
+  r = np.random.default_rng(0)
+  b, n, h, d = 2, 7, 2, 16
+  q, k, v = (r.normal(size=(b, n, h, d)) * 3 for _ in range(3))
+
+  def formula(q):
+    s = 30.0 * np.tanh(np.einsum('bnhd,bmhd->bhnm', q, k) / np.sqrt(d) / 30.0)
+    s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum('bhnm,bmhd->bnhd', w / w.sum(-1, keepdims=True), v)
+
+  scope = {'q': q.astype(np.float32), 'k': k.astype(np.float32), 'v': v.astype(np.float32)}
+  exec('\n'.join(block), scope)  # pylint: disable=exec-used
+  np.testing.assert_allclose(np.asarray(scope['out']), formula(q), rtol=1e-4, atol=1e-4)
+  direction, eps = r.normal(size=q.shape), 1e-4
+  cot = r.normal(size=q.shape)
+  want = np.sum((formula(q + eps * direction) - formula(q - eps * direction)) * cot) / (2 * eps)
+  for kernel in ('dense', 'chunked', 'pallas'):
+    def loss(q, kernel=kernel):
+      out = scope['attend'](q, *(jnp.asarray(x, jnp.float32) for x in (k, v)),
+                            score=scope['softcap'], mask=scope['masks'].causal(), kernel=kernel,
+                            options={'chunk_size': 4})
+      return jnp.sum(out * cot), out
+    (_, out), dq = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(q, jnp.float32))
+    np.testing.assert_allclose(np.asarray(out), formula(q), rtol=1e-4, atol=1e-4, err_msg=kernel)
+    np.testing.assert_allclose(float(np.sum(np.asarray(dq, np.float64) * direction)), want,
+                               rtol=1e-3, err_msg=kernel)
+
+
 def test_the_generated_parts_match_the_live_registry_and_the_results_files():
   """README.md's variant count, variants table and headline table, and the
   results tables of benchmarks/RESULTS.md, benchmarks/KERNELS.md and
@@ -395,7 +434,7 @@ def test_readme_mask_example_runs_on_both_kernels_as_its_definition(monkeypatch)
     if kernel == 'chunked':
       monkeypatch.setattr(blockwise, 'VISIT_HOOK', lambda pass_name, masked, qb, kb: visits.update(
           [(pass_name, int(qb), int(kb))]))
-    outs[kernel] = layer.apply(params, x, mask=scope['prefix_lm'](jnp.asarray(lengths)))
+    outs[kernel] = layer.apply(params, x, mask=scope['prefix_lm'](lengths))  # numpy data
     jax.effects_barrier()
     monkeypatch.setattr(blockwise, 'VISIT_HOOK', None)
     outs[kernel + ' from the array'] = layer.apply(params, x, mask=jnp.asarray(want))

@@ -1,7 +1,9 @@
 """The one entry point: attention of projected queries, keys and values
-under a named scheme and a mask, on the kernel `auto` picks.
+under a named scheme or an inline score, and a mask, on the kernel `auto`
+picks.
 
   out = attend(q, k, v, scheme='alibi', mask=masks.causal())
+  out = attend(q, k, v, score=lambda s, b, h, q, k, t: 30 * jnp.tanh(s / 30))
 
 Everything a variant needs besides q, k and v (its options and parameters,
 positions, a decoding offset, dropout, the RNN decoders' alignment) is an
@@ -15,25 +17,30 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, masks, registry, select
-from flaxformer_lite.attention.kernels import pallas_gpu, reference
+from flaxformer_lite.attention import masks, registry, select
+from flaxformer_lite.attention.kernels import pallas_gpu, product
+from flaxformer_lite.attention.scheme import Terms, call_tables, query_key_positions
 
 
-def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
-           kernel: str | None = None, options: Mapping[str, Any] | None = None,
-           params: Mapping[str, Any] | None = None, q_offset=0, positions=None, bias=None,
-           dropout_rate: float = 0.0, dropout_rng=None, rng=None, prev_alignment=None,
-           decoding: bool = False, dtype=None, return_weights: bool = False):
-  """Attention under `scheme` (a registry name).
+def attend(query, key, value, *, scheme: str = 'dot_product', score=None, tables=None,
+           mask=None, kernel: str | None = None, scale: float | None = None,
+           options: Mapping[str, Any] | None = None, params: Mapping[str, Any] | None = None,
+           q_offset=0, positions=None, bias=None, dropout_rate: float = 0.0, dropout_rng=None,
+           rng=None, prev_alignment=None, decoding: bool = False, dtype=None,
+           return_weights: bool = False):
+  """Attention under `scheme` (a registry name) or an inline `score`.
 
   Args:
     query: [b, n, h, d], query i at position q_offset + i (or positions[i]);
       key, value: [b, m, g, d], g dividing h (grouped-query attention).
     scheme: the variant's registry name (`--list_attention`).
+    score, tables: in place of `scheme`, a score(s, b, h, q_pos, k_pos,
+      tables) -> s run unregistered (scheme.py), with its tables by name.
     mask: None, a masks.Mask, a masks.MaskSpec or a boolean array
       broadcastable to [b, h, n, m] (True = may attend).
     kernel: 'auto' (select.py), 'dense', 'chunked' or one of the variant's
       own (dot_product: 'xla', 'cudnn'); None: options' `implementation`.
+    scale: what q.k is multiplied by before the score (default 1/sqrt(d)).
     options: the variant's options and the kernel options
       (config.model.attention_kwargs; unset ones may be None).
     params: the variant's parameters by name (AttentionVariant.params).
@@ -52,15 +59,17 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
   Returns:
     [b, n, h, dv]; with return_weights, (that, weights).
   """
-  variant = registry.get(scheme)
+  variant, params = _variant(scheme, score, tables, params)
+  scheme = variant.name
   given = dict(options or {})
   if kernel is not None:
     given['implementation'] = kernel
-  kwargs = registry.resolve_kwargs(scheme, given)
-  kernel_options = registry.resolve_kernel(scheme, given)
-  params = dict(params or {})
+  kwargs = registry.resolve_kwargs(variant, given)
+  kernel_options = registry.resolve_kernel(variant, given)
   dtype = dtype or query.dtype
   h = query.shape[2]
+  _check_params(variant, params, h, query.shape[3], kwargs)
+  query = _scaled(variant, query, scale)
   reads_positions = positions is not None and variant.uses_positions
   if reads_positions and not variant.position_arrays:
     raise ValueError(f'attention={scheme!r} reads positions as q_offset + 0..n-1 only; '
@@ -94,6 +103,45 @@ def attend(query, key, value, *, scheme: str = 'dot_product', mask=None,
                 return_weights=return_weights, **params, **kwargs)
 
 
+def _variant(scheme: str, score, tables, params):
+  """(the registry entry, its parameters) for attend's `scheme`, or an
+  unregistered one for an inline `score` with its `tables`."""
+  if score is None:
+    if tables is not None:
+      raise ValueError(f'attend(tables=...) goes with an inline score=; attention={scheme!r} '
+                       'takes its parameters as params=')
+    return registry.get(scheme), dict(params or {})
+  if scheme != 'dot_product':
+    raise ValueError(f'attend(scheme={scheme!r}, score=...): give a registered scheme or an '
+                     'inline score, not both')
+  if params is not None:
+    raise ValueError('attend(score=...) reads its arrays from tables=, not params=')
+  return registry.inline(score), dict(tables or {})
+
+
+def _scaled(variant, query, scale):
+  """query [b, n, h, d] so that the kernels' 1/sqrt(d) scales q.k by `scale`
+  (None: query itself)."""
+  if scale is None:
+    return query
+  if variant.terms is None:
+    raise ValueError(f'attend(scale={scale!r}): attention={variant.name!r} does not score by '
+                     'q.k; scale= applies to the dot-product schemes')
+  ratio = scale * query.shape[3] ** 0.5
+  return (query.astype(jnp.promote_types(query.dtype, jnp.float32)) * ratio).astype(query.dtype)
+
+
+def _check_params(variant, params, heads: int, head_dim: int, kwargs) -> None:
+  """Raises ValueError naming the parameters `variant` declares that
+  `params` lacks."""
+  if variant.params is None:
+    return
+  missing = sorted(set(variant.params(heads, head_dim, kwargs)) - set(params))
+  if missing:
+    raise ValueError(f'attention={variant.name!r} reads the parameters {missing} '
+                     f'(AttentionVariant.params), and params= holds {sorted(params) or "none"}')
+
+
 def _dense(variant, kernel_options, query, key, value, *, mask, kind, q_offset, positions, rng,
            prev_alignment, **common):
   """The variant's dense function `fn`, given what its registry entry says
@@ -120,7 +168,7 @@ def _dense(variant, kernel_options, query, key, value, *, mask, kind, q_offset, 
                     deterministic=common['dropout_rng'] is None, **common, **extra)
 
 
-def fused_scheme(query, key, value, terms: chunked.BlockTerms, params, *, mask=None, q_offset=0,
+def fused_scheme(query, key, value, terms: Terms, params, *, mask=None, q_offset=0,
                  positions=None, dtype=None):
   """A scheme's terms on the fused Pallas kernel (kernels/pallas_gpu.py;
   interpreted off a GPU): its tables made once, its q and k maps applied
@@ -133,8 +181,8 @@ def fused_scheme(query, key, value, terms: chunked.BlockTerms, params, *, mask=N
   dtype = dtype or query.dtype
   b, n, h, _ = query.shape
   m = key.shape[1]
-  q_pos, k_pos = chunked.query_key_positions(n, m, q_offset, positions)
-  tables = reference.prepared(terms, params, q_pos, k_pos) or {}
+  q_pos, k_pos = query_key_positions(n, m, q_offset, positions)
+  tables = call_tables(terms, params, q_pos, k_pos) or {}
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   origin = k_pos[0]  # as the dense reference measures, one block for the call
   if terms.transform_q is not None:
@@ -160,5 +208,5 @@ def fused_scheme(query, key, value, terms: chunked.BlockTerms, params, *, mask=N
   if rule is None:
     return out
   seen = masks.rows_seeing_a_key(rule, b, h, n, m, q_offset)  # [b | 1, h | 1, n]
-  mean = chunked.repeat_heads(terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
+  mean = product.repeat_heads(terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
   return jnp.where(jnp.moveaxis(seen, 1, 2)[..., None], out, mean.astype(out.dtype))

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def band(q_pos, k_pos, window: int, causal: bool):
@@ -251,6 +252,12 @@ class Mask:
   fn: Callable[..., Any]
   name: str = 'mask'
   arrays: tuple = ()
+
+  def __post_init__(self):
+    # Data as JAX arrays: a kernel indexes them by traced indices, which a
+    # numpy array refuses (TracerArrayConversionError).
+    object.__setattr__(self, 'arrays', tuple(
+        jnp.asarray(x) if isinstance(x, (np.ndarray, list, tuple)) else x for x in self.arrays))
 
   def __call__(self, b, h, q, k):
     return self.fn(b, h, q, k, *self.arrays)

@@ -22,7 +22,7 @@ takes (KERNEL_OPTIONS): `implementation` ('auto' | 'dense' | 'chunked';
 dot_product also 'xla' | 'cudnn') and `chunk_size`. A variant that can run
 block by block has `chunked`, called as `fn` but with a masks.MaskSpec or a
 masks.Mask (or None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
-when `dropout_rng` is given), bias or weights (chunked.py); keys and values
+when `dropout_rng` is given), bias or weights (kernels/blockwise.py); keys and values
 may have fewer heads than the queries there (grouped-query attention).
 `choose_kernel` (select.py: the `auto` policy, per platform) decides which
 one runs.
@@ -36,7 +36,9 @@ import typing
 from typing import Any, Callable, Mapping, NamedTuple
 
 from flaxformer_lite import model_types
-from flaxformer_lite.attention import from_terms, select
+from flaxformer_lite.attention import scheme, select
+from flaxformer_lite.attention.kernels import blockwise
+from flaxformer_lite.attention.kernels.reference import dense_attention
 
 TRANSFORMER_MODELS = model_types.TRANSFORMER_TYPES
 ALL_MODELS = tuple(model_types.MODEL_TYPES)
@@ -83,12 +85,14 @@ class AttentionVariant:
     any integers: randomized positions, Ruoss et al. 2023), in place of
     q_offset + 0..n-1; None with `terms`: True (the terms read positions as
     arrays), else False.
-  terms: (num_heads, **kwargs) -> chunked.BlockTerms, the variant written
-    once as what it changes in a block of the kernels' scaled q.k scores
-    (its score, tables, query and key maps, values term: chunked.py,
-    from_terms.py): `register` derives `fn` and `chunked` from it
-    where they are not given (a hand-written `fn` then is a faster or the
-    paper's reference form of the same math) and checks its contracts.
+  terms: (num_heads, **kwargs) -> scheme.Terms, the variant written once
+    as what it changes in the kernels' scaled q.k scores (its score, tables,
+    query and key maps, values term: scheme.py): `register` derives `fn`
+    and `chunked` from it where they are not given (`derived_fns`; a
+    hand-written `fn` then is a faster or the paper's reference form of the
+    same math). Its contracts (a linear values term, an additive score that
+    adds) are checked for every registered scheme by
+    tests/attention/test_registry.py (scheme.check_terms), not at lookup.
   """
   name: str
   fn: Callable[..., Any] | None = None
@@ -268,21 +272,50 @@ def register(variant: AttentionVariant) -> AttentionVariant:
 
 
 def _with_terms(variant: AttentionVariant) -> AttentionVariant:
-  """`variant` with the kernels its `terms` give where it names none; its
-  values term and an additive score are checked at its first `get` (_check_terms)."""
+  """`variant` with the kernels its `terms` give where it names none."""
   kwargs = dict(variant.kwargs)
   specs = variant.params(2, 4, kwargs) if variant.params else {}
   if set(specs) & set(kwargs):
     raise ValueError(f'attention variant {variant.name!r}: parameters '
                      f'{sorted(set(specs) & set(kwargs))} are named like its options')
-  terms = variant.terms(2, **kwargs)
-  if terms.values is not from_terms.chunked.dot_values or terms.additive:
-    _UNCHECKED.add(variant.name)  # a values term or a bias: checked at the first lookup
-  fn, chunked = from_terms.variant_fns(variant.terms, variant.kwargs)
+  fn, chunked = derived_fns(variant.terms, variant.kwargs)
   arrays = variant.position_arrays
   return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked,
                              uses_positions=variant.uses_positions or variant.fn is None,
                              position_arrays=variant.fn is None if arrays is None else arrays)
+
+
+def derived_fns(make_terms: Callable[..., scheme.Terms], option_names) -> tuple:
+  """(fn, chunked) from `make_terms(num_heads, **options)`: the dense
+  reference and the blockwise kernel on its terms. Keyword arguments named in
+  `option_names` are the scheme's options, the others (besides the kernels'
+  own) its parameters."""
+  option_names = frozenset(option_names)
+
+  def split(query, rest):
+    options = {k: v for k, v in rest.items() if k in option_names}
+    params = {k: v for k, v in rest.items() if k not in option_names}
+    return make_terms(query.shape[2], **options), params
+
+  def fn(query, key, value, *, mask=None, bias=None, q_offset=0, positions=None,
+         dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
+         return_weights=False, **rest):
+    terms, params = split(query, rest)
+    # A block_score may read a block's positions as a range: with positions
+    # as data the elementwise score runs.
+    return dense_attention(query, key, value, terms, params, mask=mask, bias=bias,
+                           q_offset=q_offset, positions=positions, dropout_rate=dropout_rate,
+                           dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype,
+                           return_weights=return_weights, elementwise=positions is not None)
+
+  def chunked_fn(query, key, value, *, mask=None, q_offset=0, chunk_size=None, dtype=None,
+                 dropout_rate=0.0, dropout_rng=None, **rest):
+    terms, params = split(query, rest)
+    return blockwise.dot_product(query, key, value, terms, params, mask=mask, q_offset=q_offset,
+                                 chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
+                                 dropout_rng=dropout_rng)
+
+  return fn, chunked_fn
 
 
 def names() -> list[str]:
@@ -292,30 +325,7 @@ def names() -> list[str]:
 def get(name: str) -> AttentionVariant:
   if name not in _REGISTRY:
     raise ValueError(f'unknown attention variant {name!r}; valid: {", ".join(names())}')
-  if name in _UNCHECKED:
-    _check_terms(_REGISTRY[name])
   return _REGISTRY[name]
-
-
-# Variants given as block terms whose values term is still to be checked for
-# linearity. The check runs JAX on small arrays, so not at import (a process of
-# a multi-host run must call jax.distributed.initialize before any JAX
-# computation): at the variant's first lookup, before anything is built.
-_UNCHECKED: set[str] = set()
-
-
-def _check_terms(variant: AttentionVariant) -> None:
-  """from_terms.check_terms on `variant`'s terms (default options, 2 heads
-  of 4); a variant that fails leaves the registry."""
-  _UNCHECKED.discard(variant.name)
-  kwargs = dict(variant.kwargs)
-  specs = variant.params(2, 4, kwargs) if variant.params else {}
-  try:
-    from_terms.check_terms(variant.name, variant.terms(2, **kwargs),
-                           from_terms.random_params(specs), 2, 4)
-  except TypeError:
-    del _REGISTRY[variant.name]
-    raise
 
 
 def all_kwargs() -> dict[str, Any]:
@@ -329,7 +339,22 @@ def all_kwargs() -> dict[str, Any]:
           'chunk_size': cpu.chunk_size, 'dense_max_mib': cpu.dense_max_mib}
 
 
-def resolve_options(name: str, given: Mapping[str, Any] | None) -> Any | None:
+def inline(score: Callable[..., Any]) -> AttentionVariant:
+  """An unregistered variant for attend(score=...): the terms Terms(score=
+  score) with its kernels derived, its tables given at the call; named after
+  the function for messages."""
+  name = f'score {getattr(score, "__name__", type(score).__name__)}'
+  return _with_terms(AttentionVariant(name=name, terms=lambda num_heads: scheme.Terms(
+      score=score), models=TRANSFORMER_MODELS))
+
+
+def _variant(name_or_variant: str | AttentionVariant) -> AttentionVariant:
+  if isinstance(name_or_variant, AttentionVariant):
+    return name_or_variant
+  return get(name_or_variant)
+
+
+def resolve_options(name: str | AttentionVariant, given: Mapping[str, Any] | None) -> Any | None:
   """The variant's options value (None where it has none): its defaults
   overridden by `given`, validated by building it.
 
@@ -339,28 +364,29 @@ def resolve_options(name: str, given: Mapping[str, Any] | None) -> Any | None:
   for a variant that does not take it is an error naming the variant's
   options.
   """
-  variant = get(name)
+  variant = _variant(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
   unknown = sorted(set(given) - set(variant.kwargs) - set(KERNEL_OPTIONS))
   if unknown:
     valid = ', '.join(f'{k}={v!r}' for k, v in {**variant.kwargs, **KERNEL_OPTIONS}.items())
     raise ValueError(f'attention_kwargs {unknown} do not apply to attention='
-                     f'{name!r}; its options are: {valid}')
-  resolve_kernel(name, given)
+                     f'{variant.name!r}; its options are: {valid}')
+  resolve_kernel(variant, given)
   if variant.options is None:
     return None
   return variant.options(**{k: v for k, v in given.items() if k not in KERNEL_OPTIONS})
 
 
-def resolve_kwargs(name: str, given: Mapping[str, Any] | None) -> dict[str, Any]:
+def resolve_kwargs(name: str | AttentionVariant,
+                   given: Mapping[str, Any] | None) -> dict[str, Any]:
   """resolve_options as option name -> value: the keyword arguments of the
   variant's `fn`, `terms` and `params`."""
   return option_values(resolve_options(name, given))
 
 
-def resolve_kernel(name: str, given: Mapping[str, Any] | None) -> Kernel:
+def resolve_kernel(name: str | AttentionVariant, given: Mapping[str, Any] | None) -> Kernel:
   """The kernel options from `given` (attention_kwargs; None = unset), checked."""
-  variant = get(name)
+  variant = _variant(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
   kernel = Kernel(**{k: given.get(k, default) for k, default in KERNEL_OPTIONS.items()})
   _validate_kernel(variant, kernel)
@@ -449,7 +475,7 @@ def table(width: int = 100) -> str:
   kernels and each option wrapped in theirs; the description follows on lines
   of its own, indented, wrapped to `width`. No line is longer than `width`
   unless `width` leaves the options fewer than 12 characters. A listing reads
-  what registration declared: it runs no variant's first-lookup check."""
+  what registration declared."""
   rows = [describe(_REGISTRY[name]) for name in names()]
   kernels = [textwrap.wrap(' '.join(r.kernels), len('dense chunked')) for r in [_HEADER, *rows]]
   widths = [max(len(r.name) for r in [_HEADER, *rows]),

@@ -20,7 +20,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, masks
+from flaxformer_lite.attention import masks
 from flaxformer_lite.attention.kernels import splash
 
 
@@ -196,10 +196,10 @@ def fused_fits(query, key, *, dtype=None, dropout=False, return_weights=False,
 
 def pallas_runs(terms) -> bool:
   """Whether the fused Pallas kernel runs a scheme given as `terms`
-  (chunked.BlockTerms, or None for a variant of another kind): an
+  (scheme.Terms, or None for a variant of another kind): an
   elementwise `score` or none, no `block_score` without one (a term that
   reads the block's q and k), the plain values and q.k product."""
-  if terms is None or terms.product is not None or terms.values is not chunked.dot_values:
+  if terms is None or terms.product is not None or terms.values is not None:
     return False
   return terms.score is not None or terms.block_score is None
 
@@ -226,7 +226,7 @@ def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=No
   """'dense', 'chunked' or 'pallas' for query [b, n, h, d] and key [b, m, g, d].
 
   `variant` is a registry.AttentionVariant, `kernel` its registry.Kernel,
-  `terms` its chunked.BlockTerms for this call's heads (None: not a scheme),
+  `terms` its scheme.Terms for this call's heads (None: not a scheme),
   `mask` the call's mask (pallas_fits reads it).
   'auto' keeps the dense path where the weights are asked for (only it has
   them), the variant has no chunked form, or its fused kernel fits

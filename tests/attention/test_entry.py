@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import attend, from_terms, masks, registry
+from flaxformer_lite.attention import attend, masks, registry, scheme
 
 B, N, H, G, D = 2, 9, 4, 2, 8
 
@@ -59,7 +59,7 @@ def test_the_pallas_kernel_equals_the_dense_reference_for_every_scheme_it_runs(n
   q, k, v = _inputs(4, G)
   options = registry.resolve_kwargs(name, {})
   specs = variant.params(H, D, options) if variant.params else {}
-  params = from_terms.random_params(specs, 5)
+  params = scheme.random_params(specs, 5)
   valid, seen = np.ones((B, N), bool), np.ones((B, N), bool)
   valid[1, :2], seen[0, 4] = False, False  # row 1's first queries see no key
   mask = masks.causal() & masks.key_padding(valid) & masks.query_padding(seen)
@@ -81,3 +81,67 @@ def test_the_pallas_kernel_equals_the_dense_reference_for_every_scheme_it_runs(n
   for p in params:
     np.testing.assert_allclose(np.asarray(dgot[3][p]), np.asarray(dwant[3][p]), rtol=2e-4,
                                atol=2e-4, err_msg=f'd {p}')
+
+
+def _loop_attention(q, k, v, logit, visible):
+  """softmax over the visible keys of logit(b, h, i, j), times v, in float64
+  loops (q [B, N, H, D]; k, v [B, N, H, D])."""
+  out = np.zeros(q.shape[:3] + (v.shape[-1],))
+  for b in range(q.shape[0]):
+    for h in range(q.shape[2]):
+      for i in range(q.shape[1]):
+        js = [j for j in range(k.shape[1]) if visible(i, j)]
+        s = np.array([logit(b, h, i, j) for j in js])
+        w = np.exp(s - s.max())
+        out[b, i, h] = (w / w.sum()) @ v[b, js, h].astype(np.float64)
+  return out
+
+
+def test_an_inline_score_reads_the_batch_row_and_a_table_per_row_and_head():
+  """attend(score=...) with a table [B, H] indexed by the batch row: the
+  dense and blockwise kernels equal the loop; the fused kernel, which takes
+  tables per head, refuses with the kernels that take it."""
+  q, k, v = _inputs(1)
+  table = np.random.default_rng(2).normal(size=(B, H)).astype(np.float32)
+
+  def tilt(s, b, h, q_pos, k_pos, tables):
+    return s + tables['tilt'][b, h] * (q_pos - k_pos).astype(jnp.float32)
+
+  want = _loop_attention(q, k, v, lambda b, h, i, j: (
+      q[b, i, h].astype(np.float64) @ k[b, j, h] / np.sqrt(D) + table[b, h] * (i - j)),
+      lambda i, j: j <= i)
+  for kernel in ('dense', 'chunked'):
+    got = attend(q, k, v, score=tilt, tables={'tilt': table}, mask=masks.causal(),
+                 kernel=kernel, options={'chunk_size': 4})
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=kernel)
+  with pytest.raises(ValueError, match=r"has shape \(2, 4\): a table is per head"):
+    attend(q, k, v, score=tilt, tables={'tilt': table}, mask=masks.causal(), kernel='pallas')
+  square = np.zeros((H, H), np.float32)  # per head by its shape, read by batch row
+  with pytest.raises(ValueError, match="reads a table per head.*kernel='dense' or 'chunked'"):
+    attend(q, k, v, score=tilt, tables={'tilt': square}, mask=masks.causal(), kernel='pallas')
+
+
+@pytest.mark.parametrize('kernel', ['dense', 'chunked', 'pallas'])
+def test_scale_replaces_one_over_the_square_root_of_the_head_size(kernel):
+  q, k, v = _inputs(3)
+  want = _loop_attention(q, k, v, lambda b, h, i, j: 0.7 * q[b, i, h].astype(np.float64)
+                         @ k[b, j, h] - abs(i - j) * 2.0 ** (-8.0 * (h + 1) / H),
+                         lambda i, j: True)
+  got = attend(q, k, v, scheme='alibi', scale=0.7, kernel=kernel, options={'chunk_size': 4})
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_score_that_reads_a_table_the_call_lacks_says_which_and_where_tables_go():
+  q, k, v = _inputs()
+
+  def capped(s, b, h, q_pos, k_pos, tables):
+    return s + tables['t'][h]
+
+  for kernel in ('dense', 'chunked', 'pallas'):
+    with pytest.raises(KeyError, match=r"reads table 't', but this call has none.*tables="):
+      attend(q, k, v, score=capped, kernel=kernel)
+  with pytest.raises(ValueError, match=r"attention='t5_bias' reads the parameters "
+                                       r"\['rel_embedding'\].*params= holds none"):
+    attend(q, k, v, scheme='t5_bias')
+  with pytest.raises(ValueError, match='registered scheme or an inline score, not both'):
+    attend(q, k, v, scheme='alibi', score=capped)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import chunked, from_terms, masks, registry
+from flaxformer_lite.attention import masks, registry, scheme
+from flaxformer_lite.attention.kernels import product, reference
 
 B, N, H, D = 2, 11, 4, 8
 Q_OFFSET = 5  # queries at 5..15, keys at 0..15
@@ -23,7 +24,7 @@ def _inputs(name, options, seed=0):
   variant = registry.get(name)
   kwargs = registry.resolve_kwargs(name, options)
   specs = variant.params(H, D, kwargs) if variant.params else {}
-  params = {p: np.asarray(x) for p, x in from_terms.random_params(specs, seed).items()}
+  params = {p: np.asarray(x) for p, x in scheme.random_params(specs, seed).items()}
   return q, k, v, params, kwargs
 
 
@@ -150,49 +151,39 @@ def test_xpos_at_a_16k_position_is_finite_and_equals_the_loop():
                                err_msg=what)
 
 
-def test_a_values_term_that_is_not_linear_in_the_weights_is_refused_at_its_first_lookup():
-  def squared(p, v, params, q_pos, k_pos):
-    return chunked.dot_values(p * p, v, params, q_pos, k_pos)
-
-  def terms(num_heads):
-    return chunked.BlockTerms(values=squared, uniform=chunked.mean_values)
-
-  registry.register(registry.AttentionVariant(name='squared_weights_test', terms=terms))
-  with pytest.raises(TypeError, match='not linear in the weights'):
-    registry.get('squared_weights_test')
-  assert 'squared_weights_test' not in registry.names()
+def _squared(p, v, params, q_pos, k_pos):
+  return product.dot_values(p * p, v, params, q_pos, k_pos)
 
 
-def test_the_first_lookup_inside_a_traced_model_still_checks_the_values_term(monkeypatch):
-  """A model traced under jit may be the first to look a variant up: the
-  check still runs then (a non-linear term is refused inside the trace, and
-  a linear one, shaw's, passes and its tables come back as arrays)."""
-  def squared(p, v, params, q_pos, k_pos):
-    return chunked.dot_values(p * p, v, params, q_pos, k_pos)
+def test_a_values_term_that_is_not_linear_in_the_weights_fails_the_check():
+  """scheme.check_terms, which test_registry.py runs on every registered
+  scheme, refuses a values term that squares the weights."""
+  terms = scheme.Terms(values=_squared, uniform=scheme.mean_values)
+  with pytest.raises(TypeError, match="'squared': Terms.values is not linear in the weights"):
+    scheme.check_terms('squared', terms, {}, 2, 4)
 
+
+def test_looking_a_variant_up_runs_no_jax(monkeypatch):
+  """registry.get is a dictionary lookup, inside a trace too: a scheme whose
+  values term would fail the check is still returned, and nothing compiles."""
   monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))  # pylint: disable=protected-access
-  monkeypatch.setattr(registry, '_UNCHECKED', {'shaw'})  # pylint: disable=protected-access
   registry.register(registry.AttentionVariant(
-      name='squared_in_trace_test',
-      terms=lambda num_heads: chunked.BlockTerms(values=squared, uniform=chunked.mean_values)))
-  seen = {}
+      name='squared_lookup_test',
+      terms=lambda num_heads: scheme.Terms(values=_squared, uniform=scheme.mean_values)))
+  compiled = []
+  monkeypatch.setattr(jax.stages.Lowered, 'compile',
+                      lambda self, *a, **k: compiled.append(self) or 1 / 0)
 
   def model(x):
-    with pytest.raises(TypeError, match='not linear in the weights'):
-      registry.get('squared_in_trace_test')
-    seen['shaw'] = registry.get('shaw').name
-    specs = registry.get('shaw').params(2, 4, registry.resolve_kwargs('shaw', {}))
-    seen['tables'] = from_terms.random_params(specs)
+    assert registry.get('squared_lookup_test').name == 'squared_lookup_test'
+    assert all(registry.get(name).name == name for name in registry.names())
     return x + 1
 
-  assert float(jax.jit(model)(1.0)) == 2.0
-  assert seen['shaw'] == 'shaw' and 'squared_in_trace_test' not in registry.names()
-  assert seen['tables'] and all(isinstance(t, jax.Array) and not isinstance(t, jax.core.Tracer)
-                                for t in seen['tables'].values())
+  jax.make_jaxpr(model)(1.0)
+  assert not compiled
 
 
-def test_a_linear_values_term_passes_the_check_under_a_reduced_default_matmul_precision(
-    monkeypatch):
+def test_a_linear_values_term_passes_the_check_under_a_reduced_default_matmul_precision():
   """A GPU's default float32 matmul (TF32) and a TPU's (bf16 passes) round a
   linear term by ~1e-3, past the check's tolerance: the check must run at
   float32 precision whatever the default. XLA:CPU ignores the setting, so
@@ -200,15 +191,11 @@ def test_a_linear_values_term_passes_the_check_under_a_reduced_default_matmul_pr
   def rounded(p, v, params, q_pos, k_pos):
     if jax.config.jax_default_matmul_precision not in ('highest', 'float32'):
       p, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (p, v))
-    return chunked.dot_values(p, v, params, q_pos, k_pos)
+    return product.dot_values(p, v, params, q_pos, k_pos)
 
-  def terms(num_heads):
-    return chunked.BlockTerms(values=rounded, uniform=chunked.mean_values)
-
-  monkeypatch.setattr(registry, '_REGISTRY', dict(registry._REGISTRY))  # pylint: disable=protected-access
-  registry.register(registry.AttentionVariant(name='rounded_values_test', terms=terms))
+  terms = scheme.Terms(values=rounded, uniform=scheme.mean_values)
   with jax.default_matmul_precision('bfloat16'):
-    assert registry.get('rounded_values_test').name == 'rounded_values_test'
+    scheme.check_terms('rounded', terms, {}, 2, 4)
 
 
 def test_importing_the_registry_runs_no_jax_computation():
@@ -229,13 +216,13 @@ def test_a_linear_values_term_registers_and_runs_on_both_kernels():
   the formula, fully masked rows included (uniform)."""
   def values(p, v, params, q_pos, k_pos):
     shift = jnp.sum(p, -1, keepdims=True) * params['shift_test'][None, :, None, :]
-    return chunked.dot_values(p, v, params, q_pos, k_pos) + shift
+    return product.dot_values(p, v, params, q_pos, k_pos) + shift
 
   def uniform(value, params, q_pos, m):
-    return chunked.mean_values(value, params, q_pos, m) + params['shift_test'][None, None]
+    return scheme.mean_values(value, params, q_pos, m) + params['shift_test'][None, None]
 
   variant = registry.register(registry.AttentionVariant(
-      name='shifted_values_test', terms=lambda num_heads: chunked.BlockTerms(
+      name='shifted_values_test', terms=lambda num_heads: scheme.Terms(
           values=values, uniform=uniform),
       params=lambda h, d, kw: {'shift_test': ((h, d), jax.nn.initializers.normal(1.0),
                                               ('heads', 'kv'))}))
@@ -263,7 +250,7 @@ def test_a_linear_values_term_registers_and_runs_on_both_kernels():
 def test_a_parameter_named_like_an_option_is_refused():
   with pytest.raises(ValueError, match='named like its options'):
     registry.register(registry.AttentionVariant(
-        name='clash_test', terms=lambda num_heads, width: chunked.BlockTerms(),
+        name='clash_test', terms=lambda num_heads, width: scheme.Terms(),
         options=dataclasses.make_dataclass(
             'ClashOptions', [('clash_width_test', int, dataclasses.field(default=2))],
             frozen=True),
@@ -338,7 +325,7 @@ def test_fire_bias_in_row_tiles_equals_the_formula_and_the_untiled_gradient(monk
 
 
 HAND_WRITTEN = [n for n in registry.names() if registry.get(n).terms is not None
-                and 'variant_fns' not in registry.get(n).fn.__qualname__]
+                and 'derived_fns' not in registry.get(n).fn.__qualname__]
 
 
 def test_the_hand_written_dense_forms_are_the_fused_ones_and_shaw_transformer_xl_deberta():
@@ -360,7 +347,7 @@ def test_a_hand_written_dense_form_equals_the_one_its_block_terms_give(name):
                 deterministic=True, dtype=jnp.float32, return_weights=True)
   offset = {'q_offset': Q_OFFSET} if variant.uses_positions else {}  # as the layer passes it
   got, got_w = variant.fn(q, k, v, **common, **offset, **params, **kwargs)
-  want, want_w = from_terms.dense_attention(q, k, v, variant.terms(H, **kwargs), params,
+  want, want_w = reference.dense_attention(q, k, v, variant.terms(H, **kwargs), params,
                                             q_offset=Q_OFFSET, **common)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-5, atol=1e-6)
@@ -369,7 +356,7 @@ def test_a_hand_written_dense_form_equals_the_one_its_block_terms_give(name):
 def test_a_first_lookup_inside_a_traced_function_checks_the_terms_eagerly():
   """A model traced under jit may be the first to look a variant up."""
   registry.register(registry.AttentionVariant(
-      name='traced_lookup_test', terms=lambda num_heads: chunked.BlockTerms()))
+      name='traced_lookup_test', terms=lambda num_heads: scheme.Terms()))
   try:
     assert jax.jit(lambda x: x + len(registry.get('traced_lookup_test').name))(1) == 19
   finally:

@@ -10,7 +10,7 @@ import pytest
 
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import models
-from flaxformer_lite.attention import from_terms, registry
+from flaxformer_lite.attention import registry, scheme
 
 B, N, H, D = 2, 6, 2, 8
 L = 23
@@ -33,7 +33,7 @@ def test_positions_equal_the_tokens_placed_at_them_in_a_longer_sequence(name):
   kwargs = registry.resolve_kwargs(name, None)
   specs = variant.params(H, D, kwargs) if variant.params else {}
   params = {p: np.asarray(x) + 0.3 * r.normal(size=x.shape).astype(np.float32)
-            for p, x in from_terms.random_params(specs).items()}
+            for p, x in scheme.random_params(specs).items()}
   q, k, v = (r.normal(size=(B, N, H, D)).astype(np.float32) for _ in range(3))
   order = np.arange(N)
   mask = (order[None, :] <= order[:, None]) if causal else np.ones((N, N), bool)

@@ -13,7 +13,7 @@ import typing
 import jax
 import pytest
 
-from flaxformer_lite.attention import registry, select
+from flaxformer_lite.attention import registry, scheme, select
 
 
 def _takers():
@@ -293,3 +293,14 @@ def test_registry_holds_exactly_the_expected_variants():
   for name in registry.names():
     row = registry.describe(registry.get(name))
     assert row.name == name and row.models and row.kernels and row.options and row.doc
+
+
+@pytest.mark.parametrize('name', [n for n in registry.names() if registry.get(n).terms])
+def test_every_schemes_terms_keep_their_contract(name):
+  """scheme.check_terms on every registered scheme (default options, 2 heads
+  of 4, parameters from their initialisers): a values term linear in the
+  weights, an additive score that adds one bias for every batch row."""
+  variant = registry.get(name)
+  kwargs = dict(variant.kwargs)
+  specs = variant.params(2, 4, kwargs) if variant.params else {}
+  scheme.check_terms(name, variant.terms(2, **kwargs), scheme.random_params(specs), 2, 4)

@@ -1,6 +1,6 @@
 """Every registered scheme's score forms, over the live registry.
 
-A scheme's elementwise `score(s, q_pos, k_pos, head, tables)` is what every
+A scheme's elementwise `score(s, b, h, q_pos, k_pos, tables)` is what every
 kernel derives from: the blockwise kernel calls it on a whole block with the
 heads as an index array [h, 1, 1]; a fused kernel calls it on one head's
 block with the head as a number. Both calls must give the same scores, and a
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import from_terms, registry
+from flaxformer_lite.attention import registry, scheme
 from flaxformer_lite.attention.kernels import product
 
 B, H, D = 2, 4, 8
@@ -22,9 +22,9 @@ def _terms_and_tables(name, q_pos, k_pos, seed=0):
   variant = registry.get(name)
   kwargs = registry.resolve_kwargs(name, {})
   specs = variant.params(H, D, kwargs) if variant.params else {}
-  params = from_terms.random_params(specs, seed)
+  params = scheme.random_params(specs, seed)
   terms = variant.terms(H, **kwargs)
-  return terms, from_terms.prepared(terms, params, q_pos, k_pos), params
+  return terms, scheme.call_tables(terms, params, q_pos, k_pos), params
 
 
 def _with(attr):
@@ -59,10 +59,10 @@ def test_a_score_called_one_head_at_a_time_equals_the_call_on_every_head(name):
     tables = jax.tree.map(jnp.asarray, tables)
     s = jnp.asarray(r.normal(size=(B, H, 5, 6)), jnp.float32)
     qp, kp = jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :]
-    every = terms.score(s, qp, kp, product.heads(H), tables)
+    every = terms.score(s, product.rows(B), product.heads(H), qp, kp, tables)
     assert every.shape == s.shape, name
     for h in range(H):
-      one = terms.score(s[1, h], qp, kp, jnp.int32(h), tables)
+      one = terms.score(s[1, h], jnp.int32(1), jnp.int32(h), qp, kp, tables)
       np.testing.assert_allclose(np.asarray(one), np.asarray(every[1, h]), rtol=1e-6, atol=1e-6,
                                  err_msg=f'{name} head {h}')
 
@@ -79,10 +79,10 @@ def test_a_block_score_equals_the_elementwise_score_and_its_gradients(name):
   k = jnp.asarray(r.normal(size=(B, bk, H, D)), jnp.float32)
 
   def both(s, params):
-    tables = from_terms.prepared(terms, params, jnp.asarray(q_pos), jnp.asarray(k_pos))
+    tables = scheme.call_tables(terms, params, jnp.asarray(q_pos), jnp.asarray(k_pos))
     block = product.Block(q, k, jnp.asarray(q_pos), jnp.asarray(k_pos), tables)
-    elementwise = terms.score(s, jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :],
-                              product.heads(H), tables)
+    elementwise = terms.score(s, product.rows(B), product.heads(H), jnp.asarray(q_pos)[:, None],
+                              jnp.asarray(k_pos)[None, :], tables)
     return elementwise, terms.block_score(s, block)
 
   (e, b), pull = jax.vjp(both, s, params)
@@ -96,18 +96,19 @@ def test_a_block_score_equals_the_elementwise_score_and_its_gradients(name):
 
 
 def test_a_score_declared_additive_must_add_a_bias():
-  """additive=True lets the kernels add score(0) once for the batch; a score
-  that scales s is refused at its first lookup, and alibi and kerple (biases)
-  pass the same check."""
-  from flaxformer_lite.attention import chunked
+  """additive=True lets the kernels add score(0) once for the batch: a score
+  that scales s, or one whose bias differs between batch rows, fails the
+  check (scheme.check_terms, run on every registered scheme by
+  test_registry.py), and alibi and kerple (biases) are declared additive."""
   for name in ('alibi', 'kerple'):
     assert registry.get(name).terms(H, **registry.resolve_kwargs(name, {})).additive
-  registry.register(registry.AttentionVariant(
-      name='scaled_test', terms=lambda num_heads: chunked.BlockTerms(
-          score=lambda s, q_pos, k_pos, head, tables: 2.0 * s, additive=True)))
-  try:
-    with pytest.raises(TypeError, match="'scaled_test': BlockTerms\\(additive=True\\) but its "
-                                        'score is not s \\+ score\\(0\\)'):
-      registry.get('scaled_test')
-  finally:
-    registry._REGISTRY.pop('scaled_test', None)  # pylint: disable=protected-access
+  scaled = scheme.Terms(score=lambda s, b, h, q_pos, k_pos, tables: 2.0 * s, additive=True)
+  with pytest.raises(TypeError, match="'scaled_test': Terms\\(additive=True\\) but its "
+                                      'score is not s \\+ score\\(0\\)'):
+    scheme.check_terms('scaled_test', scaled, {}, H, D)
+  by_row = scheme.Terms(score=lambda s, b, h, q_pos, k_pos, tables: s + b, additive=True)
+  with pytest.raises(TypeError, match='one bias for every batch row'):
+    scheme.check_terms('by_row', by_row, {}, H, D)
+  bias = scheme.Terms(score=lambda s, b, h, q_pos, k_pos, tables: s + (q_pos - k_pos) * h,
+                      additive=True)
+  scheme.check_terms('bias', bias, {}, H, D)

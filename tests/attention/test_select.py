@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flaxformer_lite.attention import chunked, masks, registry, select
+from flaxformer_lite.attention import masks, registry, select
+from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.schemes import rotary as rotary_lib
 from flaxformer_lite.layers import MultiHeadAttention
 
@@ -169,13 +170,13 @@ def cudnn_lowerable(monkeypatch):
 
 @pytest.fixture
 def chunk_sizes(monkeypatch):
-  """The chunk_size of each chunked.attend call traced while the test runs."""
-  calls, attend = [], chunked.attend
+  """The chunk_size of each blockwise.attend call traced while the test runs."""
+  calls, attend = [], blockwise.attend
 
   def recorded(*args, chunk_size=None, **kwargs):
     calls.append(chunk_size)
     return attend(*args, chunk_size=chunk_size, **kwargs)
-  monkeypatch.setattr(chunked, 'attend', recorded)
+  monkeypatch.setattr(blockwise, 'attend', recorded)
   return calls
 
 

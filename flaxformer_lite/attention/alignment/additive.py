@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
+from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.alignment.luong import attend, per_head_matrix
 
 # The chunked form's largest block: its tanh is [b, h, bq, bk, d] float32,
@@ -65,7 +66,7 @@ def luong_concat_attention(query, key, value, concat_wq, concat_wk, concat_v, *,
 
 
 def _block_logits(q, k, tables):
-  """v_h . tanh(Wq_h q_i + Wk_h k_j) for one block (chunked.BlockTerms.product:
+  """v_h . tanh(Wq_h q_i + Wk_h k_j) for one block (scheme.Terms.product:
   a score that is not q.k); bahdanau has no Wq, Wk."""
   project = lambda x, w: jnp.einsum('bnhd,hde->bnhe', x, w.astype(jnp.float32))  # noqa: E731
   if 'wq' in tables:
@@ -75,16 +76,16 @@ def _block_logits(q, k, tables):
 
 def _chunked(q, k, value, params, *, mask, q_offset, chunk_size, dtype, **dropout):
   chunk_size = min(chunk_size or ADDITIVE_CHUNK_SIZE, ADDITIVE_CHUNK_SIZE)
-  out = chunked.attend(q.astype(jnp.float32), k.astype(jnp.float32), value,
-                       chunked.BlockTerms(product=_block_logits), params, mask=mask,
-                       q_offset=q_offset, chunk_size=chunk_size, dtype=jnp.float32,
-                       **dropout)
+  out = blockwise.attend(q.astype(jnp.float32), k.astype(jnp.float32), value,
+                         scheme.Terms(product=_block_logits), params, mask=mask,
+                         q_offset=q_offset, chunk_size=chunk_size, dtype=jnp.float32,
+                         **dropout)
   return out.astype(dtype)
 
 
 def bahdanau_chunked(query, key, value, additive_v, *, mask=None, q_offset=0,
                      chunk_size=None, dtype=None, **dropout):
-  """bahdanau_attention block by block (chunked.attend; blocks of at most
+  """bahdanau_attention block by block (blockwise.attend; blocks of at most
   ADDITIVE_CHUNK_SIZE)."""
   return _chunked(query, key, value, {'v': additive_v}, mask=mask, q_offset=q_offset,
                   chunk_size=chunk_size, dtype=dtype or query.dtype, **dropout)

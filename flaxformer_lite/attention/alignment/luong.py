@@ -25,7 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
+from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.softmax import softmax_weights
 from flaxformer_lite.attention.schemes.local import window_softmax
 
@@ -71,15 +72,15 @@ def luong_general_attention(query, key, value, general_w, *, dtype=None, **commo
                 **common)
 
 
-def luong_dot_chunked(query, key, value, terms=chunked.BlockTerms(), params=None, *,
+def luong_dot_chunked(query, key, value, terms=scheme.Terms(), params=None, *,
                       mask=None, q_offset=0, chunk_size=None, dtype=None, **dropout):
-  """luong_dot_attention block by block (chunked.attend): unscaled q.k in
+  """luong_dot_attention block by block (blockwise.attend): unscaled q.k in
   float32, as the dense form; `terms` and `params` map the queries
   (luong_general)."""
   f32 = jnp.float32
-  out = chunked.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
-                       terms, params, mask=mask, q_offset=q_offset, chunk_size=chunk_size,
-                       dtype=f32, **dropout)
+  out = blockwise.attend(query.astype(f32), key.astype(f32), value.astype(dtype or query.dtype),
+                         terms, params, mask=mask, q_offset=q_offset, chunk_size=chunk_size,
+                         dtype=f32, **dropout)
   return out.astype(dtype or query.dtype)
 
 
@@ -89,13 +90,13 @@ def luong_general_chunked(query, key, value, general_w, *, mask=None, q_offset=0
   float32. W_h is applied to each query block as it is read (d / block more
   work than the block's dot): q W_h for all queries at once would be one
   more [b, n, h, d] array forward and another, its gradient, backward."""
-  return luong_dot_chunked(query, key, value, chunked.BlockTerms(transform_q=_general_w),
+  return luong_dot_chunked(query, key, value, scheme.Terms(transform_q=_general_w),
                            {'general_w': general_w.astype(jnp.float32)}, mask=mask,
                            q_offset=q_offset, chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 def _general_w(q, tables, positions, origin):
-  """q W_h for one block's queries [b, bq, h, d] (BlockTerms.transform_q)."""
+  """q W_h for one block's queries [b, bq, h, d] (Terms.transform_q)."""
   del positions, origin
   return jnp.einsum('bqhd,hde->bqhe', q, tables['general_w'], preferred_element_type=jnp.float32)
 

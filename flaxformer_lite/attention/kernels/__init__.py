@@ -1,9 +1,8 @@
 """Attention kernels: how the blocks of one call are computed, given a
-variant's block terms and a mask (blockwise.py: the pure-JAX online softmax;
+scheme's terms (scheme.py) and a mask (blockwise.py: the pure-JAX online softmax;
 product.py: what every kernel, the dense reference too, computes for one
 block: the q.k scores with the variant's terms, and p.v; pallas_gpu.py:
 FlashAttention in Pallas carrying a score function, for GPUs).
 
-Import a kernel's module itself; this package re-exports nothing, so that
-the modules above it (chunked.py) can import a kernel without a cycle.
+Import a kernel's module itself; this package re-exports nothing.
 """

@@ -1,7 +1,8 @@
 """The blockwise kernel: attention in O(n) memory by an online softmax over
-blocks of queries and keys, for a scheme's BlockTerms (chunked.py, whose
-`attend` is the entry point and whose docstring gives the terms' contract).
-A block's scores and values are product.py's, shared with the dense kernel.
+blocks of queries and keys, for any scheme's Terms (scheme.py). `attend` is
+the entry point (queries already scaled; `dot_product` scales them): it
+checks its arguments, plans the blocks and runs the kernel. A block's scores
+and values are product.py's, shared with the dense kernel.
 
 Queries go in nq blocks of bq rows, keys in nk blocks of bk columns. For
 each query block an online softmax (Milakov & Gimelshein 2018) runs over the
@@ -34,13 +35,25 @@ inside that range by a `lax.switch`, running the full ones without the
 select and the partial ones with the mask evaluated on the block's indices;
 the backward the same from the keys' side. No kernel code knows a mask's rule.
 
+Attention dropout (FlashAttention's): each block draws its keep bits from
+dropout.py's hash of (row, head, query, key), in the forward and again in
+the backward, so no mask is stored and the dense kernel drops the same
+weights. The row sums use the undropped probabilities; the block's values
+term gets the dropped ones, p * keep / (1 - rate).
+
+Keys and values may have fewer heads than the queries (grouped-query
+attention, g dividing h): query head i reads key/value head i // (h / g).
+Each block copies its g heads to h, a block-sized copy, never the whole
+keys and values (nor a decoding cache).
+
 Layout: `plan` fixes a call's static settings (`Blocks`) once; `attention`
 is the custom_vjp, whose forward is `forward` (one `query_block` per query
 block: a decoding step's few queries are one query block, so `query_block`
 is all of a decode step's work) and whose backward is `backward` (one
-`key_block_grads` per key block). The terms (BlockTerms) and the Blocks are
-the custom_vjp's static arguments; the call's arrays travel as `Call`, the
-terms' tables among them (`prepare`, once per call, outside the custom_vjp).
+`key_block_grads` per key block). The terms and the Blocks are the
+custom_vjp's static arguments; the call's arrays travel as `Call`, the
+terms' tables among them (`block_tables`, once per call, outside the
+custom_vjp).
 """
 from __future__ import annotations
 
@@ -53,8 +66,9 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import dropout, masks
-from flaxformer_lite.attention.kernels.product import repeat_heads, scores
+from flaxformer_lite.attention.kernels.product import dot_values, repeat_heads, scores
 from flaxformer_lite.attention.masks import MaskSpec
+from flaxformer_lite.attention.scheme import Terms
 
 # Blocks of at least this many scores (b * h * bq * bk) skip the mask where
 # every pair of the block is visible: a pass of the mask's select over the
@@ -80,6 +94,103 @@ STAIRCASE_ROWS = 128
 # 'backward', masked False for a full block): set while tracing, tests count
 # the blocks visited against block_mask.
 VISIT_HOOK = None
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def attend(query, key, value, terms: Terms = Terms(), params=None, *,
+           mask: masks.MaskSpec | masks.Mask | None = None, q_offset=0,
+           chunk_size: int = DEFAULT_CHUNK_SIZE, dtype=None, dropout_rate: float = 0.0,
+           dropout_rng=None, return_lse: bool = False, dropout_first_query: int = 0):
+  """Attention over blocks, never holding an [n, m] array.
+
+  Args:
+    query: [b, n, h, d], query i at absolute position q_offset + i (already
+      scaled if the variant's scores are); key [b, m, g, d]; value
+      [b, m, g, dv], g dividing h (g < h: grouped-query attention).
+    terms: the scheme's terms (scheme.Terms), called with h heads.
+    params: a pytree of arrays (the scheme's parameters), or None; the
+      blocks read what terms.prepare makes of them.
+    mask: a MaskSpec or a Mask (None: every key visible).
+    q_offset: int, may be traced (decoding with a cache).
+    chunk_size: rows and columns per block; lengths need not divide it.
+    dropout_rate, dropout_rng: attention dropout (dropout.py's keep mask);
+      off when the rate is 0 or the key None.
+    return_lse: also return each row's log-sum-exp of its scores, so that
+      attention over another set of keys can be merged with this one
+      (`merge`); it is differentiable, and a row that sees no key has -inf.
+    dropout_first_query: the index dropout's hash gives query 0, for a call
+      on the queries [s, s + n) of a longer sequence that must drop what
+      the whole sequence's call drops.
+  Returns:
+    [b, n, h, dv] in `dtype` (default: query's dtype); with return_lse,
+    (that, lse float32 [b, h, n]).
+  """
+  dtype = dtype or query.dtype
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  b, n, h, _ = query.shape
+  m, g = key.shape[1], key.shape[2]
+  if h % g:
+    raise ValueError(f'{g} key/value heads do not divide {h} query heads')
+  chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f'chunk_size={chunk_size!r}; must be an int >= 1')
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f'dropout_rate={dropout_rate!r}; must be in [0, 1)')
+  rate = dropout_rate if dropout_rng is not None else 0.0
+  seed = dropout.seed(dropout_rng) if rate else jnp.uint32(0)
+  mask = mask if mask is not None else masks.MaskSpec()
+  # A Mask may hide any row: the uniform rule's output is always made.
+  may_hide_rows = isinstance(mask, masks.Mask) or mask.may_hide_rows(n, m, q_offset)
+  blocks = plan(mask, q_offset, b, h, n, m, chunk_size, rate, dropout_first_query)
+  n_pad, m_pad = blocks.nq * blocks.bq, blocks.nk * blocks.bk
+  if isinstance(mask, masks.Mask):
+    mask = mask_blocks(mask, q_offset, b, h, blocks)
+  else:
+    mask = mask.padded(n_pad, m_pad)
+  q_offset = jnp.asarray(q_offset, jnp.int32)
+  tables = block_tables(blocks, terms, params, q_offset)
+  pad = masks.pad_to
+  out, lse = attention(blocks, terms, pad(query, 1, n_pad), pad(key, 1, m_pad),
+                       pad(value, 1, m_pad), tables, mask, q_offset, seed)
+  out, lse = out[:, :n], lse[:, :, :n]
+  if return_lse:  # merge() weighs a row that sees no key by exp(-inf) = 0
+    return out.astype(dtype), lse
+  if not may_hide_rows:
+    return out.astype(dtype)
+  empty = jnp.isneginf(lse).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
+  # A query that sees no key gets the dense path's uniform weights; that
+  # output is cheap (a mean over keys) and differentiated by plain autodiff.
+  # Heads of a group share their keys, so they share this output too.
+  fallback = repeat_heads(terms.uniform(value, tables, q_offset + jnp.arange(n), m), h)
+  return jnp.where(empty, fallback.astype(jnp.float32), out).astype(dtype)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+  """Attention over two disjoint sets of keys, merged into attention over
+  both: out_a, out_b [b, n, h, dv], each normalised over its own keys, with
+  their rows' log-sum-exps lse_a, lse_b float32 [b, h, n] (-inf: the row
+  sees none of that set's keys) -> float32 [b, n, h, dv]. The
+  weights are exp(lse - lse_all), each set's share of the row's sum; a row
+  that sees neither set gets 0."""
+  top = jax.lax.stop_gradient(jnp.maximum(lse_a, lse_b))  # any value: the shares do not move
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  wa, wb = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+  total = jnp.where(wa + wb > 0, wa + wb, 1.0)
+  share = lambda w: (w / total).transpose(0, 2, 1)[..., None]  # noqa: E731
+  return out_a.astype(jnp.float32) * share(wa) + out_b.astype(jnp.float32) * share(wb)
+
+
+def dot_product(query, key, value, terms: Terms = Terms(), params=None, *, mask=None,
+                q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0, dropout_rng=None):
+  """`attend` of unscaled queries: dot-product attention under a scheme's
+  `terms` and `params`, the queries scaled by 1/sqrt(d) here, once; mask a
+  masks.MaskSpec or masks.Mask. O(n) memory, the dense path's dropout."""
+  dtype = dtype or query.dtype
+  scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
+  return attend(scaled, key, value, terms, params, mask=mask, q_offset=q_offset,
+                chunk_size=chunk_size, dtype=dtype, dropout_rate=dropout_rate,
+                dropout_rng=dropout_rng)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +230,7 @@ def plan(mask: MaskSpec | masks.Mask, q_offset, b: int, h: int, n: int, m: int, 
   return Blocks(n, m, bq, bk, nq, nk, rate, rise, first_query)
 
 
-def prepare(blocks: Blocks, terms, params, q_offset):
+def block_tables(blocks: Blocks, terms, params, q_offset):
   """terms.prepare's tables for a call (the parameters themselves without
   one), from the positions of its queries [nq, bq] and keys [nk, bk] as the
   blocks hold them. Made here, outside `attention`, so that autodiff takes
@@ -135,7 +246,7 @@ def prepare(blocks: Blocks, terms, params, q_offset):
 def attention(blocks: Blocks, terms, q, k, v, tables, mask, q_offset, seed):
   """(q [b, nq*bq, h, d], k [b, nk*bk, g, d], v [b, nk*bk, g, dv], tables,
   mask, q_offset, seed) -> (out float32 [b, nq*bq, h, dv], lse float32
-  [b, h, nq*bq], -inf where a query sees no key); terms a BlockTerms."""
+  [b, h, nq*bq], -inf where a query sees no key); terms a scheme.Terms."""
   # Without a gradient (evaluation, prefill) the keys and values go heads
   # first (_heads_first); under a gradient not, where the two copies would
   # add to the training step's peak memory for no gain in its time.
@@ -159,7 +270,8 @@ def _block_scores(terms, q, k, tables, q_idx, k_idx, q_offset, transformed_keys=
 
 
 def _block_values(terms, p, v, tables, q_idx, k_idx, q_offset):
-  return terms.values(p, repeat_heads(v, p.shape[1]), tables, q_offset + q_idx, k_idx)
+  return (terms.values or dot_values)(p, repeat_heads(v, p.shape[1]), tables, q_offset + q_idx,
+                                      k_idx)
 
 
 def _dropped(blocks: Blocks, x, seed, q_idx, k_idx):

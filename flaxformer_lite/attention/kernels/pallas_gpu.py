@@ -11,11 +11,12 @@ q [b, n, h, d], k and v [b, m, g, d] with g dividing h (grouped-query: query
 head i reads key/value head i // (h / g), by the BlockSpec's index map, no
 copies).
 
-Score: `score(s, q_pos, k_pos, head, tables) -> s'`, elementwise in the
-scaled scores s (float32), given query positions [.., bq, 1] and key
-positions [1, bk] (int32 arrays: decoding offsets, packing and randomized
-positions reach it as data), the query head and `tables`, a dict of
-per-head arrays [h, ...]. A score reads `tables[name][head]` (a head's
+Score: `score(s, b, head, q_pos, k_pos, tables) -> s'` (scheme.py), elementwise
+in the scaled scores s (float32), given the program's batch row and query
+head, query positions [.., bq, 1] and key positions [1, bk] (int32 arrays:
+decoding offsets, packing and randomized positions reach it as data) and
+`tables`, a dict of per-head arrays [h, ...] (tables per batch row are the
+dense and blockwise kernels' only). A score reads `tables[name][head]` (a head's
 scalar or row) or `tables[name][head, idx]` (idx int arrays, e.g. a bucket
 per (query, key) pair). The same function runs on whole arrays in XLA (head
 = arange(h)[:, None, None], s [b, h, bq, bk]); here each program gets its
@@ -65,6 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from flaxformer_lite.attention import masks
+from flaxformer_lite.attention.scheme import Tables
 
 NEG_INF = -1e30  # finite: a fully hidden block must not make exp(NaN)
 # The running row maximum starts above NEG_INF, so that hidden scores weigh
@@ -116,13 +118,19 @@ class Blocks(NamedTuple):
 class _HeadRow:
   """A per-head table [h, ...] as one head's program sees it (module
   docstring): `row` its row, a ref or (differentiated) a loaded value;
-  table[head] is the row, table[head, *idx] the row at idx."""
+  table[head] is the row, table[head, *idx] the row at idx. Indexed first
+  by anything but the program's `head` (a batch row, a position) it
+  refuses: the BlockSpec gave this program one head's row only."""
 
-  def __init__(self, row, shape: tuple[int, ...], is_ref: bool):
-    self.row, self.shape, self.is_ref = row, shape, is_ref
+  def __init__(self, row, shape: tuple[int, ...], is_ref: bool, head):
+    self.row, self.shape, self.is_ref, self.head = row, shape, is_ref, head
     self.ndim, self.dtype = len(shape), row.dtype
 
   def __getitem__(self, key):
+    if (key[0] if isinstance(key, tuple) else key) is not self.head:
+      raise ValueError('the fused Pallas kernel reads a table per head, as tables[name][h] or '
+                       'tables[name][h, ...]; this score indexes one first by something else '
+                       "(a batch row, a position): run it with kernel='dense' or 'chunked'")
     rest = key[1:] if isinstance(key, tuple) else ()
     if rest:
       return self.row[rest] if self.is_ref else _lookup(self.row, rest)
@@ -184,10 +192,10 @@ def _unpack(st: Settings, refs, backward: bool) -> _Refs:
   return _Refs(*head, grads_in, tables, mask, states, ranges, tuple(refs))
 
 
-def _head_rows(st: Settings, r: _Refs):
+def _head_rows(st: Settings, r: _Refs, head):
   """The score's `tables`: a _HeadRow over each head row's ref."""
   shapes = dict(st.tables)
-  return {name: _HeadRow(ref, shapes[name], True) for name, ref in r.tables.items()}
+  return Tables({name: _HeadRow(ref, shapes[name], True, head) for name, ref in r.tables.items()})
 
 
 def _query_indices(st: Settings, offset_ref, qb):
@@ -228,7 +236,7 @@ def _dot_scores(st: Settings, q, k):
                              preferred_element_type=jnp.float32) * st.scale
 
 
-def _scored(st: Settings, s, q_pos, k_pos, head, tables: dict, rows: dict):
+def _scored(st: Settings, s, b, head, q_pos, k_pos, tables: dict, rows: dict):
   """(scored s, vjp: the scored s's cotangent -> (ds, d rows)); `rows` the
   differentiated rows (name -> loaded value), `tables` the score's other
   tables (_HeadRow over refs)."""
@@ -237,8 +245,8 @@ def _scored(st: Settings, s, q_pos, k_pos, head, tables: dict, rows: dict):
   shapes = dict(st.tables)
 
   def score(s, rows):
-    values = {name: _HeadRow(row, shapes[name], False) for name, row in rows.items()}
-    return st.score(s, q_pos, k_pos, head, {**tables, **values})
+    values = {name: _HeadRow(row, shapes[name], False, head) for name, row in rows.items()}
+    return st.score(s, b, head, q_pos, k_pos, Tables({**tables, **values}))
   return jax.vjp(score, s, rows)
 
 
@@ -290,14 +298,14 @@ def _forward_kernel(st: Settings, *refs):
   q = r.q[...]
   q_pos = r.q_pos[...][:, None]
   q_idx = _query_indices(st, r.offset, qb)
-  tables = _head_rows(st, r)
+  tables = _head_rows(st, r, head)
 
   def body(kb, carry, masked):
     m_i, l_i, acc = carry
     keys = pl.ds(kb * bk, bk)
     s = _dot_scores(st, q, r.k[keys, :])
     if st.score is not None:
-      s = st.score(s, q_pos, r.k_pos[keys][None, :], head, tables)
+      s = st.score(s, ids[0], head, q_pos, r.k_pos[keys][None, :], tables)
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, q_idx, _key_indices(st, kb)), s, NEG_INF)
     m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -329,13 +337,14 @@ def _dkdv_kernel(st: Settings, *refs):
   k, v = r.k[...], r.v[...]
   k_pos = r.k_pos[...][None, :]
   k_idx = _key_indices(st, kb)
-  tables = _head_rows(st, r)
+  tables = _head_rows(st, r, head)
 
   def body(qb, carry, masked):
     dk, dv = carry
     rows = pl.ds(qb * bq, bq)
     q, do = r.q[rows, :], do_ref[rows, :]
-    s, vjp = _scored(st, _dot_scores(st, q, k), r.q_pos[rows][:, None], k_pos, head, tables, {})
+    s, vjp = _scored(st, _dot_scores(st, q, k), ids[0], head, r.q_pos[rows][:, None], k_pos,
+                     tables, {})
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, _query_indices(st, r.offset, qb), k_idx), s,
                     NEG_INF)
@@ -371,14 +380,14 @@ def _dq_kernel(st: Settings, *refs):
   q_idx = _query_indices(st, r.offset, qb)
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
   values = {name: r.tables[name][...] for name in st.grads}
-  tables = {name: row for name, row in _head_rows(st, r).items() if name not in values}
+  tables = {name: row for name, row in _head_rows(st, r, head).items() if name not in values}
 
   def body(kb, carry, masked):
     dq, drows = carry
     keys = pl.ds(kb * bk, bk)
     k = r.k[keys, :]
-    s, vjp = _scored(st, _dot_scores(st, q, k), q_pos, r.k_pos[keys][None, :], head, tables,
-                     values)
+    s, vjp = _scored(st, _dot_scores(st, q, k), ids[0], head, q_pos, r.k_pos[keys][None, :],
+                     tables, values)
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, q_idx, _key_indices(st, kb)), s, NEG_INF)
     p = jnp.exp(s - lse)
@@ -577,7 +586,7 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
 
   Args:
     q: [b, n, h, d]; k: [b, m, g, d]; v: [b, m, g, dv]; g divides h.
-    score: (s, q_pos, k_pos, head, tables) -> s, elementwise; None: plain
+    score: (s, b, head, q_pos, k_pos, tables) -> s, elementwise; None: plain
       dot-product attention.
     tables: name -> per-head array [h, ...], read by the score as
       tables[name][head] or tables[name][head, idx]; the floating ones get

@@ -1,11 +1,11 @@
 """What every kernel computes for one block: the scores of its queries and
 keys (`scores`: a scheme's transforms, the q.k product, the scheme's score)
 and the p.v product. The blockwise kernel calls them block by block, the
-dense reference (from_terms.dense_attention) once on the whole [n, m].
+dense reference (reference.dense_attention) once on the whole [n, m].
 
 The kernel owns the q.k product (`dot_logits`) and how a bias shared by the
 batch joins the scores (`Block.add`): a scheme changes what they give
-through a chunked.BlockTerms (its `transform_q`/`transform_k` before, its
+through its scheme.Terms (its `transform_q`/`transform_k` before, its
 `score` after), never computes them.
 
 The products of the blocks take dO and ds in the inputs' dtype in the
@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from flaxformer_lite.attention.scheme import Tables
 
 
 class Block(NamedTuple):
@@ -47,6 +49,12 @@ def heads(h: int):
   return np.arange(h, dtype=np.int32)[:, None, None]
 
 
+def rows(b: int):
+  """The batch row as a scheme's elementwise `score` sees it on a whole
+  [b, h, bq, bk] block: int32 [b, 1, 1, 1]."""
+  return np.arange(b, dtype=np.int32)[:, None, None, None]
+
+
 class HeadRows:
   """A per-head table [h, ...] as an elementwise `score` reads it on a whole
   [b, h, bq, bk] block: table[heads] -> [b, h, 1, 1, ...] and table[heads,
@@ -59,11 +67,17 @@ class HeadRows:
   def __init__(self, table, batch: int):
     self.table, self.batch = jnp.asarray(table), batch
 
+  @property
+  def shape(self):
+    return self.table.shape
+
   def __getitem__(self, key):
-    head, index = (key, None) if not isinstance(key, tuple) else key
+    head, index = (key, None) if not isinstance(key, tuple) else (key + (None,))[:2]
     x = self.table
-    if not isinstance(head, np.ndarray) or head.shape != (x.shape[0], 1, 1):
-      return x[key]  # not the whole-block head index: plain indexing
+    whole_block_head = (isinstance(head, np.ndarray) and head.shape == (x.shape[0], 1, 1)
+                        and not (isinstance(key, tuple) and len(key) > 2))
+    if not whole_block_head:  # a batch row, a position, a scalar head: plain indexing
+      return x[key]
     if index is None:
       rows = x.reshape((1, x.shape[0], 1, 1) + x.shape[1:])
       return jnp.concatenate([rows] * self.batch, axis=0) if self.batch > 1 else rows
@@ -74,7 +88,7 @@ class HeadRows:
 def scores(terms, q, k, tables, q_pos, k_pos, transformed_keys=False, reference=False):
   """The scores of queries q [b, bq, h, d] (scaled) at q_pos [bq] against keys
   k [b, bk, g, d] at k_pos [bk] -> float32 [b, h, bq, bk]: `terms`'
-  transforms, measured from the block's first key (BlockTerms), the product
+  transforms, measured from the block's first key (scheme.py), the product
   (the kernel's q.k, or terms.product), then terms.block_score, or
   terms.score where the scheme has no block form or `reference` asks for the
   elementwise one (the dense reference: the form every kernel derives from).
@@ -93,12 +107,17 @@ def scores(terms, q, k, tables, q_pos, k_pos, transformed_keys=False, reference=
     return s
   h = q.shape[2]
   if terms.additive:  # the bias once for the batch, added as Block.add adds
-    rows = {name: HeadRows(table, 1) for name, table in (tables or {}).items()}
-    bias = terms.score(jnp.zeros((1, h, 1, 1), jnp.float32), q_pos[:, None], k_pos[None, :],
-                       heads(h), rows)
+    bias = terms.score(jnp.zeros((1, h, 1, 1), jnp.float32), rows(1), heads(h), q_pos[:, None],
+                       k_pos[None, :], head_tables(tables, 1))
     return add_head_bias(s, jnp.broadcast_to(bias, (1,) + s.shape[1:])[0])
-  rows = {name: HeadRows(table, s.shape[0]) for name, table in (tables or {}).items()}
-  return terms.score(s, q_pos[:, None], k_pos[None, :], heads(h), rows)
+  return terms.score(s, rows(s.shape[0]), heads(h), q_pos[:, None], k_pos[None, :],
+                     head_tables(tables, s.shape[0]))
+
+
+def head_tables(tables, batch: int) -> Tables:
+  """A call's tables as an elementwise score reads them on a whole block of
+  `batch` rows: each a HeadRows, in a Tables (a missing name says which)."""
+  return Tables({name: HeadRows(table, batch) for name, table in (tables or {}).items()})
 
 
 @jax.custom_jvp
@@ -183,7 +202,7 @@ def _bf16_backward(x) -> bool:
   """Whether the products' custom backward (dO, ds in the inputs' dtype)
   differs from autodiff's: inputs under 32 bits. In float32 they are the
   same, and plain autodiff also gives forward mode (jax.linearize, jvp),
-  which a custom_vjp refuses: the dense path from_terms.py derives runs the
+  which a custom_vjp refuses: the dense path registry.py derives runs the
   same block terms and is linearised by tests and users."""
   return jnp.dtype(x.dtype).itemsize < 4
 

@@ -6,7 +6,7 @@ every other kernel is tested against.
 query [b, n, h, d], key/value [b, m, g, d], weights and logits [b, h, n, m];
 the bias is added in float32 at least, whatever the compute dtype, except
 by cuDNN's kernel). `dense_attention` evaluates a scheme's terms
-(chunked.BlockTerms) on the whole [n, m] as one block, with its elementwise
+(scheme.Terms) on the whole [n, m] as one block, with its elementwise
 `score`: the one source of truth for every scheme.
 
 A query row whose keys are all masked gets uniform weights over the keys
@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, masks
+from flaxformer_lite.attention import masks, scheme
 from flaxformer_lite.attention.kernels import product
 from flaxformer_lite.attention.softmax import softmax_weights
 
@@ -144,11 +144,11 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
                                       implementation=implementation)
 
 
-def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *, mask=None,
+def dense_attention(query, key, value, terms: scheme.Terms, params=None, *, mask=None,
                     bias=None, q_offset=0, positions=None, dropout_rate=0.0, dropout_rng=None,
                     deterministic=True, dtype=None, return_weights=False,
                     elementwise=True):
-  """`terms` on the whole [n, m] as one block: the reference for chunked.attend.
+  """`terms` on the whole [n, m] as one block: the reference for every kernel.
 
   Args:
     query: [b, n, h, d], query i at position q_offset + i; key [b, m, h, d],
@@ -172,20 +172,16 @@ def dense_attention(query, key, value, terms: chunked.BlockTerms, params=None, *
   b, n, h, d = query.shape
   mask = masks.as_dense(mask, b, h, n, key.shape[1], q_offset)
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
-  q_pos, k_pos = chunked.query_key_positions(n, key.shape[1], q_offset, positions)
-  tables = prepared(terms, params, q_pos, k_pos)
+  q_pos, k_pos = scheme.query_key_positions(n, key.shape[1], q_offset, positions)
+  tables = scheme.call_tables(terms, params, q_pos, k_pos)
   logits = product.scores(terms, scaled, key.astype(dtype), tables, q_pos, k_pos,
                           reference=elementwise)  # [b, h, n, m]
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                             deterministic=deterministic, dtype=jnp.float32)
-  out = terms.values(weights, value.astype(dtype), tables, q_pos, k_pos)  # [b, h, n, dv]
+  values = terms.values or product.dot_values
+  out = values(weights, value.astype(dtype), tables, q_pos, k_pos)  # [b, h, n, dv]
   out = out.transpose(0, 2, 1, 3).astype(dtype)
   return (out, weights.astype(dtype)) if return_weights else out
 
-
-def prepared(terms: chunked.BlockTerms, params, q_pos, k_pos):
-  """terms.prepare's tables for queries q_pos [n] and keys k_pos [m] as one
-  block (the parameters themselves without a prepare)."""
-  return params if terms.prepare is None else terms.prepare(params, q_pos[None], k_pos[None])

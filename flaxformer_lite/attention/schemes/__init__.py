@@ -1,6 +1,6 @@
 """Position schemes, one file each: what a scheme changes in attention.
 
-A scheme is written once as `chunked.BlockTerms` (its per-call tables, its
+A scheme is written once as `scheme.Terms` (its per-call tables, its
 score change to a block of scaled q.k scores, its maps of q and k, its values
 term) and registered by name (registry.py); every kernel in kernels/ runs
 it. Importing this package registers them all.

@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 
 
 def alibi_slopes(num_heads):
@@ -35,7 +35,7 @@ def alibi_bias(num_heads, q_len, k_len, *, q_offset=0, positions=None):
   Query i sits at absolute position q_offset + i (q_offset may be traced),
   key j at position j; or both at positions[i], positions[j] (int [n], n = m).
   """
-  q_pos, k_pos = chunked.query_key_positions(q_len, k_len, q_offset, positions)  # [n], [m]
+  q_pos, k_pos = scheme.query_key_positions(q_len, k_len, q_offset, positions)  # [n], [m]
   distance = jnp.abs(k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)  # [n, m]
   slopes = alibi_slopes(num_heads)  # [h]
   return -slopes[None, :, None, None] * distance[None, None]  # [1, h, n, m]
@@ -50,15 +50,15 @@ def head_slope(head, num_heads: int):
   return jnp.where(h < p, jnp.exp2(-8.0 * (h + 1) / p), jnp.exp2(-8.0 * (2 * (h - p) + 1) / (2 * p)))
 
 
-def _score(num_heads, s, q_pos, k_pos, head, tables):
-  """s - slope_h |j - p| (chunked.BlockTerms.score)."""
-  del tables
+def _score(num_heads, s, b, head, q_pos, k_pos, tables):
+  """s - slope_h |j - p| (scheme.Terms.score)."""
+  del b, tables
   return s - head_slope(head, num_heads) * jnp.abs(k_pos - q_pos).astype(jnp.float32)
 
 
 def _terms(num_heads):
-  """The terms (from_terms.py): every kernel's, the dense one included."""
-  return chunked.BlockTerms(score=functools.partial(_score, num_heads), additive=True)
+  """The terms (scheme.py): every kernel's, the dense one included."""
+  return scheme.Terms(score=functools.partial(_score, num_heads), additive=True)
 
 
 registry.register(registry.AttentionVariant(

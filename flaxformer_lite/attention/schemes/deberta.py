@@ -20,7 +20,7 @@ P and the projections are per layer here (the paper shares P across layers
 and layer-normalises it; v2 reuses the content projections for W_k,r, W_q,r).
 Both position terms are computed once per distance that occurs (a matmul
 with one K^r or Q^r row per distance, [b, h, n, n + m - 1]) and moved to
-their keys by `chunked.rel_shift`, as Transformer-XL's; the block terms do
+their keys by `scheme.rel_shift`, as Transformer-XL's; the block terms do
 the same per block (`_score`), from rows looked up once per call (`_prepare`).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
@@ -91,11 +91,11 @@ def _position_logits(q, k, k_rows, q_rows):
   p_i - j from the largest (p_{n-1} - j_0) down -> float32 [b, h, n, m].
 
   Each term is a matmul with one row per distance, moved to its keys by
-  chunked.rel_shift (the position-to-content one by key rows, then transposed)."""
+  scheme.rel_shift (the position-to-content one by key rows, then transposed)."""
   c2p = jnp.einsum('bnhd,lhd->bhnl', q, k_rows.astype(q.dtype), preferred_element_type=jnp.float32)
   p2c = jnp.einsum('bmhd,lhd->bhml', k, q_rows[::-1].astype(k.dtype),
                    preferred_element_type=jnp.float32)  # distances ascending
-  return chunked.rel_shift(c2p) + jnp.swapaxes(chunked.rel_shift(p2c), -1, -2)
+  return scheme.rel_shift(c2p) + jnp.swapaxes(scheme.rel_shift(p2c), -1, -2)
 
 
 def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
@@ -148,7 +148,7 @@ def deberta_attention(query, key, value, rel_embeddings, position_key_kernel,
 
 
 def _third(x, tables, positions, origin):
-  """q / sqrt(3) (BlockTerms.transform_q): with the kernel's 1/sqrt(d), the
+  """q / sqrt(3) (Terms.transform_q): with the kernel's 1/sqrt(d), the
   paper's 1/sqrt(3d) on q.k and on content-to-position."""
   del tables, positions, origin
   return x / np.sqrt(3.0).astype(x.dtype)
@@ -157,7 +157,7 @@ def _third(x, tables, positions, origin):
 def _score(s, block):
   """The two position terms of one block added to q.k; q arrives scaled by
   1/sqrt(3d) (_third), the Q^r rows scaled the same in _prepare."""
-  k_rows, q_rows = (chunked.distance_slice(block.tables[name], block.tables['top'], block.q_pos,
+  k_rows, q_rows = (scheme.distance_slice(block.tables[name], block.tables['top'], block.q_pos,
                                            block.k_pos) for name in ('k_rows', 'q_rows'))
   return s + _position_logits(block.q, block.k, k_rows, q_rows)
 
@@ -177,7 +177,7 @@ def saturation(position_buckets: int, max_relative_positions: int, cap: int = 1 
 
 
 def _prepare(buckets, p2c_row, params, q_pos, k_pos):
-  """The call's tables (BlockTerms.prepare): the K^r and Q^r rows of every
+  """The call's tables (Terms.prepare): the K^r and Q^r rows of every
   distance its blocks meet, looked up once by a one-hot matmul (a
   deterministic gradient); each block slices its own. Distances past
   `saturation` share one row, so the table stops there, plus a block's
@@ -185,7 +185,7 @@ def _prepare(buckets, p2c_row, params, q_pos, k_pos):
   still reads only that row): O(buckets + block) rows at any length."""
   kr, qr = position_projections(params['rel_embeddings'], params['position_key_kernel'],
                                 params['position_query_kernel'])
-  top, distances = chunked.distance_range(q_pos, k_pos)
+  top, distances = scheme.distance_range(q_pos, k_pos)
   far = saturation(*buckets)
   if far is not None:
     bound = far + q_pos.shape[-1] + k_pos.shape[-1] - 2  # + a block's distances
@@ -198,7 +198,7 @@ def _prepare(buckets, p2c_row, params, q_pos, k_pos):
 def _terms(num_heads, *, position_buckets, max_relative_positions, p2c_row):
   del num_heads  # the parameters carry the heads
   prepare = functools.partial(_prepare, (position_buckets, max_relative_positions), p2c_row)
-  return chunked.BlockTerms(block_score=_score, prepare=prepare, transform_q=_third)
+  return scheme.Terms(block_score=_score, prepare=prepare, transform_q=_third)
 
 
 def _params(num_heads, head_dim, kwargs):

@@ -12,16 +12,16 @@ finite, never NaN.
 """
 from __future__ import annotations
 
-from flaxformer_lite.attention import chunked, registry, select
-from flaxformer_lite.attention.from_terms import dot_product_chunked
+from flaxformer_lite.attention import registry, scheme, select
+from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.kernels.fused import auto_dot_product
 
 
 registry.register(registry.AttentionVariant(
     name='dot_product',
     fn=auto_dot_product,
-    chunked=dot_product_chunked,
-    terms=lambda num_heads: chunked.BlockTerms(),  # nothing to change: the fused kernels' view
+    chunked=blockwise.dot_product,
+    terms=lambda num_heads: scheme.Terms(),  # nothing to change: the fused kernels' view
     dense_implementations=('xla', 'cudnn'),
     fused_fits=select.fused_fits,
     grouped_kv=True,

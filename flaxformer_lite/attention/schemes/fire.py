@@ -10,7 +10,7 @@ Initialisation: c = 1, L = `fire_threshold_init`; the MLP as a Dense layer's
 (lecun normal weights, zero biases). The distance is |i - j|, so that one
 bias serves bidirectional attention too (the paper's models are causal).
 
-Written once as block terms (from_terms.py). The MLP runs on every (i, j)
+Written once as block terms (scheme.py). The MLP runs on every (i, j)
 pair of a block, TILE_ROWS rows at a time.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 
 TILE_ROWS = 128  # the MLP's rows at a time in a block of more (fire_bias)
 
@@ -52,9 +52,9 @@ def fire_bias(params, q_pos, k_pos):
   return out + p['fire_b2'][:, None, None]
 
 
-def _score(s, q_pos, k_pos, head, tables):
+def _score(s, b, head, q_pos, k_pos, tables):
   """s + the MLP of the normalised log distance, head h's output
-  (chunked.BlockTerms.score; per-head tables from _per_head)."""
+  (scheme.Terms.score; per-head tables from _per_head)."""
   t = {name: tables[f'{name}_rows'][head] for name in FIRE_PARAMS}
   c, threshold = jnp.abs(t['fire_c']), jnp.abs(t['fire_threshold'])
   i = q_pos.astype(jnp.float32)
@@ -88,7 +88,7 @@ def _per_head(num_heads, params, q_pos, k_pos):
 
 def _terms(num_heads, *, fire_width, fire_threshold_init):
   del fire_width, fire_threshold_init  # carried by the parameters
-  return chunked.BlockTerms(score=_score, block_score=_block_score,
+  return scheme.Terms(score=_score, block_score=_block_score,
                             prepare=functools.partial(_per_head, num_heads))
 
 

@@ -10,7 +10,7 @@ power form to at most 2) and drawn uniform at initialisation (log: r1 in
 |i - j| so that one bias serves bidirectional attention too (the paper's
 models are causal: there it is i - j).
 
-Written once as block terms (from_terms.py): the dense path, the chunked
+Written once as block terms (scheme.py): the dense path, the chunked
 kernel, the fused one and decoding come from `_score`.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 
 FORMS = ('log', 'power')
 EPS = 1e-2
@@ -42,15 +42,15 @@ def kerple_bias(r1, r2, distance, form: str):
   return -r1 * power
 
 
-def _score(form, s, q_pos, k_pos, head, tables):
-  """s + the kernel of |i - j| (chunked.BlockTerms.score)."""
+def _score(form, s, b, head, q_pos, k_pos, tables):
+  """s + the kernel of |i - j| (scheme.Terms.score)."""
   distance = jnp.abs(q_pos - k_pos).astype(jnp.float32)
   return s + kerple_bias(tables['kerple_r1'][head], tables['kerple_r2'][head], distance, form)
 
 
 def _terms(num_heads, *, kerple_form):
   del num_heads  # the parameters carry the heads
-  return chunked.BlockTerms(score=functools.partial(_score, kerple_form), additive=True)
+  return scheme.Terms(score=functools.partial(_score, kerple_form), additive=True)
 
 
 def _params(num_heads, head_dim, kwargs):

@@ -28,8 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, masks, registry
-from flaxformer_lite.attention.from_terms import dot_product_chunked
+from flaxformer_lite.attention import masks, registry, scheme
+from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.softmax import softmax_weights
 
 
@@ -178,15 +178,15 @@ def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask
   so only the key blocks that meet a query block's window are computed,
   O(n * window). Blocks are at most max(32, 4 * window) wide: wider ones
   mostly compute pairs outside the window."""
-  chunk_size = min(chunk_size or chunked.DEFAULT_CHUNK_SIZE, max(32, 4 * window))
+  chunk_size = min(chunk_size or blockwise.DEFAULT_CHUNK_SIZE, max(32, 4 * window))
   if isinstance(mask, masks.Mask):  # the kernel skips the blocks outside the window
     mask = mask & masks.sliding_window(window, causal)
   else:
     mask = (mask if mask is not None else masks.MaskSpec()).replace(
         window=window, window_causal=causal)
-  terms = chunked.BlockTerms(uniform=functools.partial(_window_mean, window, causal))
-  return dot_product_chunked(query, key, value, terms, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype, **dropout)
+  terms = scheme.Terms(uniform=functools.partial(_window_mean, window, causal))
+  return blockwise.dot_product(query, key, value, terms, mask=mask, q_offset=q_offset,
+                               chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, registry, select
+from flaxformer_lite.attention import registry, scheme, select
 from flaxformer_lite.attention.kernels.fused import auto_dot_product
 
 
@@ -131,25 +131,25 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
   rope = dict(max_wavelength=max_wavelength, rope_scaling=rope_scaling, rope_factor=rope_factor,
               rope_original_max_len=rope_original_max_len, rotary_fraction=rotary_fraction,
               rotary_layout=rotary_layout)
-  q_pos, k_pos = chunked.query_key_positions(query.shape[1], key.shape[1], q_offset, positions)
+  q_pos, k_pos = scheme.query_key_positions(query.shape[1], key.shape[1], q_offset, positions)
   query = apply_rotary(query, q_pos, **rope)
   key = apply_rotary(key, k_pos, **rope)
   return auto_dot_product(query, key, value, **common)
 
 
 def _rotate(rope, x, tables, positions, origin):
-  """apply_rotary by absolute position (BlockTerms.transform_q, transform_k):
+  """apply_rotary by absolute position (Terms.transform_q, transform_k):
   a rotation keeps every product a function of j - i, whatever the origin."""
   del tables, origin
   return apply_rotary(x, positions, **rope)
 
 
 def _terms(num_heads, **rope):
-  """The block terms (from_terms.py), the reference for rotary_attention:
+  """The block terms (scheme.py), the reference for rotary_attention:
   q_rot . k_rot, each rotated by its absolute position."""
   del num_heads
   rotate = functools.partial(_rotate, rope)
-  return chunked.BlockTerms(transform_q=rotate, transform_k=rotate)
+  return scheme.Terms(transform_q=rotate, transform_k=rotate)
 
 
 def _check_head_dim(head_dim):

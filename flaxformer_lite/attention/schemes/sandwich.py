@@ -10,7 +10,7 @@ adds (p_i . p_j - d'/2) / (8h / H). (A constant per row, such as the shift,
 does not change the softmax: NeMo's form, which sums k = 1..d'/2 - 1, gives
 the same weights.)
 
-Written once as block terms (from_terms.py).
+Written once as block terms (scheme.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 
 
 def sandwich_bias(offset, num_heads: int, dim: int):
@@ -31,8 +31,8 @@ def sandwich_bias(offset, num_heads: int, dim: int):
   return (inner[None, :] - dim / 2) / compress[:, None]
 
 
-def _score(dim, num_heads, s, q_pos, k_pos, head, tables):
-  """s + the Sandwich bias of i - j for head h (chunked.BlockTerms.score)."""
+def _score(dim, num_heads, s, b, head, q_pos, k_pos, tables):
+  """s + the Sandwich bias of i - j for head h (scheme.Terms.score)."""
   offset = (q_pos - k_pos).astype(jnp.float32)
   inner = jnp.sum(jnp.cos(offset[..., None] * tables['sandwich_frequencies'][head]), -1)
   compress = 8.0 * (head + 1).astype(jnp.float32) / num_heads
@@ -45,7 +45,7 @@ def _block_score(dim, s, block):
   bq, bk = q_pos.shape[0], k_pos.shape[0]
   # diagonal t = j - i + bq - 1 of the block has i - j = q_pos[0] - k_pos[0] + bq - 1 - t
   offset = (q_pos[0] - k_pos[0] + bq - 1 - jnp.arange(bq + bk - 1)).astype(jnp.float32)
-  return block.add(s, chunked.by_offset(sandwich_bias(offset, s.shape[1], dim), bq, bk))
+  return block.add(s, scheme.by_offset(sandwich_bias(offset, s.shape[1], dim), bq, bk))
 
 
 def _frequencies(num_heads, dim, params, q_pos, k_pos):
@@ -57,7 +57,7 @@ def _frequencies(num_heads, dim, params, q_pos, k_pos):
 
 
 def _terms(num_heads, *, sandwich_dim):
-  return chunked.BlockTerms(score=functools.partial(_score, sandwich_dim, num_heads),
+  return scheme.Terms(score=functools.partial(_score, sandwich_dim, num_heads),
                             block_score=functools.partial(_block_score, sandwich_dim),
                             prepare=functools.partial(_frequencies, num_heads, sandwich_dim))
 

@@ -21,10 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, masks, registry
+from flaxformer_lite.attention import masks, registry, scheme
+from flaxformer_lite.attention.kernels import blockwise, product
 from flaxformer_lite.attention import dropout as dropout_lib
 from flaxformer_lite.attention.kernels.specialised.causal_band import causal_band
-from flaxformer_lite.attention.from_terms import dot_product_chunked
 from flaxformer_lite.attention.kernels.specialised.relative_banded import (_banded_attention, band_indices,
                                                        bucket_spread, bucket_sum)
 from flaxformer_lite.attention.softmax import softmax_weights
@@ -141,7 +141,7 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
   return (out, weights) if return_weights else out
 
 
-# ---- block by block (chunked.attend) -------------------------------------------
+# ---- block by block (blockwise.attend) -------------------------------------------
 
 def _block_indices(k, q_pos, k_pos):
   """band_indices for one block: its queries sit q_pos[0] - k_pos[0] places
@@ -184,7 +184,7 @@ def _by_part(k, q_pos, k_pos, x, band, corner, far_right):
 
 
 def _with_row0(key, tables, positions, origin):
-  """k_j + a^K_0 (BlockTerms.transform_k): row 0 of the table on every key,
+  """k_j + a^K_0 (Terms.transform_k): row 0 of the table on every key,
   so that the kernel's product is q.(k + a^K_0) (the split above)."""
   del positions, origin
   table = tables.get('rel_key_table')
@@ -223,8 +223,8 @@ def _block_values(k, p, v, tables, q_pos, k_pos):
   differences."""
   table = tables.get('rel_value_table')
   if table is None:
-    return chunked.dot_values(p, v, tables, q_pos, k_pos)
-  out = chunked.dot_values(p, v + table[0].astype(v.dtype), tables, q_pos, k_pos)
+    return product.dot_values(p, v, tables, q_pos, k_pos)
+  out = product.dot_values(p, v + table[0].astype(v.dtype), tables, q_pos, k_pos)
   rest = (table - table[:1]).astype(jnp.float32)
   bk = k_pos.shape[0]
 
@@ -242,7 +242,7 @@ def _block_values(k, p, v, tables, q_pos, k_pos):
 def _uniform(k, value, tables, q_pos, m):
   """Uniform weights over all m keys: mean_j v_j + (1/m) sum_r count_r(i) a^V_r,
   count_r(i) the keys at clipped distance r - k from query position q_pos[i]."""
-  out = chunked.mean_values(value, tables, q_pos, m)
+  out = scheme.mean_values(value, tables, q_pos, m)
   table = tables.get('rel_value_table')
   if table is None:
     return out
@@ -261,7 +261,7 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
                  mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
                  dropout_rng=None, max_distance=None, relative_keys=True, relative_values=True,
                  form='auto'):
-  """shaw_attention in O(n) memory (chunked.attend), keys and values terms
+  """shaw_attention in O(n) memory (blockwise.attend), keys and values terms
   both; both tables' gradients are summed over the blocks. Causal
   self-attention (training and evaluation of a decoder, padding included)
   runs split by lag (_by_lag); other calls (packed segments, no mask,
@@ -277,8 +277,8 @@ def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
                    dtype=dtype or query.dtype, **dropout)
   terms = _shaw_terms(query.shape[2], max_distance=k, relative_keys=True, relative_values=True,
                       form='banded')
-  return dot_product_chunked(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
-                             chunk_size=chunk_size, dtype=dtype, **dropout)
+  return blockwise.dot_product(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
+                               chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
 def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_rate,
@@ -288,7 +288,7 @@ def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_ra
   queries moved k rows up so that its causal diagonal is lag k, and row 0
   added to its rows' log-sum-exps and outputs. The k nearest keys of each
   query run as causal_band.py's O(n k) band. The two are merged by their
-  log-sum-exps (chunked.merge)."""
+  log-sum-exps (blockwise.merge)."""
   b, n, h, d = query.shape
   key_table, value_table = tables.get('rel_key_table'), tables.get('rel_value_table')
   q = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
@@ -305,9 +305,9 @@ def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_ra
   moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
   far_mask = masks.MaskSpec(causal=True, key_valid=mask.key_valid, query_valid=None if (
       mask.query_valid is None) else jnp.pad(mask.query_valid[:, k:], [(0, 0), (0, k)]))
-  far, far_lse = chunked.attend(moved, key, far_value, mask=far_mask, chunk_size=chunk_size,
-                                dtype=dtype, return_lse=True, dropout_first_query=k,
-                                dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  far, far_lse = blockwise.attend(moved, key, far_value, mask=far_mask, chunk_size=chunk_size,
+                                  dtype=dtype, return_lse=True, dropout_first_query=k,
+                                  dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   far = far.astype(jnp.float32)
   if value_table is not None and not v_row0:
     far = far + value_table[0].astype(jnp.float32)
@@ -319,13 +319,13 @@ def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_ra
                             axis=2)
   rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
   near, near_lse = causal_band(
-      q, chunked.repeat_heads(key, h), chunked.repeat_heads(value, h), k, rows(key_table),
+      q, product.repeat_heads(key, h), product.repeat_heads(value, h), k, rows(key_table),
       rows(value_table), key_valid=mask.key_valid, query_valid=mask.query_valid,
       seed=dropout_lib.seed(dropout_rng) if rate else None, rate=rate)
-  out = chunked.merge(far, far_lse, near, near_lse)
+  out = blockwise.merge(far, far_lse, near, near_lse)
   if mask.has_arrays():  # a row that sees no key (padding): the dense path's uniform weights
     empty = (jnp.isneginf(far_lse) & jnp.isneginf(near_lse)).transpose(0, 2, 1)[..., None]
-    uniform = chunked.repeat_heads(_uniform(k, value, tables, jnp.arange(n), n), h)
+    uniform = product.repeat_heads(_uniform(k, value, tables, jnp.arange(n), n), h)
     out = jnp.where(empty, uniform.astype(jnp.float32), out)
   return out.astype(dtype)
 
@@ -383,11 +383,11 @@ def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **
 
 
 def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values, form):
-  """The block terms (from_terms.py): the chunked kernel's, and the
+  """The block terms (scheme.py): the chunked kernel's, and the
   reference for shaw_attention's forms."""
   del num_heads, relative_keys, relative_values, form  # the tables present; the dense forms
   k = max_distance
-  return chunked.BlockTerms(block_score=functools.partial(_score, k), transform_k=_with_row0,
+  return scheme.Terms(block_score=functools.partial(_score, k), transform_k=_with_row0,
                             values=functools.partial(_block_values, k),
                             uniform=functools.partial(_uniform, k))
 

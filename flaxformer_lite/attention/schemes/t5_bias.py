@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 
 
 def t5_relative_position_bucket(relative_position, *, bidirectional=True,
@@ -67,7 +67,7 @@ def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, positions=None, bidirect
   Returns:
     [1, h, q_len, k_len] in rel_embedding's dtype.
   """
-  q_pos, k_pos = chunked.query_key_positions(q_len, k_len, q_offset, positions)  # [n], [m]
+  q_pos, k_pos = scheme.query_key_positions(q_len, k_len, q_offset, positions)  # [n], [m]
   buckets = t5_relative_position_bucket(
       k_pos[None, :] - q_pos[:, None], bidirectional=bidirectional,
       num_buckets=num_buckets, max_distance=max_distance)  # [n, m]
@@ -75,17 +75,17 @@ def t5_bias(rel_embedding, q_len, k_len, *, q_offset=0, positions=None, bidirect
   return jnp.transpose(values, (2, 0, 1))[None]  # [1, h, n, m]
 
 
-def _score(bucket_kw, s, q_pos, k_pos, head, tables):
-  """s + table[h, bucket(j - p)] (chunked.BlockTerms.score)."""
+def _score(bucket_kw, s, b, head, q_pos, k_pos, tables):
+  """s + table[h, bucket(j - p)] (scheme.Terms.score)."""
   return s + tables['t5_rows'][head, t5_relative_position_bucket(k_pos - q_pos, **bucket_kw)]
 
 
 def _block_score(bucket_kw, s, block):
-  """_score for a whole block (chunked.BlockTerms.block_score).
+  """_score for a whole block (scheme.Terms.block_score).
 
   The offset j - p is constant along a block's diagonals: the bias is looked
   up once per diagonal (a one-hot matmul, so the table's gradient is a
-  matmul too, deterministic) and spread over the block by chunked.by_offset.
+  matmul too, deterministic) and spread over the block by scheme.by_offset.
   A block whose offsets all fall in one bucket (far from the diagonal, past
   bucket_max_distance) adds one number per head instead.
   """
@@ -100,7 +100,7 @@ def _block_score(bucket_kw, s, block):
 
   def per_diagonal(s, table):
     bias = table @ jax.nn.one_hot(buckets, table.shape[1], dtype=jnp.float32).T  # [h, L]
-    return block.add(s, chunked.by_offset(bias, bq, bk))
+    return block.add(s, scheme.by_offset(bias, bq, bk))
 
   return jax.lax.cond(jnp.all(buckets == buckets[0]), one_bucket, per_diagonal, s, table)
 
@@ -112,12 +112,12 @@ def _rows(params, q_pos, k_pos):
 
 
 def _terms(num_heads, *, bidirectional, num_buckets, bucket_max_distance):
-  """The block terms (from_terms.py): every kernel's, the dense one
+  """The block terms (scheme.py): every kernel's, the dense one
   included (the table's gradient summed over the blocks)."""
   del num_heads  # the table carries the heads
   bucket_kw = dict(bidirectional=bidirectional, num_buckets=num_buckets,
                    max_distance=bucket_max_distance)
-  return chunked.BlockTerms(score=functools.partial(_score, bucket_kw),
+  return scheme.Terms(score=functools.partial(_score, bucket_kw),
                             block_score=functools.partial(_block_score, bucket_kw),
                             prepare=_rows)
 

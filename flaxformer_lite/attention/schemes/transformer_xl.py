@@ -14,7 +14,7 @@ its biases are untied). Used without absolute positions
 adding them.
 
 The position term is computed once for each of the n + m - 1 distances that
-occur ([b, h, n, n + m - 1]) and moved to its keys by `chunked.rel_shift`
+occur ([b, h, n, n + m - 1]) and moved to its keys by `scheme.rel_shift`
 (the paper's pad-reshape-slice trick), not gathered. The block terms do the
 same per block (`_score`), from one W_R R table for every distance of the
 call (`_prepare`).
@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
@@ -70,7 +70,7 @@ def transformer_xl_attention(query, key, value, position_kernel, content_bias, p
     r = projected_positions(position_kernel, q_offset + n - 1 - jnp.arange(n + m - 1))
     position = jnp.einsum('bnhd,lhd->bhnl', qv, r.astype(cdt),
                           preferred_element_type=jnp.float32)  # [b, h, n, n + m - 1]
-    position = chunked.rel_shift(position)  # [b, h, n, m]
+    position = scheme.rel_shift(position)  # [b, h, n, m]
   else:
     p = jnp.asarray(positions)
     r = projected_positions(position_kernel, (p[:, None] - p[None, :]).reshape(-1))
@@ -85,10 +85,10 @@ def transformer_xl_attention(query, key, value, position_kernel, content_bias, p
 
 
 def _prepare(params, q_pos, k_pos):
-  """The call's tables (BlockTerms.prepare): W_R R for every distance its
+  """The call's tables (Terms.prepare): W_R R for every distance its
   blocks meet, and u and v scaled by 1/sqrt(d) as the kernel scales q. The
   gradients of W_R, u and v flow through them and the blocks."""
-  top, distances = chunked.distance_range(q_pos, k_pos)
+  top, distances = scheme.distance_range(q_pos, k_pos)
   scale = 1.0 / np.sqrt(params['content_bias'].shape[-1])
   return {'r': projected_positions(params['position_kernel'], distances),
           'u': params['content_bias'].astype(jnp.float32) * scale,
@@ -100,15 +100,15 @@ def _score(s, block):
   block's bq + bk - 1 rows of W_R R, moved to their keys by rel_shift."""
   q, k, tables = block.q, block.k, block.tables
   content = jnp.einsum('hd,bkhd->bhk', tables['u'], k.astype(jnp.float32))  # [b, h, bk]
-  rows = chunked.distance_slice(tables['r'], tables['top'], block.q_pos, block.k_pos)
+  rows = scheme.distance_slice(tables['r'], tables['top'], block.q_pos, block.k_pos)
   position = jnp.einsum('bqhd,lhd->bhql', q + tables['v'].astype(q.dtype), rows.astype(q.dtype),
                         preferred_element_type=jnp.float32)  # [b, h, bq, bq + bk - 1]
-  return s + content[:, :, None, :] + chunked.rel_shift(position)
+  return s + content[:, :, None, :] + scheme.rel_shift(position)
 
 
 def _terms(num_heads):
   del num_heads  # the parameters carry the heads
-  return chunked.BlockTerms(block_score=_score, prepare=_prepare)
+  return scheme.Terms(block_score=_score, prepare=_prepare)
 
 
 def _params(num_heads, head_dim, kwargs):

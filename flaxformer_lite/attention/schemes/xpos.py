@@ -12,11 +12,11 @@ serves decoder-only models.
 zeta^(n/gamma) alone under- or overflows at long range (zeta_0 = 0.29: at
 n = 64k, 0.29^128 = 1e-69). Within a block only the difference matters, so
 positions are measured from the block's first key (the `origin` of
-BlockTerms.transform_q and transform_k): the keys' factors stay within
+Terms.transform_q and transform_k): the keys' factors stay within
 zeta^(-bk/gamma), the queries' never exceed 1 where n >= m, and a far
 block's products shrink towards 0, their true value.
 
-Written once as block terms (from_terms.py): the queries and keys mapped,
+Written once as block terms (scheme.py): the queries and keys mapped,
 the kernel's q.k of them.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 from flaxformer_lite.attention.schemes.rotary import apply_rotary
 
 DECAY_OFFSET = 0.4  # a in zeta_i above (torchscale's 0.4)
@@ -59,7 +59,7 @@ def _transform(sign, scale_base, max_wavelength, x, tables, positions, origin):
 def _terms(num_heads, *, xpos_scale_base, max_wavelength):
   del num_heads
   scale_base, max_wavelength = float(xpos_scale_base), float(max_wavelength)
-  return chunked.BlockTerms(
+  return scheme.Terms(
       transform_q=functools.partial(_transform, 1.0, scale_base, max_wavelength),
       transform_k=functools.partial(_transform, -1.0, scale_base, max_wavelength))
 

@@ -1,4 +1,4 @@
-"""The chunked kernel (chunked.attend) and every variant's chunked form,
+"""The chunked kernel (blockwise.attend) and every variant's chunked form,
 against the dense path (the reference for every fast path) and float64 loops.
 
 Every variant in the live registry that has a chunked form is called as
@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 from flaxformer_lite.attention.kernels.reference import dot_product_attention
-from flaxformer_lite.attention.kernels import blockwise
+from flaxformer_lite.attention.kernels import blockwise, product
 from flaxformer_lite.attention.masks import MaskSpec
 from tests.xla_options import BLOCK_KERNEL_COMPILE
 
@@ -137,7 +137,7 @@ def _out_and_grads(fn, q, k, v, params, g):
   return {'out': out, 'dq': dq, 'dk': dk, 'dv': dv, 'dparams': dparams}
 
 
-# chunked.attend's calls while tracing (the fixture counts them): the chunked
+# blockwise.attend's calls while tracing (the fixture counts them): the chunked
 # forms must run the block kernel, not fall back on a dense computation.
 _ATTEND_CALLS = []
 _TRACED_ATTEND_CALLS = {}
@@ -293,7 +293,7 @@ def test_table_gradients_are_deterministic_and_built_without_scatter(cases, inde
 # ---- hidden blocks are not computed -----------------------------------------------
 
 def _poisoned_terms(structural):
-  """BlockTerms whose scores and values are NaN in a block where the causal /
+  """Terms whose scores and values are NaN in a block where the causal /
   window rule allows no pair: such a block, if it ran, would turn the output
   (forward) or the gradients (backward) into NaN.
 
@@ -311,8 +311,8 @@ def _poisoned_terms(structural):
 
   def values(p, v, tables, q_pos, k_pos):
     poison = jnp.where(hidden(q_pos, k_pos), jnp.nan, 1.0)
-    return chunked.dot_values(p, v, tables, q_pos, k_pos) * poison
-  return chunked.BlockTerms(block_score=score, values=values, uniform=chunked.mean_values)
+    return product.dot_values(p, v, tables, q_pos, k_pos) * poison
+  return scheme.Terms(block_score=score, values=values, uniform=scheme.mean_values)
 
 
 SKIP_MASKS = {
@@ -341,7 +341,7 @@ def test_hidden_blocks_are_skipped_forward_and_backward():
       spec = SKIP_MASKS[name]
       offset = traced_offset if q_offset == 7 else q_offset
       terms = _poisoned_terms(spec.structural)
-      fn = functools.partial(chunked.attend, terms=terms, mask=spec, q_offset=offset,
+      fn = functools.partial(blockwise.attend, terms=terms, mask=spec, q_offset=offset,
                              chunk_size=chunk)
       scale = 1 / math.sqrt(D)
       got = _out_and_grads(lambda q, k, v, p: fn(q * scale, k, v), q, k, v, {}, g)
@@ -374,7 +374,7 @@ def test_the_unmasked_blocks_are_exactly_those_the_dense_mask_fills(causal):
   batch. Without padding, or with PAD tails, exactly those; with PAD
   tokens anywhere, a contiguous run of them (the loops take a range). None
   where the mask has segments or a window, or the blocks are small."""
-  big = chunked.UNMASKED_MIN_SCORES
+  big = blockwise.UNMASKED_MIN_SCORES
   rng = np.random.default_rng(4)
   configs = [(21, 29, 0, 4), (21, 29, 5, 8), (24, 24, 0, 8), (24, 24, 0, 5), (7, 30, 23, 4)]
   for n, m, q_offset, chunk in configs + [(9, 30, offset, 4) for offset in range(4, 8)]:
@@ -399,14 +399,14 @@ def test_the_unmasked_blocks_are_exactly_those_the_dense_mask_fills(causal):
       for qb in range(nq):
         qs = jnp.int32(qb * chunk)
         lo, hi = spec.key_block_range(q_offset + qs, q_offset + qs + chunk - 1, chunk, nk)
-        first, last = chunked.unmasked_key_blocks(padded, qs, chunk, chunk, lo, hi, q_offset, n,
+        first, last = blockwise.unmasked_key_blocks(padded, qs, chunk, chunk, lo, hi, q_offset, n,
                                                   m, big)
         check(first, last, lo, hi, {kb for kb in range(int(lo), int(hi)) if filled(qb, kb)},
               (n, m, q_offset, chunk, padding, 'query block', qb))
       for kb in range(nk):
         ks = jnp.int32(kb * chunk)
         lo, hi = spec.query_block_range(ks, ks + chunk - 1, chunk, nq, q_offset)
-        first, last = chunked.unmasked_query_blocks(padded, ks, chunk, chunk, lo, hi, q_offset,
+        first, last = blockwise.unmasked_query_blocks(padded, ks, chunk, chunk, lo, hi, q_offset,
                                                     n, m, big)
         check(first, last, lo, hi, {qb for qb in range(int(lo), int(hi)) if filled(qb, kb)},
               (n, m, q_offset, chunk, padding, 'key block', kb))
@@ -415,8 +415,8 @@ def test_the_unmasked_blocks_are_exactly_those_the_dense_mask_fills(causal):
                                    key_segments=segments), big),
                          (MaskSpec(causal=causal, window=3), big), (MaskSpec(causal=causal),
                                                                      big - 1)):
-    assert chunked.unmasked_key_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
-    assert chunked.unmasked_query_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
+    assert blockwise.unmasked_key_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
+    assert blockwise.unmasked_query_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
 
 
 def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
@@ -453,7 +453,7 @@ def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
 
 
 def _hooks(name, extra):
-  """Which BlockTerms hooks the variant's terms set (its kind, for the staircase)."""
+  """Which Terms hooks the variant's terms set (its kind, for the staircase)."""
   variant = registry.get(name)
   if variant.terms is None:
     return (name,)
@@ -461,7 +461,7 @@ def _hooks(name, extra):
   terms = variant.terms(H, **kwargs)
   return tuple(getattr(terms, f) is not None for f in
                ('score', 'prepare', 'transform_q', 'transform_k', 'product')) + (
-                   terms.values is not chunked.dot_values,)
+                   terms.values is not product.dot_values,)
 
 
 def test_diagonal_staircase_equals_the_dense_form_for_each_kind_of_variant(monkeypatch):
@@ -478,7 +478,7 @@ def test_diagonal_staircase_equals_the_dense_form_for_each_kind_of_variant(monke
   padding equal dense dropout with the same keep bits. One variant of each
   set of block-term hooks runs (_hooks, from the live registry): the steps
   differ between variants only by the hooks they call. Without a gradient
-  the forward reads keys heads first and maps them by BlockTerms.transform_k
+  the forward reads keys heads first and maps them by Terms.transform_k
   once, each from its block's first key: that output is checked on the
   variants with and without one (rotary, xpos, dot_product). Each variant's
   trace must have built the steps. (A window, as `local` has, leaves every
@@ -519,7 +519,7 @@ def test_diagonal_staircase_equals_the_dense_form_for_each_kind_of_variant(monke
       out[VARIANT_IDS[index]] = got, want
     scale = 1 / math.sqrt(D)
     out['dot_product with dropout'] = (
-        _out_and_grads(lambda q, k, v, p: chunked.attend(
+        _out_and_grads(lambda q, k, v, p: blockwise.attend(
             q * scale, k, v, mask=spec, chunk_size=chunk, dropout_rate=0.3,
             dropout_rng=drop_rng), q, k, v, {}, g),
         _out_and_grads(lambda q, k, v, p: dot_product_attention(
@@ -555,7 +555,7 @@ def test_blocks_hidden_by_padding_or_segments_are_skipped_forward_and_backward()
   scale = 1 / math.sqrt(D)
 
   def run():
-    got = _out_and_grads(lambda q, k, v, p: chunked.attend(q * scale, k, v, terms, mask=spec,
+    got = _out_and_grads(lambda q, k, v, p: blockwise.attend(q * scale, k, v, terms, mask=spec,
                                                            chunk_size=4), q, k, v, {}, g)
     want = _out_and_grads(lambda q, k, v, p: dot_product_attention(
         q, k, v, mask=spec.to_dense(n, m)), q, k, v, {}, g)
@@ -675,7 +675,7 @@ def test_table_gradients_equal_central_differences_of_a_float64_loop(name, t5_re
 @pytest.mark.parametrize('n,m', [(1, 5), (4, 4), (3, 7), (6, 2), (5, 1)])
 def test_rel_shift_moves_each_offset_to_its_key(n, m):
   x = np.random.default_rng(0).normal(size=(2, 3, n, n + m - 1)).astype(np.float32)
-  got = np.asarray(chunked.rel_shift(jnp.asarray(x)))
+  got = np.asarray(scheme.rel_shift(jnp.asarray(x)))
   assert got.shape == (2, 3, n, m)
   for i in range(n):
     for j in range(m):
@@ -685,20 +685,20 @@ def test_rel_shift_moves_each_offset_to_its_key(n, m):
 @pytest.mark.parametrize('bq,bk', [(1, 5), (4, 4), (3, 7), (6, 2), (5, 1)])
 def test_by_offset_spreads_each_diagonal_over_its_block(bq, bk):
   x = np.random.default_rng(1).normal(size=(2, 3, bq + bk - 1)).astype(np.float32)
-  got = np.asarray(chunked.by_offset(jnp.asarray(x), bq, bk))
+  got = np.asarray(scheme.by_offset(jnp.asarray(x), bq, bk))
   assert got.shape == (2, 3, bq, bk)
   for i in range(bq):
     for j in range(bk):
       np.testing.assert_array_equal(got[..., i, j], x[..., j - i + bq - 1])
 
 
-# ---- the BlockTerms contracts -------------------------------------------------------
+# ---- the Terms contracts -------------------------------------------------------
 
 def test_a_values_term_needs_its_uniform():
   with pytest.raises(TypeError, match='needs uniform='):
-    chunked.BlockTerms(values=lambda p, v, params, q_pos, k_pos: chunked.dot_values(
+    scheme.Terms(values=lambda p, v, params, q_pos, k_pos: product.dot_values(
         p, v, params, q_pos, k_pos))
-  assert chunked.BlockTerms().uniform is chunked.mean_values
+  assert scheme.Terms().uniform is scheme.mean_values
 
 
 @pytest.mark.parametrize('lead', [-12, -3, 0, 3, 7, 8, 9, 20])

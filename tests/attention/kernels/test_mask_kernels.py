@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import chunked, masks, registry, select
+from flaxformer_lite.attention import masks, registry, select
 from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.layers import MultiHeadAttention
 from tests.xla_options import BLOCK_KERNEL_COMPILE
@@ -130,7 +130,7 @@ def _both(name, mask, dense_mask, q_offset, q, k, v, params, g):
           _out_and_grads(blocks, q, k, v, params, g))
 
 
-# chunked.attend's calls while tracing (the fixture counts them): the chunked
+# blockwise.attend's calls while tracing (the fixture counts them): the chunked
 # forms must run the block kernel, once.
 _ATTEND_CALLS = []
 _TRACED_ATTEND_CALLS = {}
@@ -220,7 +220,7 @@ def test_the_kernel_computes_exactly_the_non_empty_blocks_once_each(case, monkey
   q, k, v, g = _inputs(n, 0)
 
   def grads(q, k, v):
-    out, pull = jax.vjp(lambda q, k, v: chunked.attend(q, k, v, mask=mask, chunk_size=CHUNK),
+    out, pull = jax.vjp(lambda q, k, v: blockwise.attend(q, k, v, mask=mask, chunk_size=CHUNK),
                         q, k, v)
     return pull(g)
   jax.block_until_ready(jax.jit(grads)(q, k, v))

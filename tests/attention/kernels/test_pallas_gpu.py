@@ -25,24 +25,24 @@ SLOPES = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
 BUCKETS = RNG.normal(size=(H, 9)).astype(np.float32)  # [h, buckets]: the kernel pads rows to 16
 
 
-def alibi(s, q_pos, k_pos, head, tables):
+def alibi(s, b, head, q_pos, k_pos, tables):
   return s - tables['slopes'][head] * jnp.abs(q_pos - k_pos).astype(jnp.float32)
 
 
-def bucket_bias(s, q_pos, k_pos, head, tables):
+def bucket_bias(s, b, head, q_pos, k_pos, tables):
   """A table lookup, T5's kind: this head's bias by clipped signed distance."""
   return s + tables['bias'][head, jnp.clip(k_pos - q_pos, -4, 4) + 4]
 
 
-def one_hot_bias(s, q_pos, k_pos, head, tables):
+def one_hot_bias(s, b, head, q_pos, k_pos, tables):
   """bucket_bias with the head's row read whole."""
   bucket = jnp.clip(k_pos - q_pos, -4, 4) + 4
   row = tables['bias'][head]
   return s + jnp.sum(jnp.where(bucket[..., None] == jnp.arange(row.shape[-1]), row, 0), -1)
 
 
-def both(s, q_pos, k_pos, head, tables):
-  return bucket_bias(alibi(s, q_pos, k_pos, head, tables), q_pos, k_pos, head, tables)
+def both(s, b, head, q_pos, k_pos, tables):
+  return bucket_bias(alibi(s, b, head, q_pos, k_pos, tables), b, head, q_pos, k_pos, tables)
 
 
 SCORES = {'alibi': (alibi, {'slopes': SLOPES}), 'buckets': (bucket_bias, {'bias': BUCKETS}),
@@ -200,13 +200,14 @@ def test_rows_that_see_no_key_give_zero_and_zero_gradients():
 
 def _dense(q, k, v, score, tables, visible, q_pos, k_pos):
   """The same attention in plain JAX on whole arrays, with the scores'
-  contract there: head = arange(h)[:, None, None], s [b, h, n, m], q_pos
-  [n, 1], k_pos [1, m], tables whole. Every query must see a key."""
+  contract there: b = arange(b)[:, None, None, None], head = arange(h)[:,
+  None, None], s [b, h, n, m], q_pos [n, 1], k_pos [1, m], tables whole.
+  Every query must see a key."""
   h, g = q.shape[2], k.shape[2]
   k, v = (jnp.repeat(jnp.asarray(x), h // g, axis=2) for x in (k, v))
   s = jnp.einsum('bnhd,bmhd->bhnm', q, k) / np.sqrt(q.shape[3])
-  s = score(s, jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :],
-            jnp.arange(h)[:, None, None], tables)
+  s = score(s, jnp.arange(s.shape[0])[:, None, None, None], jnp.arange(h)[:, None, None],
+            jnp.asarray(q_pos)[:, None], jnp.asarray(k_pos)[None, :], tables)
   s = jnp.where(visible, s, -jnp.inf)
   return jnp.einsum('bhnm,bmhd->bnhd', jax.nn.softmax(s, axis=-1), v)
 
@@ -217,9 +218,9 @@ def test_a_score_reads_whole_arrays_the_same_way():
   np.testing.assert_allclose(out, _reference(q, k, v, **ref, **tables), rtol=2e-5, atol=2e-5)
 
 
-def shifted(s, q_pos, k_pos, head, tables):
+def shifted(s, b, head, q_pos, k_pos, tables):
   """ALiBi from a per-head integer shift of the query positions."""
-  return alibi(s, q_pos + tables['shift'][head], k_pos, head, tables)
+  return alibi(s, b, head, q_pos + tables['shift'][head], k_pos, tables)
 
 
 def test_an_integer_table_is_read_and_gets_no_gradient():

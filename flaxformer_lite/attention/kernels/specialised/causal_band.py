@@ -4,7 +4,7 @@ Query i meets keys i, i-1, .., i-k+1 (lag t = i - j in 0..k-1; keys before 0
 are hidden), in O(n k) time and memory: the scores are k lagged dot
 products, never an [n, m] block. Shaw's relative attention on the chunked
 kernel (relative.shaw_chunked) runs its causal calls as this band, where the
-table rows differ pair by pair, merged (chunked.merge) with the chunked
+table rows differ pair by pair, merged (blockwise.merge) with the chunked
 kernel over the keys at lag >= k, where every pair has the same row.
 
 Both lagged products (scores, and the weighted sum of values) are small
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import dropout
+from flaxformer_lite.attention.kernels import blockwise
 
 
 # Rows per window: queries rB .. rB + B - 1 meet the B + k - 1 keys from
@@ -155,7 +156,7 @@ def causal_band(q, key, value, k: int, key_rows=None, value_rows=None, *, key_va
     seed, rate: attention dropout by dropout.py's hash of (row, head, query
       i, key i - t), the bits every kernel draws for that pair.
   Returns:
-    (out float32 [b, n, h, dv], lse float32 [b, h, n]) for chunked.merge;
+    (out float32 [b, n, h, dv], lse float32 [b, h, n]) for blockwise.merge;
     a row that sees none of its keys has out 0 and lse -inf.
   """
   n = q.shape[1]

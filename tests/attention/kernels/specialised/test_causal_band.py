@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import chunked
+from flaxformer_lite.attention.kernels import blockwise, product
 from flaxformer_lite.attention.kernels.specialised import causal_band
 from flaxformer_lite.attention.schemes import shaw
 from flaxformer_lite.attention.masks import MaskSpec
@@ -94,7 +94,7 @@ def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate, padded):
                                  chunk_size=8, dropout_rate=rate, dropout_rng=drop)
 
   def dense_fn(q, key, value, tk, tv):
-    key, value = (chunked.repeat_heads(x, h) for x in (key, value))
+    key, value = (product.repeat_heads(x, h) for x in (key, value))
     return shaw.shaw_attention(q, key, value, tk, tv, mask=jnp.asarray(dense_mask),
                                    form='naive', dropout_rate=rate, dropout_rng=drop,
                                    deterministic=not rate)
@@ -113,7 +113,7 @@ def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate, padded):
 
 
 def test_merge_of_two_key_sets_equals_attention_over_both():
-  """chunked.merge of attention over keys [0, 7) and over [7, 12), each with
+  """blockwise.merge of attention over keys [0, 7) and over [7, 12), each with
   its log-sum-exp from attend(return_lse=True), equals attention over all 12;
   the lse's gradient (its cotangent in attend's backward) included."""
   rng = np.random.default_rng(2)
@@ -121,9 +121,9 @@ def test_merge_of_two_key_sets_equals_attention_over_both():
   cot = jnp.asarray(rng.normal(size=(1, 12, 2, 4)), jnp.float32)
 
   def split(q, key, value):
-    parts = [chunked.attend(q, key[:, s], value[:, s], chunk_size=4, return_lse=True)
+    parts = [blockwise.attend(q, key[:, s], value[:, s], chunk_size=4, return_lse=True)
              for s in (slice(0, 7), slice(7, 12))]
-    return chunked.merge(*parts[0], *parts[1])
+    return blockwise.merge(*parts[0], *parts[1])
 
   def whole(q, key, value):
     w = jax.nn.softmax(jnp.einsum('bnhd,bmhd->bhnm', q, key), -1)
