@@ -127,7 +127,7 @@ def test_differences_ignore_resumable_keys():
     (['--config=experiments/missing.py'], 'experiments/missing.py'),
     (['--config.model.attention=luong_local_m',
       '--config.model.attention_kwargs.implementation=chunked'],
-     "attention='luong_local_m' has no chunked form"),
+     "attention='luong_local_m' does not run on it (its scores need the whole"),
     (['--config.model.attention_kwargs.dense_max_mib=-1'], 'dense_max_mib=-1'),
     (['--config=experiments/two_stream.py', '--config.model.fusion_layer=9'],
      "model.fusion_layer=9 is beyond the model's layers: valid 0..4"),
@@ -196,7 +196,7 @@ def test_list_attention_table_lists_every_variant_in_aligned_columns(width):
     assert [m for cell in models for m in shorthand.get(cell, (cell,))] == list(variant.models)
     assert kernels == ['dense', *(['chunked'] if variant.chunked else []),
                        *(['pallas'] if registry.pallas_runs(variant) else []),
-                       *variant.dense_implementations]
+                       *(['cudnn', 'splash', 'xla'] if variant.plain_product else [])]
     own = [f'{k}={v!r}' for k, v in variant.kwargs.items()] or ['-']
     assert ''.join(options) == ''.join(own)  # a long option may wrap inside its column
     assert description == ''.join(variant.doc.split())

@@ -17,9 +17,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks, registry, select
-from flaxformer_lite.attention.kernels import pallas_gpu, product
-from flaxformer_lite.attention.scheme import Terms, call_tables, query_key_positions
+from flaxformer_lite.attention import registry, select
+from flaxformer_lite.attention.kernels import table as kernels
 
 
 def attend(query, key, value, *, scheme: str = 'dot_product', score=None, tables=None,
@@ -59,48 +58,54 @@ def attend(query, key, value, *, scheme: str = 'dot_product', score=None, tables
   Returns:
     [b, n, h, dv]; with return_weights, (that, weights).
   """
+  call, requested, dense_max_mib = describe_call(
+      query, key, scheme=scheme, score=score, tables=tables, mask=mask, kernel=kernel,
+      options=options, params=params, q_offset=q_offset, positions=positions, bias=bias,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng, rng=rng,
+      prev_alignment=prev_alignment, decoding=decoding, dtype=dtype,
+      return_weights=return_weights)
+  choice = select.choose(call, requested, dense_max_mib)
+  return choice.kernel.run(call, _scaled(call.variant, query, scale), key, value)
+
+
+def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, mask=None,
+                  kernel=None, options=None, params=None, q_offset=0, positions=None,
+                  bias=None, dropout_rate=0.0, dropout_rng=None, rng=None,
+                  prev_alignment=None, decoding=False, dtype=None, return_weights=False):
+  """(kernels.Call, the kernel asked for, dense_max_mib) of `attend`'s call
+  (its arguments; query and key may be jax.ShapeDtypeStructs): what
+  select.choose reads, checked. `plan` is its choice."""
   variant, params = _variant(scheme, score, tables, params)
-  scheme = variant.name
   given = dict(options or {})
   if kernel is not None:
     given['implementation'] = kernel
   kwargs = registry.resolve_kwargs(variant, given)
   kernel_options = registry.resolve_kernel(variant, given)
-  dtype = dtype or query.dtype
   h = query.shape[2]
   _check_params(variant, params, h, query.shape[3], kwargs)
-  query = _scaled(variant, query, scale)
   reads_positions = positions is not None and variant.uses_positions
   if reads_positions and not variant.position_arrays:
-    raise ValueError(f'attention={scheme!r} reads positions as q_offset + 0..n-1 only; '
+    raise ValueError(f'attention={variant.name!r} reads positions as q_offset + 0..n-1 only; '
                      f'randomized positions need one of {registry.position_array_names()}')
   dropout = dropout_rng is not None and dropout_rate > 0.0
-  kind = select.mask_kind(mask, q_offset) if bias is None else None
-  terms = variant.terms(h, **kwargs) if variant.terms is not None else None
-  chosen = select.choose_kernel(variant, kernel_options, query, key,
-                                return_weights=return_weights, dtype=dtype, decoding=decoding,
-                                positions=reads_positions, dropout=dropout, mask_kind=kind,
-                                terms=terms, mask=mask)
-  if chosen == 'pallas':
-    if bias is not None or dropout:
-      raise ValueError("the fused Pallas kernel takes no explicit bias and no attention "
-                       "dropout; use attention_kwargs.implementation='dense' or 'chunked'")
-    return fused_scheme(query, key, value, terms, params, mask=mask, q_offset=q_offset,
-                        positions=positions if reads_positions else None, dtype=dtype)
-  if chosen == 'chunked':
-    if bias is not None:
-      raise ValueError("the chunked attention kernel takes no explicit bias; use "
-                       "attention_kwargs.implementation='dense'")
-    spec = mask if isinstance(mask, (masks.MaskSpec, masks.Mask)) else masks.MaskSpec(dense=mask)
-    return variant.chunked(query, key, value, mask=spec, q_offset=q_offset,
-                           chunk_size=select.chunk_size(kernel_options.chunk_size), dtype=dtype,
-                           dropout_rate=dropout_rate if dropout else 0.0,
-                           dropout_rng=dropout_rng if dropout else None, **params, **kwargs)
-  return _dense(variant, kernel_options, query, key, value, mask=mask, kind=kind, bias=bias,
-                q_offset=q_offset, positions=positions, rng=rng, prev_alignment=prev_alignment,
-                dropout_rate=dropout_rate if dropout else 0.0,
-                dropout_rng=dropout_rng if dropout else None, dtype=dtype,
-                return_weights=return_weights, **params, **kwargs)
+  call = kernels.Call(
+      variant=variant, terms=variant.terms(h, **kwargs) if variant.terms is not None else None,
+      kwargs=kwargs, params=params, query_shape=tuple(query.shape),
+      key_shape=tuple(key.shape), dtype=dtype or query.dtype, mask=mask,
+      mask_kind=select.mask_kind(mask, q_offset) if bias is None else None, q_offset=q_offset,
+      positions=positions if reads_positions else None, bias=bias,
+      dropout_rate=dropout_rate if dropout else 0.0, dropout_rng=dropout_rng if dropout else None,
+      rng=rng, prev_alignment=prev_alignment, decoding=decoding,
+      return_weights=return_weights, chunk_size=select.chunk_size(kernel_options.chunk_size),
+      platform=select.platform())
+  return call, kernel_options.implementation, kernel_options.dense_max_mib
+
+
+def plan(query, key, **arguments) -> select.Choice:
+  """The kernel `attend(query, key, value, **arguments)` runs, and why,
+  without running it (query, key: arrays or jax.ShapeDtypeStructs)."""
+  call, requested, dense_max_mib = describe_call(query, key, **arguments)
+  return select.choose(call, requested, dense_max_mib)
 
 
 def _variant(scheme: str, score, tables, params):
@@ -140,73 +145,3 @@ def _check_params(variant, params, heads: int, head_dim: int, kwargs) -> None:
   if missing:
     raise ValueError(f'attention={variant.name!r} reads the parameters {missing} '
                      f'(AttentionVariant.params), and params= holds {sorted(params) or "none"}')
-
-
-def _dense(variant, kernel_options, query, key, value, *, mask, kind, q_offset, positions, rng,
-           prev_alignment, **common):
-  """The variant's dense function `fn`, given what its registry entry says
-  it reads (positions, its own kernels, a PRNG key, the earlier alignment)."""
-  (b, n, h, _), (m, g) = query.shape, key.shape[1:3]
-  if g != h and not variant.grouped_kv:
-    # contiguous groups: heads [0, h/g) read key/value head 0, and so on
-    key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
-  if variant.fused_fits is None or kind is None:  # else fn takes the MaskSpec
-    mask = masks.as_dense(mask, b, h, n, m, q_offset)
-  extra = {}
-  if variant.uses_positions:
-    extra['q_offset'] = q_offset
-    if positions is not None:
-      extra['positions'] = positions
-  if variant.dense_implementations:
-    extra['implementation'] = kernel_options.implementation
-  if variant.stochastic:
-    extra['rng'] = rng
-  if variant.uses_alignment:
-    extra['prev_alignment'] = (jnp.zeros((b, h, n, m), jnp.float32) if prev_alignment is None
-                               else prev_alignment)
-  return variant.fn(query, key, value, mask=mask,
-                    deterministic=common['dropout_rng'] is None, **common, **extra)
-
-
-def fused_scheme(query, key, value, terms: Terms, params, *, mask=None, q_offset=0,
-                 positions=None, dtype=None):
-  """A scheme's terms on the fused Pallas kernel (kernels/pallas_gpu.py;
-  interpreted off a GPU): its tables made once, its q and k maps applied
-  before the kernel, its elementwise score inside it.
-
-  query [b, n, h, d], key and value [b, m, g, d]; mask as `attend`'s; a row
-  that sees no key gets the uniform weights of the other kernels (the mean
-  value). Returns [b, n, h, dv] in `dtype`.
-  """
-  dtype = dtype or query.dtype
-  b, n, h, _ = query.shape
-  m = key.shape[1]
-  q_pos, k_pos = query_key_positions(n, m, q_offset, positions)
-  tables = call_tables(terms, params, q_pos, k_pos) or {}
-  query, key, value = (x.astype(dtype) for x in (query, key, value))
-  origin = k_pos[0]  # as the dense reference measures, one block for the call
-  if terms.transform_q is not None:
-    query = terms.transform_q(query, tables, q_pos, origin)
-  if terms.transform_k is not None:
-    key = terms.transform_k(key, tables, k_pos, origin)
-  spec = mask if isinstance(mask, masks.MaskSpec) else None
-  causal = spec is not None and spec.causal and spec.window is None and not spec.has_arrays()
-  if causal or mask is None:
-    rule = None
-  elif isinstance(mask, masks.Mask):
-    if masks.closes_over_arrays(mask):
-      raise ValueError(f'mask {mask.name!r} reads an array its function closed over; the fused '
-                       'Pallas kernel takes a mask\'s data as inputs: give them as '
-                       'masks.Mask(fn, name, arrays=(...)), fn(b, h, q, k, *arrays)')
-    rule = mask
-  else:
-    rule = (spec or masks.MaskSpec(dense=mask)).to_mask()
-  out = pallas_gpu.flash_attention(
-      query, key, value, score=terms.score, tables=tables, mask=rule, causal=causal,
-      q_positions=q_pos, k_positions=k_pos, q_offset=q_offset,
-      interpret=select.platform() != 'gpu')
-  if rule is None:
-    return out
-  seen = masks.rows_seeing_a_key(rule, b, h, n, m, q_offset)  # [b | 1, h | 1, n]
-  mean = product.repeat_heads(terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
-  return jnp.where(jnp.moveaxis(seen, 1, 2)[..., None], out, mean.astype(out.dtype))

@@ -17,15 +17,14 @@ Some variants receive more:
     all earlier decoder steps (zeros at the first); only a step-by-step
     decoder (the RNN) can supply it, so such variants list rnn_seq2seq only.
 
-The kernel is chosen apart from the variant, by two options every variant
-takes (KERNEL_OPTIONS): `implementation` ('auto' | 'dense' | 'chunked';
-dot_product also 'xla' | 'cudnn') and `chunk_size`. A variant that can run
+The kernel is chosen apart from the variant, by the options every variant
+takes (KERNEL_OPTIONS): `implementation` ('auto' or a kernel of
+kernels/table.py), `chunk_size` and `dense_max_mib`. A variant that can run
 block by block has `chunked`, called as `fn` but with a masks.MaskSpec or a
 masks.Mask (or None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
 when `dropout_rng` is given), bias or weights (kernels/blockwise.py); keys and values
 may have fewer heads than the queries there (grouped-query attention).
-`choose_kernel` (select.py: the `auto` policy, per platform) decides which
-one runs.
+select.choose (the `auto` policy, per platform) decides which kernel runs.
 """
 from __future__ import annotations
 
@@ -38,6 +37,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 from flaxformer_lite import model_types
 from flaxformer_lite.attention import scheme, select
 from flaxformer_lite.attention.kernels import blockwise
+from flaxformer_lite.attention.kernels import table as kernels
 from flaxformer_lite.attention.kernels.reference import dense_attention
 
 TRANSFORMER_MODELS = model_types.TRANSFORMER_TYPES
@@ -70,12 +70,10 @@ class AttentionVariant:
   uses_alignment: fn takes `prev_alignment`.
   doc: one line for `--list_attention`.
   chunked: the block-by-block form (module docstring), or None.
-  dense_implementations: further `implementation` values that `fn` itself
-    takes as its `implementation` argument (dot_product: 'xla', 'cudnn').
-  fused_fits: (query, key, dtype=, dropout=, mask_kind=) -> whether a fused
-    kernel runs these inputs ('causal', 'full' or None: the mask's kind,
-    select.mask_kind); 'auto' then keeps the dense path, where `fn` takes it
-    (dot_product, rotary: select.fused_fits, cuDNN on a GPU, splash on a TPU).
+  plain_product: the scheme is plain q.k after maps of q and k, and `fn`
+    takes implementation='xla' | 'cudnn' (jax.nn.dot_product_attention):
+    the kernels that run only plain q.k (cuDNN, XLA's, splash) take it
+    (dot_product, rotary).
   grouped_kv: `fn` takes keys and values with g heads, g dividing the
     query heads h (query head i reads head i // (h / g)); without it the
     layer copies each key/value head to its group for `fn`. The chunked
@@ -105,8 +103,7 @@ class AttentionVariant:
   uses_alignment: bool = False
   doc: str = ''
   chunked: Callable[..., Any] | None = None
-  dense_implementations: tuple[str, ...] = ()
-  fused_fits: Callable[..., bool] | None = None
+  plain_product: bool = False
   grouped_kv: bool = False
   terms: Callable[..., Any] | None = None
   position_arrays: bool | None = None
@@ -136,17 +133,18 @@ SHARED_OPTIONS: dict[str, str] = {
 }
 
 # Options of every variant, not of one: which kernel runs it. implementation:
-# 'dense' (the [n, m] scores; the reference), 'chunked' (blocks, O(n)
-# memory), 'pallas' (the fused Pallas kernel: Triton on a GPU, interpreted
-# elsewhere), 'auto' (select.choose_kernel); chunk_size: rows and columns per
-# block of the chunked kernel; dense_max_mib: 'auto' keeps the dense kernel
-# while one call's scores (b * h * n * m in the compute dtype) take at most
-# this many MiB. Unset (None), those two are the platform's (select.POLICIES).
-KERNELS = ('auto', 'dense', 'chunked', 'pallas')
+# 'auto' (select.choose) or a kernel's name (kernels/table.py TABLE: 'dense',
+# the [n, m] scores, the reference; 'chunked', blocks, O(n) memory; 'pallas',
+# the fused Pallas kernel; 'cudnn', 'xla', 'splash'); chunk_size: rows and
+# columns per block of the chunked kernel; dense_max_mib: 'auto' keeps the
+# dense kernel while one call's scores (b * h * n * m in the compute dtype)
+# take at most this many MiB. Unset (None), those two are the platform's
+# (select.POLICIES).
+KERNELS = ('auto', *kernels.TABLE)
 KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': None, 'dense_max_mib': None}
 
 
-class Kernel(NamedTuple):
+class KernelOptions(NamedTuple):
   """A variant's kernel options, checked (resolve_kernel); None = the platform's."""
   implementation: str
   chunk_size: int | None
@@ -384,11 +382,12 @@ def resolve_kwargs(name: str | AttentionVariant,
   return option_values(resolve_options(name, given))
 
 
-def resolve_kernel(name: str | AttentionVariant, given: Mapping[str, Any] | None) -> Kernel:
+def resolve_kernel(name: str | AttentionVariant,
+                   given: Mapping[str, Any] | None) -> KernelOptions:
   """The kernel options from `given` (attention_kwargs; None = unset), checked."""
   variant = _variant(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
-  kernel = Kernel(**{k: given.get(k, default) for k, default in KERNEL_OPTIONS.items()})
+  kernel = KernelOptions(**{k: given.get(k, default) for k, default in KERNEL_OPTIONS.items()})
   _validate_kernel(variant, kernel)
   return kernel
 
@@ -404,21 +403,17 @@ def chunked_names() -> list[str]:
   return [name for name in names() if _REGISTRY[name].chunked is not None]
 
 
-def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
+def _validate_kernel(variant: AttentionVariant, kernel: KernelOptions) -> None:
   impl = kernel.implementation
-  valid = KERNELS + variant.dense_implementations
-  if impl not in valid:
-    raise ValueError(f'attention_kwargs.implementation={impl!r}; valid for attention='
-                     f'{variant.name!r}: {", ".join(map(repr, valid))}')
-  if impl == 'chunked' and variant.chunked is None:
-    raise ValueError(f"attention_kwargs.implementation='chunked': attention={variant.name!r} "
-                     'has no chunked form (its scores need the whole [n, m] array); variants '
-                     f'that have one: {", ".join(chunked_names())}')
-  if impl == 'pallas' and not pallas_runs(variant):
-    raise ValueError(f"attention_kwargs.implementation='pallas': attention={variant.name!r} "
-                     "has a term the fused Pallas kernel does not run (one that reads the "
-                     "block's q and k, a values term, or a score that is not q.k's); "
-                     f"variants it runs: {', '.join(n for n in names() if pallas_runs(_REGISTRY[n]))}")
+  if impl not in KERNELS:
+    raise ValueError(f'attention_kwargs.implementation={impl!r}; valid: '
+                     f'{", ".join(map(repr, KERNELS))}')
+  if impl != 'auto':
+    reason = kernels.TABLE[impl].takes(variant)
+    if reason is not None:
+      runs = ', '.join(n for n in names() if kernels.TABLE[impl].takes(_REGISTRY[n]) is None)
+      raise ValueError(f'attention_kwargs.implementation={impl!r}: attention={variant.name!r} '
+                       f'does not run on it ({reason}); schemes it runs: {runs}')
   if impl == 'cudnn' and select.platform() != 'gpu':
     raise ValueError(
         "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
@@ -430,15 +425,8 @@ def _validate_kernel(variant: AttentionVariant, kernel: Kernel) -> None:
 
 
 def pallas_runs(variant: AttentionVariant) -> bool:
-  """Whether the fused Pallas kernel runs `variant` (select.pallas_runs on
-  its terms with default options)."""
-  if variant.terms is None:
-    return False
-  return select.pallas_runs(variant.terms(2, **dict(variant.kwargs)))
-
-
-# The `auto` policy, with its thresholds per platform, lives in select.py.
-choose_kernel = select.choose_kernel
+  """Whether the fused Pallas kernel runs `variant`."""
+  return kernels.PALLAS.takes(variant) is None
 
 
 class Description(NamedTuple):
@@ -458,11 +446,27 @@ def describe(variant: AttentionVariant) -> Description:
     models = ('transformers',)
   else:
     models = variant.models
-  kernels = ('dense', 'chunked') if variant.chunked else ('dense',)
-  kernels += ('pallas',) if pallas_runs(variant) else ()
-  return Description(variant.name, models, kernels + variant.dense_implementations,
+  runs = tuple(name for name, kernel in kernels.TABLE.items() if kernel.takes(variant) is None)
+  return Description(variant.name, models, runs,
                      tuple(f'{k}={v!r}' for k, v in variant.kwargs.items()) or ('-',),
                      variant.doc)
+
+
+def refusals(width: int = 100) -> str:
+  """The scheme x kernel table's refusals: per kernel, the schemes it does
+  not run, grouped by the reason (Kernel.takes), wrapped to `width`."""
+  lines = textwrap.wrap('Kernels (attention_kwargs.implementation) and the schemes they do '
+                        'not run:', width)
+  for name, kernel in kernels.TABLE.items():
+    by_reason = {}
+    for scheme_name in names():
+      reason = kernel.takes(_REGISTRY[scheme_name])
+      if reason is not None:
+        by_reason.setdefault(reason, []).append(scheme_name)
+    text = f'{name}: {kernel.doc}; ' + ('runs every scheme' if not by_reason else '; '.join(
+        f'not {", ".join(refused)}: {reason}' for reason, refused in by_reason.items()))
+    lines += textwrap.wrap(text, width, initial_indent='  ', subsequent_indent='    ')
+  return '\n'.join(lines)
 
 
 _HEADER = Description('name', ('models',), ('kernels',), ('options',), 'description')
@@ -503,4 +507,5 @@ def table(width: int = 100) -> str:
   lines = render(_HEADER, kernels[0]) + [_GAP.join('-' * w for w in widths)]
   for row, kernel_lines in zip(rows, kernels[1:]):
     lines += render(row, kernel_lines)
-  return '\n'.join([*lines, '', *textwrap.wrap(footer, width), '', select.table(width)])
+  return '\n'.join([*lines, '', *textwrap.wrap(footer, width), '', refusals(width), '',
+                    select.table(width)])

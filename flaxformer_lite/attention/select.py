@@ -1,11 +1,11 @@
-"""The `auto` kernel policy: which kernel runs one attention call, per platform.
+"""The `auto` kernel policy: which kernel (kernels/table.py) runs one
+attention call, per platform. The only place that chooses.
 
-`choose_kernel` answers 'dense' or 'chunked' for a layer's call (registry.py
-re-exports it); `cudnn_fits` and `splash_fits` say where dot_product's dense
-path is cuDNN's fused kernel (GPU) or JAX's Pallas splash kernel (TPU, for a
-mask `mask_kind` reads); `chunk_size` is the chunked kernel's block. Every
-threshold is in POLICIES, and `describe` says them in words
-(`--list_attention`). The platform is jax.default_backend(), or
+`choose(call, requested)` returns the kernel for a call (entry.attend's
+kernels.table.Call) and why: the requested one where it supports the call,
+or, for 'auto', the platform's first preference that supports it under the
+thresholds here. Every threshold is in POLICIES, and `describe` says them in
+words (`--list_attention`). The platform is jax.default_backend(), or
 `target_platform`'s inside one (to lower for CUDA or TPU on a CPU machine, as
 the tests do).
 """
@@ -17,21 +17,23 @@ import dataclasses
 import math
 import textwrap
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import masks
-from flaxformer_lite.attention.kernels import splash
+from flaxformer_lite.attention.kernels import table as kernels
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """What 'auto' runs on one platform.
 
-  cudnn: dot_product (grouped-query included) on cuDNN's fused kernel
-    where `cudnn_fits`.
-  splash: dot_product (grouped-query included) on JAX's Pallas splash
-    kernel where `splash_fits`.
+  cudnn: dot_product and rotary (grouped-query included) on cuDNN's fused
+    kernel where it supports the call (kernels/table.py cudnn_fits).
+  splash: the same on JAX's Pallas splash kernel (kernels/table.py
+    splash_fits).
   memory_share: dense while one call's scores (b * h * n * m in the compute
     dtype) take at most this share of the device's memory (its allocator's
     bytes_limit); None: dense_max_mib always.
@@ -39,9 +41,9 @@ class Policy:
     device reports no bytes_limit (lowering for a platform this process
     does not run on).
   chunk_size: the chunked kernel's block, rows and columns.
-  pallas: every scheme whose terms the fused Pallas kernel runs
-    (`pallas_runs`) on that kernel (kernels/pallas_gpu.py) where
-    `pallas_fits`; dot_product keeps cuDNN where that fits.
+  pallas: every scheme whose terms the fused Pallas kernel runs on that
+    kernel (kernels/pallas_gpu.py) where `_pallas_fits`; dot_product and
+    rotary keep cuDNN where that fits.
   table_bias_max: the most query-key pairs (n * m) a head's dense scores
     take a bias looked up per pair from a learned per-head table (T5's
     buckets: parameters with logical axes ('relative', 'heads')) before the
@@ -72,23 +74,10 @@ POLICIES = {
 # A backend JAX names otherwise (a plugin) gets the TPU's rule: no fused
 # kernel, dense while it fits the device.
 OTHER = 'tpu'
-# cuDNN's fused attention: compute dtypes and the largest head size it runs
-# on every GPU generation (head sizes a multiple of 8).
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-CUDNN_MAX_HEAD_DIM = 128
-# Splash's kernel: its default block (rows and columns; the lengths must be
-# multiples of it), compute dtypes, and head sizes: multiples of the TPU's 128
-# lanes (smaller heads stay dense until tried on a TPU).
-SPLASH_BLOCK = 128
-SPLASH_DTYPES = (jnp.bfloat16, jnp.float32)
-SPLASH_HEAD_DIM = 128
 # The fused Pallas kernel (Triton): the compute dtypes and head sizes 'auto'
 # gives it (powers of two for Triton's tiles; the sizes it is built for).
 PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
 PALLAS_HEAD_DIMS = (64, 128)
-# The masks a fused kernel reads as structure (`mask_kind`): causal or full,
-# each with query and key padding.
-MASK_KINDS = ('causal', 'full')
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar('target', default=None)
 
@@ -143,23 +132,11 @@ def chunk_size(given: int | None = None) -> int:
   return given if given is not None else policy().chunk_size
 
 
-def cudnn_fits(query, key, *, dtype=None, dropout=False, return_weights=False) -> bool:
-  """Whether dot_product's 'auto' runs query [b, n, h, d], key [b, m, g, d]
-  on cuDNN's kernel: a platform that has it, 16-bit compute, d a multiple of
-  8 up to CUDNN_MAX_HEAD_DIM, no attention dropout, no weights asked for,
-  and n, m even and above 1 (not a cached decoding step; cuDNN's backward
-  with a mask needs even lengths)."""
-  (n, d), m = query.shape[1::2], key.shape[1]
-  return (policy().cudnn and jnp.dtype(dtype or query.dtype) in CUDNN_DTYPES
-          and d % 8 == 0 and d <= CUDNN_MAX_HEAD_DIM and not dropout and not return_weights
-          and n > 1 and m > 1 and n % 2 == 0 and m % 2 == 0)
-
-
 def mask_kind(mask, q_offset=0) -> str | None:
   """'causal' or 'full' where `mask` (None, a masks.MaskSpec, a masks.Mask or
   a boolean array) is that rule with query i at position i, plus padding
   (key_valid, query_valid) at most; None for anything else (windows,
-  segments, an explicit array, a Mask: a function no fused kernel reads, a
+  segments, an explicit array, a Mask: a function splash does not read, a
   causal rule offset by q_offset: a decoding step)."""
   if mask is None:
     return 'full'
@@ -171,100 +148,84 @@ def mask_kind(mask, q_offset=0) -> str | None:
   return 'causal' if isinstance(q_offset, int) and q_offset == 0 else None
 
 
-def splash_fits(query, key, *, dtype=None, dropout=False, return_weights=False,
-                mask_kind=None) -> bool:
-  """Whether dot_product's 'auto' runs query [b, n, h, d], key [b, m, g, d]
-  on JAX's Pallas splash kernel: a platform that has it, a compute dtype of
-  SPLASH_DTYPES, d a multiple of SPLASH_HEAD_DIM, no attention dropout, no
-  weights asked for, n and m multiples of SPLASH_BLOCK (so never a decoding
-  step), and a mask of MASK_KINDS (`mask_kind`; None: not expressible)."""
-  (n, d), m = query.shape[1::2], key.shape[1]
-  return (policy().splash and splash.available() and mask_kind in MASK_KINDS
-          and jnp.dtype(dtype or query.dtype) in SPLASH_DTYPES and d % SPLASH_HEAD_DIM == 0
-          and not dropout and not return_weights and n % SPLASH_BLOCK == 0
-          and m % SPLASH_BLOCK == 0)
+class Choice(NamedTuple):
+  """The kernel that runs a call, and why (a few words for the log)."""
+  kernel: kernels.Kernel
+  why: str
 
 
-def fused_fits(query, key, *, dtype=None, dropout=False, return_weights=False,
-               mask_kind=None) -> bool:
-  """Whether dot_product's 'auto' runs a fused kernel: `cudnn_fits` or
-  `splash_fits`."""
-  return (cudnn_fits(query, key, dtype=dtype, dropout=dropout, return_weights=return_weights)
-          or splash_fits(query, key, dtype=dtype, dropout=dropout,
-                         return_weights=return_weights, mask_kind=mask_kind))
+def _pallas_fits(call: kernels.Call) -> bool:
+  """Whether 'auto' gives `call` to the fused Pallas kernel: a platform whose
+  policy has it, a dtype of PALLAS_DTYPES, a head size of PALLAS_HEAD_DIMS,
+  more than one query (a decoding step is a matrix-vector product: the
+  blockwise kernel reads the cache in place), and the kernel supporting it."""
+  b, n, h, d = call.query_shape
+  return (policy(call.platform).pallas and jnp.dtype(call.dtype) in PALLAS_DTYPES
+          and d in PALLAS_HEAD_DIMS and n > 1 and not call.return_weights
+          and kernels.PALLAS.supports(call) is None)
 
 
-def pallas_runs(terms) -> bool:
-  """Whether the fused Pallas kernel runs a scheme given as `terms`
-  (scheme.Terms, or None for a variant of another kind): an
-  elementwise `score` or none, no `block_score` without one (a term that
-  reads the block's q and k), the plain values and q.k product."""
-  if terms is None or terms.product is not None or terms.values is not None:
-    return False
-  return terms.score is not None or terms.block_score is None
+def choose(call: kernels.Call, requested: str, dense_max_mib: int | None = None) -> Choice:
+  """The kernel that runs `call` (kernels.Call), and why.
 
-
-def pallas_fits(terms, query, key, *, dtype=None, dropout=False, return_weights=False,
-                mask=None) -> bool:
-  """Whether 'auto' runs query [b, n, h, d], key [b, m, g, d] on the fused
-  Pallas kernel: a platform whose policy has it, a scheme it runs
-  (`pallas_runs`), a dtype of PALLAS_DTYPES, d of PALLAS_HEAD_DIMS, no
-  dropout, no weights asked for, more than one query (a decoding step is a
-  matrix-vector product: the blocks' kernel reads the cache in place), and
-  no masks.Mask that closes over its data (masks.closes_over_arrays)."""
-  (n, d) = query.shape[1::2]
-  return (policy().pallas and pallas_runs(terms)
-          and jnp.dtype(dtype or query.dtype) in PALLAS_DTYPES and d in PALLAS_HEAD_DIMS
-          and not dropout and not return_weights and n > 1
-          and not (isinstance(mask, masks.Mask) and masks.closes_over_arrays(mask)))
-
-
-def choose_kernel(variant, kernel, query, key, *, return_weights: bool, dtype=None,
-                  decoding: bool = False, positions: bool = False,
-                  dropout: bool = False, mask_kind: str | None = None, terms=None,
-                  mask=None) -> str:
-  """'dense', 'chunked' or 'pallas' for query [b, n, h, d] and key [b, m, g, d].
-
-  `variant` is a registry.AttentionVariant, `kernel` its registry.Kernel,
-  `terms` its scheme.Terms for this call's heads (None: not a scheme),
-  `mask` the call's mask (pallas_fits reads it).
-  'auto' keeps the dense path where the weights are asked for (only it has
-  them), the variant has no chunked form, or its fused kernel fits
-  (`variant.fused_fits`: dot_product's cuDNN, or splash for a mask of
-  `mask_kind`); it runs the fused Pallas kernel where `pallas_fits`; when
-  `decoding` (queries against a cache) it takes the chunked form where the
-  cache spans more than two blocks, whose causal bounds stop at the cache
-  index where the dense kernel reads all of it; else dense while the scores,
-  b * h * n * m in the compute dtype, fit `dense_max_bytes`. An explicit
-  'chunked' with return_weights (plots) runs the dense path too, and so does
-  any call given `positions` as data (randomized positions) but the Pallas
-  kernel's: a block_score may read a block's positions as a range.
+  `requested` is a kernel's name (kernels.TABLE) or 'auto'. A requested
+  kernel runs where it supports the call (else ValueError naming why), except
+  that the weights (plots) and positions given as data (randomized
+  positions: a block_score may read a block's positions as a range) come
+  from the dense kernel where the blockwise one was asked for, and the
+  weights too where the Pallas one was.
+  'auto' takes, in order: dense where the weights are asked for or the
+  variant has no blockwise form; the platform's fused kernel for plain q.k
+  (cuDNN on a GPU, splash on a TPU) where it supports the call; the fused
+  Pallas kernel where `_pallas_fits`; dense for positions given as data; the
+  blockwise kernel when `decoding` against a cache of over two blocks (its
+  causal bounds stop at the cache index where the dense kernel reads all of
+  it) or for a learned per-pair bias table past table_bias_max pairs; else
+  dense while the scores, b * h * n * m in the compute dtype, fit
+  `dense_max_bytes`.
   """
-  if kernel.implementation == 'pallas':
-    return 'dense' if return_weights else 'pallas'
-  fused = pallas_fits(terms, query, key, dtype=dtype, dropout=dropout,
-                      return_weights=return_weights, mask=mask)
-  if positions and not (kernel.implementation == 'auto' and fused):
-    return 'dense'
-  if kernel.implementation == 'chunked':
-    return 'dense' if return_weights else 'chunked'
-  if kernel.implementation != 'auto' or variant.chunked is None or return_weights:
-    return 'dense'
-  if variant.fused_fits is not None and variant.fused_fits(query, key, dtype=dtype,
-                                                            dropout=dropout,
-                                                            mask_kind=mask_kind):
-    return 'dense'
-  if fused:
-    return 'pallas'
-  (b, n, h, d), m = query.shape, key.shape[1]
-  if decoding and m > 2 * chunk_size(kernel.chunk_size):
-    return 'chunked'
-  limit = policy().table_bias_max
-  if limit is not None and n * m > limit and kernel.dense_max_mib is None and (
-      _pair_table(variant, h, d)):
-    return 'chunked'
-  score_bytes = b * h * n * m * jnp.dtype(dtype or query.dtype).itemsize
-  return 'dense' if score_bytes <= dense_max_bytes(kernel.dense_max_mib) else 'chunked'
+  if requested != 'auto':
+    kernel = kernels.TABLE[requested]
+    if call.return_weights and kernel in (kernels.BLOCKWISE, kernels.PALLAS):
+      return Choice(kernels.DENSE, 'weights asked for: only dense has them')
+    if call.positions is not None and kernel is kernels.BLOCKWISE:
+      return Choice(kernels.DENSE, 'positions given as data')
+    reason = kernel.supports(call)
+    if reason is not None:
+      raise ValueError(f'attention={call.variant.name!r} on kernel={requested!r}: {reason}')
+    return Choice(kernel, 'asked for')
+  return _auto(call, dense_max_mib)
+
+
+def _auto(call: kernels.Call, dense_max_mib: int | None) -> Choice:
+  """choose(call, 'auto') (its docstring)."""
+  variant, rule = call.variant, policy(call.platform)
+  b, n, h, d = call.query_shape
+  m = call.key_shape[1]
+  dtype = jnp.dtype(call.dtype).name
+  if call.return_weights:
+    return Choice(kernels.DENSE, 'weights asked for: only dense has them')
+  if variant.chunked is None:
+    return Choice(kernels.DENSE, 'the scheme has no blockwise form')
+  for kernel, on in ((kernels.CUDNN, rule.cudnn), (kernels.SPLASH, rule.splash)):
+    if on and kernel.supports(call) is None:
+      return Choice(kernel, f'auto: {call.platform}, {dtype}, head dim {d}')
+  if _pallas_fits(call):
+    return Choice(kernels.PALLAS, f'auto: {call.platform}, {dtype}, head dim {d}')
+  if call.positions is not None:
+    return Choice(kernels.DENSE, 'positions given as data')
+  if call.decoding and m > 2 * call.chunk_size:
+    return Choice(kernels.BLOCKWISE, f'auto: decoding against a cache of {m} keys')
+  if (rule.table_bias_max is not None and n * m > rule.table_bias_max and dense_max_mib is None
+      and _pair_table(variant, h, d)):
+    return Choice(kernels.BLOCKWISE, f'auto: a per-pair bias table over {n}x{m} pairs')
+  score_bytes = b * h * n * m * jnp.dtype(call.dtype).itemsize
+  limit = dense_max_bytes(dense_max_mib)
+  if score_bytes <= limit:
+    return Choice(kernels.DENSE, f'auto: {call.platform}, scores {score_bytes / 2**20:.3g} MiB '
+                                 f'<= {limit / 2**20:.3g}')
+  return Choice(kernels.BLOCKWISE, f'auto: {call.platform}, scores {score_bytes / 2**20:.3g} '
+                                   f'MiB > {limit / 2**20:.3g}')
 
 
 def _pair_table(variant, heads: int, head_dim: int) -> bool:
@@ -279,17 +240,17 @@ def _pair_table(variant, heads: int, head_dim: int) -> bool:
 def describe(name: str) -> str:
   """What 'auto' runs on platform `name`, in one paragraph."""
   rule = policy(name)
-  dtypes = '/'.join(jnp.dtype(t).name for t in CUDNN_DTYPES)
+  dtypes = '/'.join(jnp.dtype(t).name for t in kernels.CUDNN_DTYPES)
   fused = (f'dot_product and rotary (grouped-query too) in {dtypes} on cuDNN (head dim a multiple '
-           f'of 8, <= {CUDNN_MAX_HEAD_DIM}; even lengths > 1; no dropout or weights), else '
+           f'of 8, <= {kernels.CUDNN_MAX_HEAD_DIM}; even lengths > 1; no dropout or weights), else '
            if rule.cudnn else '')
   limit = (f'1/{round(1 / rule.memory_share)} of device memory ({rule.dense_max_mib} MiB '
            'where it reports none)' if rule.memory_share else f'{rule.dense_max_mib} MiB')
   if rule.splash:
-    dtypes = '/'.join(jnp.dtype(t).name for t in SPLASH_DTYPES)
+    dtypes = '/'.join(jnp.dtype(t).name for t in kernels.SPLASH_DTYPES)
     fused = (f'dot_product and rotary (grouped-query too) in {dtypes} on Pallas splash for a '
-             f'causal or full mask with padding (lengths multiples of {SPLASH_BLOCK}, head dim '
-             f'a multiple of {SPLASH_HEAD_DIM}; no dropout or weights), else ')
+             f'causal or full mask with padding (lengths multiples of {kernels.SPLASH_BLOCK}, head dim '
+             f'a multiple of {kernels.SPLASH_HEAD_DIM}; no dropout or weights), else ')
   if rule.pallas:
     dtypes = '/'.join(jnp.dtype(t).name for t in PALLAS_DTYPES)
     dims = ' or '.join(map(str, PALLAS_HEAD_DIMS))
@@ -308,7 +269,7 @@ def table(width: int = 100) -> str:
             'chunked when decoding against a cache of over two blocks; '
             "attention_kwargs.dense_max_mib and chunk_size, where set, replace the "
             "platform's.")
-  paragraphs = ["implementation='auto', by platform (jax.default_backend()):",
+  paragraphs = ["kernel 'auto', by platform (jax.default_backend()):",
                 *map(describe, POLICIES), shared]
   return '\n'.join(line for text in paragraphs
                    for line in textwrap.wrap(text, width, subsequent_indent='  '))

@@ -3,6 +3,8 @@
 logits [b, h, n, m] -> weights [b, h, n, m]. A query row whose keys are all
 masked gets uniform weights over the keys (the same rule as
 `jax.nn.dot_product_attention` and flax): finite, never NaN.
+`window_softmax` is the same inside a window (local attention, Luong's
+local variants).
 """
 from __future__ import annotations
 
@@ -63,3 +65,23 @@ def softmax_weights(logits, mask, *, dropout_rate=0.0, dropout_rng=None,
   # A row that sees no key keeps its uniform weights whole, as in the
   # chunked kernel (which never draws dropout for such a row).
   return jnp.where(jnp.any(mask, -1, keepdims=True), dropped, weights)
+
+
+def window_softmax(logits, in_window, mask, *, dropout_rate=0.0, dropout_rng=None,
+                   deterministic=True, dtype=None, q_idx=None, k_idx=None):
+  """Masked softmax over the keys inside a window.
+
+  logits [..., k] float32; in_window and mask (None or) boolean, broadcastable
+  to it. A row with no visible key inside its window gets uniform weights over
+  its window: softmax_weights' rule for fully masked rows, restricted to the
+  window so that forms that see different key sets (blocked, plain) agree. An
+  empty window gives a zero row. q_idx, k_idx: each weight's query and key
+  index for dropout (dropout.apply). Returns [..., k] in `dtype`.
+  """
+  allowed = in_window if mask is None else jnp.logical_and(in_window, mask)
+  weights = softmax_weights(logits, allowed, dropout_rate=dropout_rate,
+                            dropout_rng=dropout_rng, deterministic=deterministic,
+                            dtype=dtype, q_idx=q_idx, k_idx=k_idx)
+  uniform = in_window / jnp.maximum(jnp.sum(in_window, -1, keepdims=True), 1)
+  return jnp.where(jnp.any(allowed, -1, keepdims=True), weights,
+                   uniform.astype(weights.dtype))

@@ -113,7 +113,7 @@ def test_weights_masked_keys_zero_rows_normalised_output_is_weighted_values(name
     np.testing.assert_array_equal(np.sort(weights[rows], -1)[:, -2:], [[0.0, 1.0]] * rows.sum())
   if not any('window' in option for option in registry.get(name).kwargs):
     # A fully masked row is uniform over all keys (softmax_weights' rule; windowed
-    # variants spread it over their window instead, local.window_softmax).
+    # variants spread it over their window instead, softmax.window_softmax).
     np.testing.assert_allclose(weights[~rows], 1 / M, atol=1e-6)
   if name == 'shaw':
     want_weights, want_out = _shaw_loop(x, weights)

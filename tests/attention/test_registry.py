@@ -13,7 +13,7 @@ import typing
 import jax
 import pytest
 
-from flaxformer_lite.attention import registry, scheme, select
+from flaxformer_lite.attention import entry, registry, scheme, select
 
 
 def _takers():
@@ -220,14 +220,17 @@ def test_every_learned_table_declares_how_a_model_axis_shards_it(name):
 
 def _pick(name, b, n, m, h=8, g=None, dtype='float32', decoding=False, return_weights=False,
           positions=False, **options):
-  """The kernel 'auto' picks on CPU (select.py has every platform's)."""
+  """The name of the kernel 'auto' picks on CPU (select.py has every platform's)."""
   query = jax.ShapeDtypeStruct((b, n, h, 64), dtype)
   key = jax.ShapeDtypeStruct((b, m, g or h, 64), dtype)
-  kernel = registry.resolve_kernel(name, options)
+  variant = registry.get(name)
+  specs = variant.params(h, 64, dict(variant.kwargs)) if variant.params else {}
   with select.target_platform('cpu'):
-    return registry.choose_kernel(registry.get(name), kernel, query, key, dtype=dtype,
-                                  decoding=decoding, return_weights=return_weights,
-                                  positions=positions)
+    return entry.plan(query, key, scheme=name, options=options, dtype=dtype,
+                      decoding=decoding, return_weights=return_weights,
+                      positions=jax.numpy.arange(n) if positions else None,
+                      params={p: jax.ShapeDtypeStruct(shape, 'float32')
+                              for p, (shape, _, _) in specs.items()}).kernel.name
 
 
 @pytest.mark.parametrize('name', registry.chunked_names())

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from flaxformer_lite.attention import masks, registry, select
+from flaxformer_lite.attention import entry, masks, registry, select
 from flaxformer_lite.attention.kernels import blockwise
+from flaxformer_lite.attention.kernels import table as kernels
 from flaxformer_lite.attention.schemes import rotary as rotary_lib
 from flaxformer_lite.layers import MultiHeadAttention
 
@@ -24,24 +25,40 @@ def device_memory(monkeypatch):
   return set_memory
 
 
-def _pick(platform, name, b, n, m, h=8, g=None, d=64, dtype='float32', decoding=False,
-          dropout=False, mask_kind=None, **options):
+# The masks whose select.mask_kind is each kind (None: one splash cannot read).
+MASK_OF_KIND = {'causal': masks.MaskSpec(causal=True), 'full': None, None: masks.causal()}
+
+
+def _call(platform, name='dot_product', b=2, n=128, m=None, h=8, g=None, d=64,
+          dtype='bfloat16', decoding=False, dropout=False, mask_kind=None,
+          return_weights=False, **options):
+  """entry.describe_call of attend's call on ShapeDtypeStructs, for `platform`."""
   query = jax.ShapeDtypeStruct((b, n, h, d), dtype)
-  key = jax.ShapeDtypeStruct((b, m, g or h, d), dtype)
-  variant = registry.get(name)
-  terms = variant.terms(h, **registry.resolve_kwargs(name, {})) if variant.terms else None
+  key = jax.ShapeDtypeStruct((b, n if m is None else m, g or h, d), dtype)
   with select.target_platform(platform):
-    return select.choose_kernel(variant, registry.resolve_kernel(name, options),
-                                query, key, return_weights=False, dtype=dtype,
-                                decoding=decoding, dropout=dropout, mask_kind=mask_kind,
-                                terms=terms)
+    return entry.describe_call(
+        query, key, scheme=name, mask=MASK_OF_KIND[mask_kind], options=options,
+        params=_params(name, h, d), dtype=dtype, decoding=decoding,
+        dropout_rate=0.1 if dropout else 0.0,
+        dropout_rng=jax.random.key(0) if dropout else None, return_weights=return_weights)
+
+
+def _params(name, h, d):
+  variant = registry.get(name)
+  specs = variant.params(h, d, dict(variant.kwargs)) if variant.params else {}
+  return {p: jax.ShapeDtypeStruct(shape, 'float32') for p, (shape, _, _) in specs.items()}
+
+
+def _pick(platform, name, b, n, m, h=8, g=None, d=64, dtype='float32', **kwargs):
+  """The name of the kernel 'auto' (or options' implementation) runs."""
+  call, requested, dense_max_mib = _call(platform, name, b, n, m, h, g, d, dtype, **kwargs)
+  with select.target_platform(platform):
+    return select.choose(call, requested, dense_max_mib).kernel.name
 
 
 def _fits(platform, n=128, m=None, d=64, dtype='bfloat16', g=8, **kwargs):
-  query = jax.ShapeDtypeStruct((2, n, 8, d), dtype)
-  key = jax.ShapeDtypeStruct((2, n if m is None else m, g, d), dtype)
-  with select.target_platform(platform):
-    return select.cudnn_fits(query, key, **kwargs)
+  call, _, _ = _call(platform, n=n, m=m, d=d, dtype=dtype, g=g, **kwargs)
+  return kernels.cudnn_fits(call) is None
 
 
 def test_cudnn_fits_on_gpu_in_16_bits_within_its_shape_rules():
@@ -65,7 +82,7 @@ def test_gpu_takes_cudnn_then_dense_while_an_eighth_of_memory_then_blocks_of_102
   takes the size rule."""
   assert _pick('gpu', 'dot_product', 8, 2048, 2048, h=16) == 'dense'
   assert _pick('gpu', 'dot_product', 9, 2048, 2048, h=16) == 'chunked'
-  assert _pick('gpu', 'dot_product', 64, 2048, 2048, h=16, dtype='bfloat16') == 'dense'
+  assert _pick('gpu', 'dot_product', 64, 2048, 2048, h=16, dtype='bfloat16') == 'cudnn'
   assert _pick('gpu', 'alibi', 64, 2048, 2048, h=16, dtype='bfloat16') == 'pallas'
   assert _pick('gpu', 'alibi', 8, 2048, 2048, h=16) == 'dense'
   assert _pick('gpu', 'alibi', 9, 2048, 2048, h=16) == 'chunked'
@@ -113,15 +130,15 @@ def test_tpu_is_dense_while_an_eighth_of_memory_then_blocks_of_512(device_memory
 
 def test_tpu_keeps_splash_at_any_size_where_it_fits(device_memory):
   """Splash holds no [n, m] scores: dot_product and rotary whose mask it
-  reads stay on the dense path (splash's) past the memory share; alibi, an
+  reads stay on splash past the memory share; alibi, an
   unreadable mask or dropout keep the size rule."""
   big = dict(b=64, n=2048, m=2048, h=16, d=128, dtype='bfloat16')
-  assert _pick('tpu', 'dot_product', **big, mask_kind='causal') == 'dense'
-  assert _pick('tpu', 'rotary', **big, mask_kind='full') == 'dense'
+  assert _pick('tpu', 'dot_product', **big, mask_kind='causal') == 'splash'
+  assert _pick('tpu', 'rotary', **big, mask_kind='full') == 'splash'
   assert _pick('tpu', 'dot_product', **big) == 'chunked'
   assert _pick('tpu', 'dot_product', **big, mask_kind='causal', dropout=True) == 'chunked'
   assert _pick('tpu', 'alibi', **big, mask_kind='causal') == 'chunked'
-  assert _pick('gpu', 'dot_product', **big, mask_kind='causal') == 'dense'  # cuDNN's
+  assert _pick('gpu', 'dot_product', **big, mask_kind='causal') == 'cudnn'
 
 
 def test_cpu_is_dense_up_to_256_mib_of_scores_whatever_the_machine(device_memory):
@@ -210,7 +227,7 @@ def test_dot_product_in_bf16_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, device_m
 def test_rotary_rotates_q_and_k_then_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, device_memory):
   """rotary only transforms q and k: its rotated q and k go to cuDNN's
   kernel (grouped-query too), and its output is dot_product's over the
-  rotated q and k (checked on CPU, where the same call runs dense)."""
+  rotated q and k (checked on CPU, on the dense path)."""
   assert '__cudnn$fmha' in _cuda_hlo('rotary') and '__cudnn$fmha' in _cuda_hlo(
       'rotary', num_kv_heads=1)
   assert '__cudnn$fmha' not in _cuda_hlo('rotary', dtype=jnp.float32)
@@ -218,7 +235,7 @@ def test_rotary_rotates_q_and_k_then_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, 
   q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 16)) for i in range(3))
   q_rot, k_rot = (rotary_lib.apply_rotary(x, jnp.arange(8)) for x in (q, k))
   expected = registry.get('dot_product').fn(q_rot, k_rot, v, implementation='dense')
-  got = rotary.fn(q, k, v, implementation='auto')
+  got = rotary.fn(q, k, v)
   assert jnp.allclose(got, expected, atol=1e-6)
 
 
@@ -239,7 +256,7 @@ def test_alibi_lowers_dense_for_a_gpu_then_chunked_in_blocks_of_1024_past_its_sh
 
 def test_the_gpu_runs_every_scheme_the_pallas_kernel_takes_on_it_in_16_bits(device_memory):
   """Over the live registry: a scheme whose terms are an elementwise score
-  and q/k maps (select.pallas_runs) takes the fused Pallas kernel on a GPU
+  and q/k maps (registry.pallas_runs) takes the fused Pallas kernel on a GPU
   in bf16/fp16 with head dim 64 or 128, at any size, where dot_product keeps
   cuDNN; not in float32, not for a decoding step, not with dropout, not on
   the other platforms; schemes with terms it cannot run keep the others."""
@@ -248,7 +265,7 @@ def test_the_gpu_runs_every_scheme_the_pallas_kernel_takes_on_it_in_16_bits(devi
   assert not {'shaw', 'transformer_xl', 'deberta', 'local', 'bahdanau'} & set(fused)
   for name in fused:
     if name in ('dot_product', 'rotary'):  # cuDNN's where it fits
-      assert _pick('gpu', name, 64, 2048, 2048, dtype='bfloat16') == 'dense', name
+      assert _pick('gpu', name, 64, 2048, 2048, dtype='bfloat16') == 'cudnn', name
       continue
     for dtype, d in (('bfloat16', 64), ('float16', 128)):
       assert _pick('gpu', name, 64, 8192, 8192, d=d, dtype=dtype) == 'pallas', name
@@ -260,7 +277,8 @@ def test_the_gpu_runs_every_scheme_the_pallas_kernel_takes_on_it_in_16_bits(devi
     assert _pick('cpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
   assert _pick('gpu', 'shaw', 64, 2048, 2048, dtype='bfloat16') == 'chunked'
   assert _pick('cpu', 'alibi', 2, 16, 16, implementation='pallas') == 'pallas'
-  with pytest.raises(ValueError, match="'pallas': attention='shaw' has a term"):
+  with pytest.raises(ValueError, match="'pallas': attention='shaw' does not run on it .it has "
+                                       'a term'):
     registry.resolve_kernel('shaw', {'implementation': 'pallas'})
 
 

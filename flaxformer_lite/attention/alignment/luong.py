@@ -27,8 +27,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry, scheme
 from flaxformer_lite.attention.kernels import blockwise
-from flaxformer_lite.attention.softmax import softmax_weights
-from flaxformer_lite.attention.schemes.local import window_softmax
+from flaxformer_lite.attention.softmax import softmax_weights, window_softmax
 
 
 def attend(logits, value, *, mask=None, bias=None, dropout_rate=0.0, dropout_rng=None,

@@ -6,7 +6,7 @@ mask's block plan is built once per call from its structure (causal or full,
 the same for every head), and padding goes in as segment ids (valid tokens 1,
 padding 0), so no [n, m] array is ever built. The gradient is the kernel's
 own custom VJP. `interpret=True` runs the kernel on any platform (the tests).
-select.splash_fits says where 'auto' takes it.
+kernels/table.py splash_fits says where 'auto' takes it.
 """
 from __future__ import annotations
 

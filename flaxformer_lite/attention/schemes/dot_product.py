@@ -12,18 +12,16 @@ finite, never NaN.
 """
 from __future__ import annotations
 
-from flaxformer_lite.attention import registry, scheme, select
-from flaxformer_lite.attention.kernels import blockwise
-from flaxformer_lite.attention.kernels.fused import auto_dot_product
+from flaxformer_lite.attention import registry, scheme
+from flaxformer_lite.attention.kernels import blockwise, reference
 
 
 registry.register(registry.AttentionVariant(
     name='dot_product',
-    fn=auto_dot_product,
+    fn=reference.dot_product_attention,
     chunked=blockwise.dot_product,
     terms=lambda num_heads: scheme.Terms(),  # nothing to change: the fused kernels' view
-    dense_implementations=('xla', 'cudnn'),
-    fused_fits=select.fused_fits,
+    plain_product=True,
     grouped_kv=True,
     doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
         'for jax.nn.dot_product_attention'))

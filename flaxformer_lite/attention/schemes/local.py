@@ -30,27 +30,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import masks, registry, scheme
 from flaxformer_lite.attention.kernels import blockwise
-from flaxformer_lite.attention.softmax import softmax_weights
-
-
-def window_softmax(logits, in_window, mask, *, dropout_rate=0.0, dropout_rng=None,
-                   deterministic=True, dtype=None, q_idx=None, k_idx=None):
-  """Masked softmax over the keys inside a window.
-
-  logits [..., k] float32; in_window and mask (None or) boolean, broadcastable
-  to it. A row with no visible key inside its window gets uniform weights over
-  its window: softmax_weights' rule for fully masked rows, restricted to the
-  window so that forms that see different key sets (blocked, plain) agree. An
-  empty window gives a zero row. q_idx, k_idx: each weight's query and key
-  index for dropout (dropout.apply). Returns [..., k] in `dtype`.
-  """
-  allowed = in_window if mask is None else jnp.logical_and(in_window, mask)
-  weights = softmax_weights(logits, allowed, dropout_rate=dropout_rate,
-                            dropout_rng=dropout_rng, deterministic=deterministic,
-                            dtype=dtype, q_idx=q_idx, k_idx=k_idx)
-  uniform = in_window / jnp.maximum(jnp.sum(in_window, -1, keepdims=True), 1)
-  return jnp.where(jnp.any(allowed, -1, keepdims=True), weights,
-                   uniform.astype(weights.dtype))
+from flaxformer_lite.attention.softmax import window_softmax
 
 
 # The blocked form is taken when m is at least this many times its context

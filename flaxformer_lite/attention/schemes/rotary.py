@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import registry, scheme, select
-from flaxformer_lite.attention.kernels.fused import auto_dot_product
+from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
 SCALINGS = ('none', 'linear', 'ntk', 'yarn')
@@ -122,9 +122,8 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
     key, value: [b, m, h, d], key j at position j.
     positions: None, or int [n] (n = m): query and key i at positions[i].
     max_wavelength .. rotary_layout: apply_rotary's (module docstring).
-    common: auto_dot_product's implementation ('auto': cuDNN's or splash's
-      fused kernel where it runs), mask (an array, or a causal/full MaskSpec
-      with query i at position i), bias, dropout, dtype and return_weights.
+    common: dot_product_attention's implementation (None or 'dense', 'xla',
+      'cudnn'), mask, bias, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
@@ -134,7 +133,7 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
   q_pos, k_pos = scheme.query_key_positions(query.shape[1], key.shape[1], q_offset, positions)
   query = apply_rotary(query, q_pos, **rope)
   key = apply_rotary(key, k_pos, **rope)
-  return auto_dot_product(query, key, value, **common)
+  return dot_product_attention(query, key, value, **common)
 
 
 def _rotate(rope, x, tables, positions, origin):
@@ -202,8 +201,7 @@ registry.register(registry.AttentionVariant(
     check_head_dim=_check_head_dim,
     uses_positions=True,
     position_arrays=True,
-    dense_implementations=('xla', 'cudnn'),
-    fused_fits=select.fused_fits,
+    plain_product=True,
     grouped_kv=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
         'Su et al. 2021); head_dim must be even; rope_scaling linear (PI) | ntk | yarn '

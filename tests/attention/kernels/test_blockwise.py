@@ -109,7 +109,7 @@ def _dense_fn(index, spec, n, m, q_offset, dtype=jnp.float32):
   kwargs = registry.resolve_kwargs(name, extra)
   if variant.uses_positions:
     kwargs['q_offset'] = q_offset
-  if variant.dense_implementations:
+  if variant.plain_product:
     kwargs['implementation'] = 'dense'
 
   def fn(q, k, v, params):

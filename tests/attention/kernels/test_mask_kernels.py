@@ -115,7 +115,7 @@ def _both(name, mask, dense_mask, q_offset, q, k, v, params, g):
   dense_kwargs = dict(kwargs)
   if variant.uses_positions:
     dense_kwargs['q_offset'] = q_offset
-  if variant.dense_implementations:
+  if variant.plain_product:
     dense_kwargs['implementation'] = 'dense'
 
   def dense(q, k, v, p):

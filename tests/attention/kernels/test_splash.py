@@ -1,13 +1,14 @@
 """Splash attention (attention/splash.py) held to dot_product's dense path,
-run by Pallas's interpreter on CPU; the rule that picks it (select.splash_fits);
+run by Pallas's interpreter on CPU; the rule that picks it (kernels.table.splash_fits);
 and the path a layer lowered for a TPU on this machine takes, read from its HLO."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import masks, registry, select
+from flaxformer_lite.attention import entry, masks, registry, select
 from flaxformer_lite.attention.kernels import splash
+from flaxformer_lite.attention.kernels import table as kernels
 from flaxformer_lite.layers import MultiHeadAttention
 
 
@@ -49,11 +50,17 @@ def test_splash_matches_the_dense_path_forward_and_gradients(causal):
     np.testing.assert_allclose(got_grad, want_grad, atol=1e-5)
 
 
-def _fits(platform='tpu', n=256, m=None, d=128, dtype='bfloat16', mask_kind='causal', **kwargs):
+def _fits(platform='tpu', n=256, m=None, d=128, dtype='bfloat16', mask_kind='causal',
+          dropout=False, return_weights=False):
+  """Whether kernels.splash_fits takes attend's call on these shapes."""
   query = jax.ShapeDtypeStruct((2, n, 8, d), dtype)
   key = jax.ShapeDtypeStruct((2, n if m is None else m, 2, d), dtype)
+  mask = {'causal': masks.MaskSpec(causal=True), 'full': None, None: masks.causal()}[mask_kind]
   with select.target_platform(platform):
-    return select.splash_fits(query, key, mask_kind=mask_kind, **kwargs)
+    call, _, _ = entry.describe_call(
+        query, key, mask=mask, dtype=dtype, dropout_rate=0.1 if dropout else 0.0,
+        dropout_rng=jax.random.key(0) if dropout else None, return_weights=return_weights)
+  return kernels.splash_fits(call) is None
 
 
 def test_splash_fits_on_tpu_for_causal_or_full_masks_in_whole_blocks():

@@ -14,7 +14,7 @@ import pytest
 
 from flaxformer_lite.attention import dot_product_attention
 from flaxformer_lite.attention import dot_product_attention_weights
-from flaxformer_lite.attention import registry, select
+from flaxformer_lite.attention import entry, registry
 
 IMPLEMENTATIONS = [None, 'dense', 'xla']
 B, N, M, H, D = 2, 4, 5, 2, 3
@@ -399,7 +399,7 @@ def test_cudnn_without_a_gpu_is_a_config_error_naming_the_backend():
   with pytest.raises(config_lib.ConfigError, match="'cudnn' needs an NVIDIA GPU.*'cpu'"):
     main.validate(c)
   q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
-  assert not select.cudnn_fits(q, q)  # 'auto' keeps the explicit path here
+  assert entry.plan(q, q).kernel.name == 'dense'  # 'auto' keeps the explicit path here
 
 
 @pytest.mark.skipif(not ON_GPU, reason=f'cuDNN attention needs an NVIDIA GPU; the JAX '
@@ -408,7 +408,7 @@ def test_cudnn_matches_the_reference_on_gpu():
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 128, 4, 64)), jnp.bfloat16) for _ in range(3))
   mask = jnp.tril(jnp.ones((128, 128), bool))[None, None]
-  assert select.cudnn_fits(q, k)
+  assert entry.plan(q, k).kernel.name == 'cudnn'
   fused = registry.get('dot_product').fn(q, k, v, mask=mask, implementation='cudnn')
   reference = registry.get('dot_product').fn(q, k, v, mask=mask, implementation='dense')
   np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(reference, np.float32),
