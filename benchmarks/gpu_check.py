@@ -141,33 +141,35 @@ def _run_until(command, log_path, deadline, *, cwd=REPO, env=None, stop=signal.S
   """Runs `command` in a process group of its own, its output in log_path,
   until it exits or `deadline` (time.time()); then sends `stop` to it and,
   `grace` seconds later, kills its whole group (children left holding on too).
-  on_line(line, seconds since launch) sees each line as it is written; when it
+  on_line(line, seconds since launch) sees each whole line as it is written; when it
   returns True, the command is stopped as at the deadline. Returns (log,
   whether the deadline stopped it, exit code)."""
-  start, pending, asked = time.time(), b'', False
+  start, pending, asked, stopped = time.time(), b'', False, False
 
-  def read(reader, final=False):
+  def read(reader):
     nonlocal pending, asked
     *lines, pending = (pending + reader.read()).split(b'\n')
-    for line in lines + ([pending] if final and pending else []):
+    for line in lines:
       if on_line and on_line(line.decode(errors='replace'), time.time() - start):
         asked = True
 
   with open(log_path, 'wb') as log_file, open(log_path, 'rb') as reader:
     proc = subprocess.Popen(command, cwd=cwd, env=env or _env(), stdout=log_file,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    while proc.poll() is None and time.time() < deadline and not asked:
-      read(reader)
-      time.sleep(0.25)
-    stopped = proc.poll() is None and not asked
-    if proc.poll() is None:
-      proc.send_signal(stop)
-      with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    read(reader, final=True)
+    try:
+      while proc.poll() is None and time.time() < deadline and not asked:
+        read(reader)
+        time.sleep(0.25)
+      stopped = proc.poll() is None and not asked
+      if proc.poll() is None:
+        proc.send_signal(stop)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+          proc.wait(timeout=grace)
+    finally:  # (on_line raising too)
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+    read(reader)
   with open(log_path, errors='replace') as f:
     return f.read(), stopped, proc.returncode
 
