@@ -5,7 +5,8 @@
 # on x86_64, nanoGPT's source and the shared corpora. On that machine:
 #   python3 -m pip install -q --no-deps --no-index --no-build-isolation .gpu_carry/wheels/*
 #   python3 -m pip install -q --no-deps --no-index .gpu_carry/tokamax/* || true
-#   FFL_PYTHON=python3 FFL_SHARED_DATA=$PWD/.gpu_carry/data benchmarks/gpu_check.sh
+#   FFL_PYTHON=python3 FFL_SHARED_DATA=$PWD/.gpu_carry/data benchmarks/gpu_check.sh --call 1 --out DIR
+#   (then --call 2; benchmarks/README.md gives each call's command)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu_carry/wheels .gpu_carry/data
