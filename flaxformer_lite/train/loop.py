@@ -383,38 +383,56 @@ def _log_train(writer, done: int, num_steps: int, m: dict):
            m['steps_per_sec'], metrics_lib.fmt_time(eta))
 
 
-def _validate(evaluate, params, done: int, writer, log_examples: int):
-  """(the validation metrics of `params`, written and logged; the seconds they took)."""
+def _validation_due(config, step: int) -> bool:
+  """Whether a training run evaluates the validation split at `step`: step 0
+  with eval.at_start, every train.eval_every-th step, and the last."""
+  if step == 0:
+    return config.eval.at_start
+  return step % config.train.eval_every == 0 or step == config.train.num_steps
+
+
+def _validate(evaluate, params, done: int, writer, log_examples: int, recorded=None):
+  """(the validation metrics of `params`, written and logged; the seconds they
+  took). Metrics that `recorded` (`_recorded_results` at `done`) holds are
+  returned as they are, neither evaluated nor written again."""
+  if recorded and 'eval' in recorded:
+    log.info('eval at step %d (recorded): %s', done, _fmt_metrics(recorded['eval']))
+    return recorded['eval'], 0.0
   eval_start = time.time()
+  # The sample (an LM's) is written inside evaluate, before the metrics line:
+  # the line is the record that the whole evaluation finished.
   m = evaluate(params, 'validation', log_examples=log_examples)
   writer.write(done, 'eval', m)
   log.info('eval at step %d (%.1fs): %s', done, time.time() - eval_start, _fmt_metrics(m))
   return m, time.time() - eval_start
 
 
-def _test(config, dataset, evaluate, params, writer) -> dict:
-  """The test split's metrics and test_long's as long_<name>, written at the last step."""
+def _test(config, dataset, evaluate, params, writer, step: int, recorded) -> dict | None:
+  """The test split's metrics and test_long's as long_<name>, written at
+  `step` (the last); those `recorded` at it as they are; None without a test
+  split or with eval.final_test=False."""
+  if 'test' in recorded:
+    log.info('test at step %d (recorded): %s', step, _fmt_metrics(recorded['test']))
+    return recorded['test']
   e, test_start = config.eval, time.time()
+  if not (e.final_test and 'test' in dataset.splits):
+    return None
   m = evaluate(params, 'test', beam_size=e.beam_size, log_examples=e.num_examples_to_log)
   if 'test_long' in dataset.splits:
     long = evaluate(params, 'test_long', beam_size=e.beam_size)
     m.update({f'long_{k}': v for k, v in long.items()})
-  writer.write(config.train.num_steps, 'test', m)
+  writer.write(step, 'test', m)
   log.info('test (%.1fs, beam %d): %s', time.time() - test_start, e.beam_size, _fmt_metrics(m))
   return m
 
 
-def _final_results(config, dataset, evaluate, params, writer, recorded, results) -> dict:
-  """results with 'eval' and 'test' added where missing: a finished run re-run
-  gives its recorded ones, anything else is evaluated."""
-  if 'eval' not in results:  # resumed a finished run
-    results['eval'] = recorded.get('eval') or evaluate(params, 'validation')
-  if 'test' in recorded:  # a finished run re-run: its test record stands, written once
-    results['test'] = recorded['test']
-    log.info('test (recorded): %s', _fmt_metrics(results['test']))
-  elif config.eval.final_test and 'test' in dataset.splits:
-    results['test'] = _test(config, dataset, evaluate, params, writer)
-  return results
+def _stopped_evaluating(signal: preemption.Preempted, step: int, results=None) -> dict:
+  """The result of a run stopped while it evaluated at `step`, its
+  checkpoint's: the evaluations finished are recorded, a re-run does the rest."""
+  log.warning('Stopped on %s while evaluating at step %d; the checkpoint at step %d is saved '
+              'and the evaluations finished are recorded. Re-run the same command to finish '
+              'the run.', signal, step, step)
+  return {'preempted': str(signal), 'step': step, **(results or {})}
 
 
 def _log_done(num_steps: int, start: int, train_time: float, eval_seconds: float, results):
@@ -447,9 +465,11 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
   _check_needs(config, *_eval_needs(config, dataset, evaluate, params, 0, limit[0]), limit)
   results, start = {}, time.time()
   with contextlib.closing(metrics_lib.MetricWriter(workdir, 0)) as writer:
-    results['eval'], _ = _validate(evaluate, params, 0, writer, config.eval.num_examples_to_log)
-    if config.eval.final_test and 'test' in dataset.splits:
-      results['test'] = _test(config, dataset, evaluate, params, writer)
+    recorded = _recorded_results(workdir, 0)
+    results['eval'], _ = _validate(evaluate, params, 0, writer, config.eval.num_examples_to_log,
+                                   recorded)
+    if (test := _test(config, dataset, evaluate, params, writer, 0, recorded)) is not None:
+      results['test'] = test
   _log_done(0, 0, 0.0, time.time() - start, results)
   return results
 
@@ -467,9 +487,9 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         return evaluate_only(config, workdir, allow_config_change=allow_config_change)
       return _train(config, workdir, allow_config_change, preempt)
     except preemption.Preempted as e:  # before the first step, or with nothing to save
-      log.warning('Stopped on %s %s. Re-run the same command to start again.', e,
+      log.warning('Stopped on %s %s. Re-run the same command to finish the run.', e,
                   'before the first step: nothing new to save' if config.train.num_steps else
-                  'while evaluating (train.num_steps=0): nothing was written')
+                  'while evaluating (train.num_steps=0): the splits evaluated are recorded')
       return {'preempted': str(e), 'step': None}
 
 
@@ -519,12 +539,22 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
     writer = to_close.enter_context(contextlib.closing(metrics_lib.MetricWriter(workdir, start)))
     schedule = schedules.create(t, config.model.d_model)
 
-    window, stop, in_flight = _TrainWindow(), False, None
+    # What metrics.jsonl holds at `start`: a run stopped in the evaluation at
+    # its newest checkpoint (or after the last step) does what is not recorded.
+    recorded = _recorded_results(workdir, start)
     train_start, eval_seconds, results = time.time(), 0.0, {}
     preemption.check()
-    if config.eval.at_start and start == 0:
-      _, eval_seconds = _validate(evaluate, parallel.unplace_state(state).params, 0, writer,
-                                  config.eval.num_examples_to_log)
+    if _validation_due(config, start):
+      try:
+        results['eval'], eval_seconds = _validate(
+            evaluate, parallel.unplace_state(state).params, start, writer,
+            config.eval.num_examples_to_log, recorded)
+      except preemption.Preempted as e:
+        if start == 0:
+          raise
+        to_close.close()
+        return _stopped_evaluating(e, start)
+    window, stop, in_flight = _TrainWindow(), False, None
     with contextlib.closing(profiling.StepTracer(t.profile_steps, workdir)) as tracer:
       for step in range(start, t.num_steps):
         done = step + 1
@@ -551,7 +581,7 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
             m['step_flops'] = step_flops
           _log_train(writer, done, t.num_steps, m)
           window = _TrainWindow()
-        if done % t.eval_every == 0 or done == t.num_steps:
+        if _validation_due(config, done):
           try:
             results['eval'], seconds = _validate(
                 evaluate, parallel.unplace_state(state).params, done, writer,
@@ -574,15 +604,14 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
       return {'preempted': reason, 'step': done, **results}
 
     train_time = time.time() - train_start
-    recorded = _recorded_results(workdir, t.num_steps) if start == t.num_steps else {}
     try:
-      results = _final_results(config, dataset, evaluate, parallel.unplace_state(state).params,
-                               writer, recorded, results)
+      test = _test(config, dataset, evaluate, parallel.unplace_state(state).params, writer,
+                   t.num_steps, recorded if start == t.num_steps else {})
     except preemption.Preempted as e:
       to_close.close()
-      log.warning('Stopped on %s during the final evaluation; the checkpoint at step %d is '
-                  'saved. Re-run the same command for the final results.', e, t.num_steps)
-      return {'preempted': str(e), 'step': t.num_steps, **results}
+      return _stopped_evaluating(e, t.num_steps, results)
+    if test is not None:
+      results['test'] = test
 
   _log_done(t.num_steps, start, train_time, eval_seconds, results)
   results['train_seconds'] = train_time

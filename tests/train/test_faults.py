@@ -326,3 +326,72 @@ def test_unwritable_workdir_exits_2_before_training(tmp_path, tfds_dir):
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert f'workdir {blocker}/run cannot be written' in proc.stderr
   assert 'Traceback' not in proc.stderr
+
+
+# The default experiment, tiny, its validation and test splits large enough
+# that evaluating each takes a good part of a second: a signal sent when one
+# begins arrives inside it.
+FINAL = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.model.mlp_dim=32',
+         '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
+         '--config.data.max_len=8', '--config.data.num_train=64', '--config.data.num_eval=800',
+         '--config.train.batch_size=8', '--config.eval.batch_size=20',
+         '--config.train.num_steps=2', '--config.eval.num_examples_to_log=0']
+TIMINGS = ('steps_per_sec', 'tokens_per_sec')  # the only values two runs need not share
+
+
+def _launch(workdir, env, marker=None, signum=None):
+  """`./launch.sh FINAL --workdir=workdir`; with a marker, `signum` is sent
+  once a line holding it is printed. Returns (exit code, the log, seconds
+  from the signal to the exit)."""
+  proc = subprocess.Popen(['bash', os.path.join(REPO, 'launch.sh'), *FINAL,
+                           f'--workdir={workdir}'], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines, sent = [], time.time()
+  if marker is not None:
+    for line in proc.stdout:
+      lines.append(line)
+      if marker in line:
+        sent = time.time()
+        proc.send_signal(signum)
+        break
+    else:
+      raise AssertionError(f'no {marker!r} line: {"".join(lines)[-3000:]}')
+  rest, _ = proc.communicate(timeout=300)
+  return proc.returncode, ''.join(lines) + rest, time.time() - sent
+
+
+def _records(workdir):
+  """metrics.jsonl's points, in order, without their timings."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in f]
+
+
+def test_a_run_stopped_in_its_final_evaluation_and_test_ends_as_an_uninterrupted_one(
+    tmp_path, tfds_dir):
+  """Through ./launch.sh, the default experiment: SIGTERM when the final
+  validation begins, then SIGINT to the re-run when its test begins. Each is
+  answered within seconds with exit 0, leaving its phase unrecorded; the third
+  run does only the test, and metrics.jsonl ends point for point, value for
+  value, as the uninterrupted run's."""
+  env = {**os.environ, 'FFL_PYTHON': sys.executable, 'TFDS_DATA_DIR': tfds_dir}
+  reference, workdir = str(tmp_path / 'reference'), str(tmp_path / 'w')
+  code, log, _ = _launch(reference, env)
+  assert code == 0, log[-3000:]
+  assert [r['split'] for r in _records(reference)] == ['train', 'eval', 'test']
+
+  code, log, took = _launch(workdir, env, 'step 2/2', signal.SIGTERM)
+  assert code == 0 and 'Stopped on SIGTERM at step 2 of 2' in log, log[-3000:]
+  assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
+  assert 'eval at step 2' not in log and _steps(workdir) == [2], log[-3000:]
+  assert [r['split'] for r in _records(workdir)] == ['train']
+
+  code, log, took = _launch(workdir, env, 'eval at step 2 (', signal.SIGINT)
+  assert code == 0 and 'Stopped on SIGINT while evaluating at step 2' in log, log[-3000:]
+  assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
+  assert 'test (' not in log, log[-3000:]
+  assert [r['split'] for r in _records(workdir)] == ['train', 'eval']
+
+  code, log, _ = _launch(workdir, env)
+  assert code == 0, log[-3000:]
+  assert 'eval at step 2 (recorded)' in log and 'test (' in log, log[-3000:]
+  assert _records(workdir) == _records(reference)
