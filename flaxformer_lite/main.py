@@ -175,6 +175,14 @@ def parse_flags(argv):
   if 'get_sweep' in defined and 'get_config' not in defined:
     _fail(f'{experiment} is a sweep grid (get_sweep()), not an experiment; run it with '
           f'./launch.sh sweep {experiment} (./launch.sh sweep --help)')
+  # The command line's modules before the experiment's base_config(): the
+  # options of the variants they register become keys that overrides can set.
+  for arg in argv[1:]:
+    if arg.startswith('--config.model.import_modules='):
+      try:
+        config_lib.import_modules(arg.split('=', 1)[1])
+      except config_lib.ConfigError as e:
+        _fail(str(e))
   try:
     rest = FLAGS(argv)
   except flags.UnrecognizedFlagError as e:
