@@ -15,6 +15,7 @@ import os
 import runpy
 import shutil
 import sys
+import traceback
 from typing import Any, Mapping
 
 from absl import app, flags, logging
@@ -151,14 +152,33 @@ def _join_config_path(argv) -> list[str]:
 
 
 def _top_level_functions(path: str) -> set[str]:
-  """The names of the functions a Python file defines at its top level
-  (none if it does not parse: absl reports that file itself)."""
+  """The names of the functions a Python file defines at its top level (none
+  if it cannot be read); SyntaxError if it does not parse."""
   try:
     with open(path) as f:
-      tree = ast.parse(f.read(), path)
-  except (OSError, SyntaxError, ValueError):
+      source = f.read()
+  except (OSError, ValueError):
     return set()
+  tree = ast.parse(source, path)
   return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def _syntax_message(path: str, e: SyntaxError) -> str:
+  """'PATH, line N: MESSAGE: THE LINE' for an experiment file that does not parse."""
+  text = (e.text or '').strip()
+  return (f'{path}, line {e.lineno}: {e.msg}{f" ({text})" if text else ""}; an experiment file '
+          'is Python that defines get_config() (README, "Writing an experiment")')
+
+
+def _raised_in(e: BaseException, path: str) -> str | None:
+  """'PATH, line N: TYPE: MESSAGE' when the innermost frame of `e` in the file
+  `path` is there (the experiment's own code raised it); else None."""
+  here = os.path.abspath(path)
+  lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+           if os.path.abspath(f.filename) == here]
+  if not lines:
+    return None
+  return f'{path}, line {lines[-1]}: {type(e).__name__}: {e} (raised by the experiment file)'
 
 
 def parse_flags(argv):
@@ -171,7 +191,10 @@ def parse_flags(argv):
   if not os.path.isfile(experiment):
     _fail(f'experiment file {experiment!r} not found; experiments: '
           f'{", ".join(sorted(os.listdir("experiments"))) if os.path.isdir("experiments") else "?"}')
-  defined = _top_level_functions(experiment)
+  try:
+    defined = _top_level_functions(experiment)
+  except SyntaxError as e:
+    _fail(_syntax_message(experiment, e))
   if 'get_sweep' in defined and 'get_config' not in defined:
     _fail(f'{experiment} is a sweep grid (get_sweep()), not an experiment; run it with '
           f'./launch.sh sweep {experiment} (./launch.sh sweep --help)')
@@ -194,7 +217,11 @@ def parse_flags(argv):
       _fail(f'{e}. Override values must parse as the type of the key they replace.')
     _fail(f'{e} (./launch.sh --help lists the flags)')
   except (AttributeError, KeyError, TypeError, ValueError) as e:
-    _fail(_explain_override(argv) or f'bad --config override: {e}')
+    _fail(_raised_in(e, experiment) or _explain_override(argv) or f'bad --config override: {e}')
+  except Exception as e:  # noqa: BLE001  (anything else the experiment's code raises)
+    if (message := _raised_in(e, experiment)) is None:
+      raise
+    _fail(message)
   if len(rest) > 1:
     _fail(f'unexpected arguments {rest[1:]}; flags look like --workdir=DIR or '
           '--config.model.attention=NAME')

@@ -242,3 +242,22 @@ def test_a_module_that_does_not_import_is_a_config_error_naming_it(
   config.model.import_modules = 'absent_module'
   with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
     main.validate(config)
+
+
+@pytest.mark.parametrize('body, message', [
+    ('def get_config(:\n  return config.base_config()\n',
+     'broken.py, line 3: invalid syntax (def get_config(:); an experiment file is Python'),
+    ('def get_config():\n  c = config.base_config()\n  c.model.d_model = d_model\n  return c\n',
+     "broken.py, line 5: NameError: name 'd_model' is not defined (raised by the experiment "
+     'file)'),
+], ids=['syntax error', 'raises'])
+def test_an_experiment_file_that_does_not_run_exits_2_with_one_line(parse, capsys, tmp_path,
+                                                                    body, message):
+  path = tmp_path / 'broken.py'
+  path.write_text('from flaxformer_lite import config\n\n' + body)
+  with pytest.raises(SystemExit) as exit_:
+    parse(f'--config={path}')
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f'error: {tmp_path}/{message}'), err
+  assert len(err.splitlines()) == 1 and 'Traceback' not in err

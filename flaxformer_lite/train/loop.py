@@ -126,6 +126,24 @@ def _prepare_workdir(config, workdir, allow_config_change=False):
     os.replace(path + '.tmp', path)
 
 
+def _undo_new_workdir(workdir: str, created: bool) -> None:
+  """A new run refused before it wrote anything but config.json (the memory
+  guard, a pretrained checkpoint that does not fit the model) leaves no
+  workdir that looks like a run: config.json and an empty checkpoints/ go,
+  and the workdir itself if this run made it. Anything else there stays."""
+  if jax.process_index() != 0 or not os.path.isdir(workdir):
+    return
+  checkpoints_dir = os.path.join(workdir, 'checkpoints')
+  if os.path.isdir(checkpoints_dir) and not os.listdir(checkpoints_dir):
+    os.rmdir(checkpoints_dir)
+  if set(os.listdir(workdir)) - {'config.json'}:
+    return
+  if os.path.exists(os.path.join(workdir, 'config.json')):
+    os.remove(os.path.join(workdir, 'config.json'))
+  if created:
+    os.rmdir(workdir)
+
+
 def _load_dataset(config):
   """data.load(config.data), checked against the config; model.vocab_size 0
   becomes the dataset's vocabulary, model.num_classes 0 a classification
@@ -481,11 +499,17 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   run within a step (train/preemption.py), keeping every step trained; the
   result then has 'preempted' (the signal) and 'step'.
   allow_config_change: resume a workdir whose config.json differs (logged)."""
+  created, new = not os.path.isdir(workdir), not os.path.exists(
+      os.path.join(workdir, 'config.json'))
   with preemption.Preemption() as preempt:
     try:
       if config.train.num_steps == 0:
         return evaluate_only(config, workdir, allow_config_change=allow_config_change)
       return _train(config, workdir, allow_config_change, preempt)
+    except Exception:
+      if new:
+        _undo_new_workdir(workdir, created)
+      raise
     except preemption.Preempted as e:  # before the first step, or with nothing to save
       log.warning('Stopped on %s %s. Re-run the same command to finish the run.', e,
                   'before the first step: nothing new to save' if config.train.num_steps else

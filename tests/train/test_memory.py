@@ -245,3 +245,18 @@ def test_a_run_that_cannot_fit_exits_2_before_training_and_keeps_its_checkpoints
                  "model.remat='block'"):
     assert option in error
   assert snapshot() == before
+
+
+def test_a_new_run_that_cannot_fit_leaves_no_workdir(tiny_config, tmp_path, monkeypatch):
+  """Refused before its first step, a new run takes back what it wrote
+  (config.json, an empty checkpoints/), and the folder it made; a folder the
+  user made stays, empty."""
+  monkeypatch.setenv('FFL_MEMORY_LIMIT', '64KiB')
+  made = tmp_path / 'made_by_the_user'
+  made.mkdir()
+  for workdir in (tmp_path / 'new', made):
+    with pytest.raises(config_lib.ConfigError, match='64.0 KiB is available'):
+      loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(tiny_config)),
+                              str(workdir))
+  assert not (tmp_path / 'new').exists()
+  assert made.is_dir() and not list(made.iterdir())
