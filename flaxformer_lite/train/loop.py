@@ -396,9 +396,9 @@ class _TrainWindow:
 def _log_train(writer, done: int, num_steps: int, m: dict):
   writer.write(done, 'train', m)
   eta = (num_steps - done) / m['steps_per_sec']
-  log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %.1f steps/s  ETA %s',
+  log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %s  ETA %s',
            done, num_steps, m['loss'], m['accuracy'], m['learning_rate'],
-           m['steps_per_sec'], metrics_lib.fmt_time(eta))
+           metrics_lib.fmt_rate(m['steps_per_sec']), metrics_lib.fmt_time(eta))
 
 
 def _validation_due(config, step: int) -> bool:
