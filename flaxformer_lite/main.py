@@ -2,8 +2,9 @@
 
 Progress goes to stdout, warnings and errors to stderr. Exit codes: 0 done;
 2 bad flag, config or data (nothing compiled, nothing saved overwritten);
-3 non-finite loss (the last good checkpoint is kept). `./launch.sh --help`
-describes the commands and flags.
+3 non-finite loss (the last good checkpoint is kept); after SIGINT or SIGTERM
+0 (train/preemption.py), 128 + its number (130, 143) for a second signal.
+`./launch.sh --help` describes the commands and flags.
 """
 from __future__ import annotations
 

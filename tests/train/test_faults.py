@@ -217,6 +217,10 @@ def test_second_signal_exits_at_once():
   assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
   assert proc.stdout == 'first handled\n'
   assert 'SIGINT again: exiting now' in proc.stderr
+  # the code the README's list gives (./launch.sh --help's: tests/test_launch.py)
+  with open(os.path.join(REPO, 'README.md')) as f:
+    readme = ' '.join(f.read().split())
+  assert f'{128 + signal.SIGINT} a second SIGINT ({128 + signal.SIGTERM} a second SIGTERM' in readme
 
 
 def _damage(step_dir):
