@@ -343,11 +343,11 @@ FINAL = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.mo
 TIMINGS = ('steps_per_sec', 'tokens_per_sec')  # the only values two runs need not share
 
 
-def _launch(workdir, env, marker=None, signum=None):
-  """`./launch.sh FINAL --workdir=workdir`; with a marker, `signum` is sent
+def _launch(args, workdir, env, marker=None, signum=None):
+  """`./launch.sh ARGS --workdir=workdir`; with a marker, `signum` is sent
   once a line holding it is printed. Returns (exit code, the log, seconds
   from the signal to the exit)."""
-  proc = subprocess.Popen(['bash', os.path.join(REPO, 'launch.sh'), *FINAL,
+  proc = subprocess.Popen(['bash', os.path.join(REPO, 'launch.sh'), *args,
                            f'--workdir={workdir}'], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines, sent = [], time.time()
@@ -379,23 +379,58 @@ def test_a_run_stopped_in_its_final_evaluation_and_test_ends_as_an_uninterrupted
   value, as the uninterrupted run's."""
   env = {**os.environ, 'FFL_PYTHON': sys.executable, 'TFDS_DATA_DIR': tfds_dir}
   reference, workdir = str(tmp_path / 'reference'), str(tmp_path / 'w')
-  code, log, _ = _launch(reference, env)
+  code, log, _ = _launch(FINAL, reference, env)
   assert code == 0, log[-3000:]
   assert [r['split'] for r in _records(reference)] == ['train', 'eval', 'test']
 
-  code, log, took = _launch(workdir, env, 'step 2/2', signal.SIGTERM)
+  code, log, took = _launch(FINAL, workdir, env, 'step 2/2', signal.SIGTERM)
   assert code == 0 and 'Stopped on SIGTERM at step 2 of 2' in log, log[-3000:]
   assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
   assert 'eval at step 2' not in log and _steps(workdir) == [2], log[-3000:]
   assert [r['split'] for r in _records(workdir)] == ['train']
 
-  code, log, took = _launch(workdir, env, 'eval at step 2 (', signal.SIGINT)
+  code, log, took = _launch(FINAL, workdir, env, 'eval at step 2 (', signal.SIGINT)
   assert code == 0 and 'Stopped on SIGINT while evaluating at step 2' in log, log[-3000:]
   assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
   assert 'test (' not in log, log[-3000:]
   assert [r['split'] for r in _records(workdir)] == ['train', 'eval']
 
-  code, log, _ = _launch(workdir, env)
+  code, log, _ = _launch(FINAL, workdir, env)
   assert code == 0, log[-3000:]
   assert 'eval at step 2 (recorded)' in log and 'test (' in log, log[-3000:]
   assert _records(workdir) == _records(reference)
+
+
+# The long-context experiment, tiny: its final evaluation scores the
+# validation split at two contexts, a good part of a second, then samples.
+LONG_FINAL = ['experiments/tiny_shakespeare_long.py', '--config.model.d_model=16',
+              '--config.model.num_heads=2', '--config.model.mlp_dim=32',
+              '--config.model.num_decoder_layers=1', '--config.model.max_len=256',
+              '--config.data.max_len=64', '--config.train.batch_size=2',
+              '--config.train.num_steps=2', '--config.train.eval_every=2',
+              '--config.eval.contexts=(128,)', '--config.eval.batch_tokens=2048',
+              '--config.eval.sample_prompt=32', '--config.eval.sample_len=64']
+
+
+def test_a_long_context_run_stopped_in_its_final_evaluation_ends_with_the_same_sample(
+    tmp_path, tfds_dir, shared_data):
+  """Through ./launch.sh, the long-context experiment: SIGTERM when the final
+  evaluation begins stops the run within seconds before it records the
+  evaluation or writes a sample; the same command again writes both, equal
+  to an uninterrupted run's."""
+  env = {**os.environ, 'FFL_PYTHON': sys.executable, 'TFDS_DATA_DIR': tfds_dir,
+         'FFL_SHARED_DATA': shared_data}
+  reference, workdir = tmp_path / 'reference', tmp_path / 'w'
+  code, log, _ = _launch(LONG_FINAL, reference, env)
+  assert code == 0, log[-3000:]
+  assert [r['split'] for r in _records(reference)] == ['train', 'eval']
+
+  code, log, took = _launch(LONG_FINAL, workdir, env, 'step 2/2', signal.SIGTERM)
+  assert code == 0 and 'Stopped on SIGTERM at step 2 of 2' in log, log[-3000:]
+  assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
+  assert 'eval at step 2' not in log and not (workdir / 'sample.txt').exists(), log[-3000:]
+
+  code, log, _ = _launch(LONG_FINAL, workdir, env)
+  assert code == 0 and 'eval at step 2 (' in log, log[-3000:]
+  assert _records(workdir) == _records(reference)
+  assert (workdir / 'sample.txt').read_text() == (reference / 'sample.txt').read_text()
