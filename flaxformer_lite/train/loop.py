@@ -186,16 +186,22 @@ def _init_state(config, model, first_batch, parallel):
   return state, dropout_rng
 
 
+# The checkpoint's data state also holds the train window it was taken in.
+WINDOW_KEY = 'train_window'
+
+
 def _resume(ckpt, state, train_iter):
-  """(state, first step): the newest readable checkpoint's, with train_iter
-  moved to where it was; (state, 0) when there is no checkpoint."""
+  """(state, first step, train window): the newest readable checkpoint's,
+  with train_iter moved to where it was; (state, 0, an empty window) when
+  there is no checkpoint."""
   if ckpt.latest_step() is None:
-    return state, 0
+    return state, 0, _TrainWindow()
   state, data_state = ckpt.restore(state)
+  window = _TrainWindow.resumed(data_state.pop(WINDOW_KEY, {}))
   train_iter.set_state(data_state)
   start = int(state.step)
   log.info('Resumed from %s at step %d', ckpt.directory, start)
-  return state, start
+  return state, start, window
 
 
 def _compile_train_step(config, dataset, parallel):
@@ -358,10 +364,30 @@ def _log_setup(config, parallel, evaluate, num_params, start, row_multiple):
 
 class _TrainWindow:
   """The metric sums of the training steps since the last train log, and
-  when they started (moved on by the time evaluation takes)."""
+  when they started (moved on by the time evaluation takes). Steps and tokens
+  restored from a checkpoint (`resumed`) count in the means, not the speed."""
 
   def __init__(self):
     self.sums, self.start, self.steps = None, time.time(), 0
+    self.restored_steps, self.restored_tokens = 0, 0.0
+
+  def saved(self) -> dict:
+    """The sums and their step count as JSON values, for a checkpoint taken
+    inside the window: the run resumed from it logs the same means."""
+    if self.sums is None:
+      return {}
+    return {'steps': self.steps, 'sums': {k: [np.asarray(v).item(), str(np.asarray(v).dtype)]
+                                          for k, v in self.sums.items()}}
+
+  @classmethod
+  def resumed(cls, saved: dict) -> _TrainWindow:
+    """The window `saved` describes (empty: a checkpoint at a train log)."""
+    window = cls()
+    if saved:
+      window.steps = window.restored_steps = saved['steps']
+      window.sums = {k: np.asarray(v, dtype) for k, (v, dtype) in saved['sums'].items()}
+      window.restored_tokens = float(window.sums['tokens'])
+    return window
 
   def add(self, sums):
     self.sums = sums if self.sums is None else metrics_lib.add_sums(self.sums, sums)
@@ -388,8 +414,9 @@ class _TrainWindow:
         log.warning('skipped %d of the last %d steps: non-finite loss or gradients',
                     skipped, self.steps)
     elapsed = time.time() - self.start
-    m['steps_per_sec'] = self.steps / elapsed
-    m['tokens_per_sec'] = float(self.sums['tokens']) / elapsed  # scored target tokens
+    m['steps_per_sec'] = (self.steps - self.restored_steps) / elapsed
+    # scored target tokens
+    m['tokens_per_sec'] = (float(self.sums['tokens']) - self.restored_tokens) / elapsed
     return m
 
 
@@ -540,7 +567,7 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
   with contextlib.ExitStack() as to_close:
     ckpt = to_close.enter_context(contextlib.closing(
         checkpoints.Checkpointer(workdir, t.keep_checkpoints)))
-    state, start = _resume(ckpt, state, train_iter)
+    state, start, resumed_window = _resume(ckpt, state, train_iter)
     if start >= t.num_steps:
       log.info('Nothing to train: %s is already trained to step %d (train.num_steps=%d); its '
                'results follow. Pass --workdir=DIR, or raise train.num_steps, for more.',
@@ -578,7 +605,8 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
           raise
         to_close.close()
         return _stopped_evaluating(e, start)
-    window, stop, in_flight = _TrainWindow(), False, None
+    window, stop, in_flight = resumed_window, False, None
+    window.start = time.time()
     with contextlib.closing(profiling.StepTracer(t.profile_steps, workdir)) as tracer:
       for step in range(start, t.num_steps):
         done = step + 1
@@ -617,7 +645,8 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
         stop = multihost.any_process(preempt.requested is not None)  # all stop at one step
         if done % t.checkpoint_every == 0 or done == t.num_steps or stop:
           window.check_finite(done, ckpt)  # never save a non-finite state
-          ckpt.save(done, parallel.unplace_state(state), train_iter.get_state())
+          ckpt.save(done, parallel.unplace_state(state),
+                    {**train_iter.get_state(), WINDOW_KEY: window.saved()})
         if stop:
           break
     if stop:
