@@ -533,15 +533,15 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
       if config.train.num_steps == 0:
         return evaluate_only(config, workdir, allow_config_change=allow_config_change)
       return _train(config, workdir, allow_config_change, preempt)
-    except Exception:
-      if new:
-        _undo_new_workdir(workdir, created)
-      raise
     except preemption.Preempted as e:  # before the first step, or with nothing to save
       log.warning('Stopped on %s %s. Re-run the same command to finish the run.', e,
                   'before the first step: nothing new to save' if config.train.num_steps else
                   'while evaluating (train.num_steps=0): the splits evaluated are recorded')
       return {'preempted': str(e), 'step': None}
+    except Exception:
+      if new:
+        _undo_new_workdir(workdir, created)
+      raise
 
 
 def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:

@@ -210,3 +210,20 @@ def test_a_run_stopped_inside_a_log_window_logs_the_same_means_when_resumed(
   for step in want:  # the same floats: the same sums in the same order
     assert ({k: v for k, v in got[step].items() if k not in timings} ==
             {k: v for k, v in want[step].items() if k not in timings}), step
+
+
+def test_a_signal_before_the_first_step_stops_the_run_with_nothing_saved(
+    tiny_config, tmp_path, monkeypatch, caplog):
+  """A signal pending when training would begin (here: preemption.check
+  raising as it does then) ends the run with a result, not an error."""
+  from flaxformer_lite.train import preemption
+
+  def pending():
+    raise preemption.Preempted('SIGTERM')
+  monkeypatch.setattr(loop.preemption, 'check', pending)
+  workdir = tmp_path / 'w'
+  with caplog.at_level('WARNING', logger='flaxformer_lite'):
+    result = loop.train_and_evaluate(tiny_config, str(workdir))
+  assert result == {'preempted': 'SIGTERM', 'step': None}
+  assert 'Stopped on SIGTERM before the first step: nothing new to save' in caplog.text
+  assert not (workdir / 'checkpoints').exists() or not list((workdir / 'checkpoints').iterdir())
