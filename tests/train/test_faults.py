@@ -154,7 +154,8 @@ def test_a_signal_in_each_phase_stops_the_run_within_seconds_and_it_resumes(
   own, not a queue of them), evaluates, or samples. The message comes when
   the signal does; the run exits 0 within seconds, without finishing the
   phase, with a checkpoint of the steps it trained; the same command resumes
-  from it (checked once, after the evaluation; after training:
+  from it, doing first the evaluation the signal cut short (checked once,
+  after the evaluation; after training:
   test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes)."""
   overrides, marker = PHASES[phase]
   workdir = str(tmp_path / 'w')
@@ -195,6 +196,9 @@ def test_a_signal_in_each_phase_stops_the_run_within_seconds_and_it_resumes(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f'Resumed from {workdir}/checkpoints at step 2' in proc.stdout + proc.stderr
     assert _steps(workdir) == [2, 4]
+    # the evaluation the signal cut short is done first, as an uninterrupted run did it
+    assert [(r['step'], r['split']) for r in _records(workdir)] == [
+        (2, 'train'), (2, 'eval'), (4, 'train'), (4, 'eval')]
 
 
 def test_second_signal_exits_at_once():
