@@ -163,55 +163,9 @@ def test_every_experiment_starts_unchanged_on_several_devices(devices):
     assert eval_rows % devices == 0 and 0 <= eval_rows - eval_size < devices
 
 
-# A user's module, outside the package: a variant with an option of its own.
-TILTED = '''
-import dataclasses
-import jax.numpy as jnp
-from flaxformer_lite.attention import chunked, registry
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  tilt: float = 0.5
-
-  def __post_init__(self):
-    registry.check_positive(self, 'tilt')
-
-
-def terms(num_heads, *, tilt):
-  return chunked.BlockTerms(
-      score=lambda s, q_pos, k_pos, head, tables: s - tilt * jnp.abs(q_pos - k_pos),
-      additive=True)
-
-
-registry.register(registry.AttentionVariant(name='tilted', terms=terms, options=Options,
-                                            doc='s - tilt |i - j|'))
-'''
-
-
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-  """user_module(NAME, SOURCE): a module importable by NAME, forgotten afterwards
-  (with the variants it registers)."""
-  from flaxformer_lite.attention import registry
-  monkeypatch.syspath_prepend(str(tmp_path))
-  names = []
-
-  def write(name, source):
-    (tmp_path / f'{name}.py').write_text(source)
-    names.append(name)
-  before = set(registry.names())
-  yield write
-  for name in set(registry.names()) - before:
-    registry._REGISTRY.pop(name)  # pylint: disable=protected-access
-  for name in names:
-    sys.modules.pop(name, None)
-
-
 def test_import_modules_names_a_users_variant_and_its_options_on_the_command_line(
-    parse, user_module):
+    parse, tilted_variant):
   from flaxformer_lite.attention import registry
-  user_module('tilted_variant', TILTED)
   parse('--config.model.import_modules=tilted_variant', '--config.model.attention=tilted',
         '--config.model.attention_kwargs.tilt=2.0')
   config = main.FLAGS.config
@@ -226,7 +180,7 @@ def test_import_modules_names_a_users_variant_and_its_options_on_the_command_lin
     ('def broken(:\n', "model.import_modules: importing 'absent_module' failed: SyntaxError"),
     ('import no_such_dependency\n', "model.import_modules: importing 'absent_module' failed: "
                                      "No module named 'no_such_dependency'"),
-])
+], ids=['not found', 'syntax error', 'a missing dependency'])
 def test_a_module_that_does_not_import_is_a_config_error_naming_it(
     parse, user_module, capsys, source, message):
   if source is not None:
