@@ -736,4 +736,8 @@ def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
   records = [json.loads(l) for l in open(os.path.join(evaluated, 'metrics.jsonl'))]
   assert [(r['step'], r['split']) for r in records] == [(0, 'eval')]  # no test split
   assert not os.path.exists(os.path.join(evaluated, 'checkpoints'))
+  # the same command again: the evaluation recorded stands, written once
+  again = loop.train_and_evaluate(c, evaluated)
+  assert again['eval'] == results['eval']
+  assert [json.loads(l) for l in open(os.path.join(evaluated, 'metrics.jsonl'))] == records
 
