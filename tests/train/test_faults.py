@@ -327,13 +327,13 @@ def test_unwritable_workdir_exits_2_before_training(tmp_path, tfds_dir):
   assert 'Traceback' not in proc.stderr
 
 
-# The default experiment, tiny, its validation and test splits large enough
-# that evaluating each takes a good part of a second: a signal sent when one
-# begins arrives inside it.
+# The default experiment, tiny, its validation and test splits in batches
+# small enough that evaluating each takes a second or two: a signal sent when
+# one begins arrives inside it.
 FINAL = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.model.mlp_dim=32',
          '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
-         '--config.data.max_len=8', '--config.data.num_train=64', '--config.data.num_eval=500',
-         '--config.train.batch_size=8', '--config.eval.batch_size=20',
+         '--config.data.max_len=8', '--config.data.num_train=64', '--config.data.num_eval=400',
+         '--config.train.batch_size=8', '--config.eval.batch_size=10',
          '--config.train.num_steps=2', '--config.eval.num_examples_to_log=0']
 TIMINGS = ('steps_per_sec', 'tokens_per_sec')  # the only values two runs need not share
 
@@ -397,15 +397,15 @@ def test_a_run_stopped_in_its_final_evaluation_and_test_ends_as_an_uninterrupted
 
 
 # The long-context experiment, tiny, evaluated at steps 2 and 4: an
-# evaluation scores the validation split at two contexts, a good part of a
-# second, then samples.
+# evaluation scores the validation split at two contexts in small batches,
+# about a second, then samples.
 LONG_TINY = ['experiments/tiny_shakespeare_long.py', '--config.model.d_model=16',
               '--config.model.num_heads=2', '--config.model.mlp_dim=32',
               '--config.model.num_decoder_layers=1', '--config.model.max_len=256',
               '--config.data.max_len=64', '--config.train.batch_size=2',
               '--config.train.num_steps=4', '--config.train.log_every=2',
               '--config.train.eval_every=2', '--config.train.checkpoint_every=4',
-              '--config.eval.contexts=(128,)', '--config.eval.batch_tokens=2048',
+              '--config.eval.contexts=(128,)', '--config.eval.batch_tokens=256',
               '--config.eval.sample_prompt=32', '--config.eval.sample_len=64']
 
 
