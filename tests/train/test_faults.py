@@ -328,8 +328,8 @@ def test_unwritable_workdir_exits_2_before_training(tmp_path, tfds_dir):
 
 
 # The default experiment, tiny, its validation and test splits in batches
-# small enough that evaluating each takes a second or two: a signal sent when
-# one begins arrives inside it.
+# small enough that evaluating each outlasts the signal's way to the run: a
+# signal sent when one begins arrives inside it.
 FINAL = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.model.mlp_dim=32',
          '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
          '--config.data.max_len=8', '--config.data.num_train=64', '--config.data.num_eval=400',
@@ -397,8 +397,8 @@ def test_a_run_stopped_in_its_final_evaluation_and_test_ends_as_an_uninterrupted
 
 
 # The long-context experiment, tiny, evaluated at steps 2 and 4: an
-# evaluation scores the validation split at two contexts in small batches,
-# about a second, then samples.
+# evaluation scores the validation split at two contexts, in batches small
+# enough that it outlasts the signal's way to the run, then samples.
 LONG_TINY = ['experiments/tiny_shakespeare_long.py', '--config.model.d_model=16',
               '--config.model.num_heads=2', '--config.model.mlp_dim=32',
               '--config.model.num_decoder_layers=1', '--config.model.max_len=256',
