@@ -263,7 +263,11 @@ def _analysis(lowered, compiled, limit_bytes):
       or 4 * memory.step_bytes(stats) * jax.local_device_count() <= limit_bytes):
     return stats
   try:
-    plain = lowered.compile(memory.WITHOUT_LIBRARY_FUSIONS).memory_analysis()
+    # In a thread of its own, as every compile: a signal meanwhile stops the run.
+    plain = preemption.start(lowered.compile,
+                             memory.WITHOUT_LIBRARY_FUSIONS).result().memory_analysis()
+  except preemption.Preempted:
+    raise
   except Exception as e:  # an XLA without those options: its own assignment stands
     log.info('Memory: a step read as compiled only (%s)', str(e).splitlines()[0][:200])
     return stats
