@@ -54,10 +54,13 @@ flags.DEFINE_bool('allow_config_change', False,
 
 def validate(config) -> None:
   """Every rule on the config, once, before anything is compiled or written:
-  its keys (typos), then each module's own (raises config.ConfigError)."""
+  model.import_modules imported (their variants and options join the
+  registry), its keys (typos), then each module's own (raises
+  config.ConfigError)."""
   from flaxformer_lite import models  # imported here: --list_attention stays fast
   from flaxformer_lite.data import validation as data_validation
   from flaxformer_lite.train import validation as train_validation
+  config_lib.import_modules(config.model.get('import_modules', ''))
   config_lib.check_keys(config)
   models.validate(config.model)
   train_validation.validate(config)

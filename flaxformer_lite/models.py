@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import registry
 from flaxformer_lite.attention.masks import MaskSpec
-from flaxformer_lite.config import check, check_choice, ConfigError, import_modules
+from flaxformer_lite.config import check, check_choice, ConfigError
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
                                     RNNEncoder, TransformerConfig, TwoStreamEncoder)
 from flaxformer_lite.layers.embeddings import POSITIONS
@@ -277,7 +277,6 @@ def validate(model_config) -> None:
   naming the bad value and what would be valid."""
   m = model_config
   check_choice('model.type', m.type, tuple(MODEL_TYPES))
-  import_modules(m.get('import_modules', ''))  # their variants join the registry
   check_choice('model.attention', m.attention, registry.names())
   variant = registry.get(m.attention)
   check(m.type in variant.models,

@@ -174,6 +174,17 @@ def test_import_modules_names_a_users_variant_and_its_options_on_the_command_lin
   assert registry.resolve_kwargs('tilted', config.model.attention_kwargs) == {'tilt': 2.0}
 
 
+def test_an_experiment_file_names_a_users_variant_and_sets_its_option(tilted_variant):
+  """model.import_modules set by the experiment file rather than the command
+  line: its modules are imported before the config's keys are checked, so
+  the option the file sets is a key."""
+  from flaxformer_lite import config as config_lib
+  config = config_lib.base_config()
+  config.model.import_modules, config.model.attention = tilted_variant, 'tilted'
+  config.model.attention_kwargs.tilt = 2.0
+  main.validate(config)
+
+
 @pytest.mark.parametrize('source, message', [
     (None, "model.import_modules: no module 'absent_module' on the path; valid: names "
            'importable from the checkout or PYTHONPATH'),
