@@ -1,4 +1,5 @@
-"""The base experiment config, ConfigError, and config.json I/O.
+"""The base experiment config, ConfigError, config.json I/O, and the import of
+the user's modules a config names (model.import_modules).
 
 Experiment files start from `base_config()` and set values. Each rule on the
 values lives with the module that owns it (models.validate, data.validate,
