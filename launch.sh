@@ -52,7 +52,10 @@ is downloaded (README, "Data").
 
 Progress goes to stdout (./launch.sh > run.log keeps it), warnings and errors
 to stderr. Exit codes: 0 done; 2 bad flag, config or data (nothing compiled,
-nothing saved overwritten); 3 non-finite loss (the last good checkpoint kept).
+nothing saved overwritten); 3 non-finite loss (the last good checkpoint kept);
+after SIGINT or SIGTERM 0 (every step trained is saved; the same command
+resumes), 130 a second SIGINT (143 a second SIGTERM) stopped it at once,
+without a checkpoint.
 
 Environment: FFL_EXTRAS=cuda (or tpu) installs the accelerator build of jax;
 FFL_VENV=DIR another venv (default .venv); FFL_SYSTEM_MALLOC=1 keeps glibc's

@@ -1,4 +1,5 @@
-"""The base experiment config, ConfigError, and config.json I/O.
+"""The base experiment config, ConfigError, config.json I/O, and the import of
+the user's modules a config names (model.import_modules).
 
 Experiment files start from `base_config()` and set values. Each rule on the
 values lives with the module that owns it (models.validate, data.validate,
@@ -11,7 +12,9 @@ experiment file; options that the chosen variant does not take are errors.
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
+import sys
 from typing import Any
 
 import ml_collections
@@ -43,6 +46,26 @@ def attention_kwargs_placeholders() -> ml_collections.ConfigDict:
       {k: config_dict.placeholder(type(v)) for k, v in registry.all_kwargs().items()})
 
 
+def import_modules(names: str) -> None:
+  """Imports each module of `names` (model.import_modules: comma-separated
+  module names): the registrations they run add the user's attention
+  variants (and their options, when imported before base_config()). Raises
+  ConfigError naming a module that is not found or fails to import."""
+  for name in filter(None, (n.strip() for n in names.split(','))):
+    try:
+      importlib.import_module(name)
+    except ModuleNotFoundError as e:
+      if e.name is None or not (name + '.').startswith(e.name + '.'):
+        raise ConfigError(f'model.import_modules: importing {name!r} failed: {e}') from None
+      raise ConfigError(
+          f'model.import_modules: no module {name!r} on the path; valid: names importable '
+          f'from the checkout or PYTHONPATH ({", ".join(p or "." for p in sys.path[:3])}, '
+          '...), comma-separated, such as my_variants for my_variants.py') from None
+    except Exception as e:  # the user's module raised: say where, in one line
+      raise ConfigError(f'model.import_modules: importing {name!r} failed: '
+                        f'{type(e).__name__}: {e}') from None
+
+
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
@@ -66,6 +89,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.dropout_rate = 0.1
   m.attention_dropout_rate = 0.0
   m.attention = 'dot_product'  # any name from --list_attention
+  # The user's own modules, comma-separated names importable from the checkout
+  # or PYTHONPATH ('my_variants'), imported before model.attention is looked
+  # up, so that the variants they register can be named here (import_modules).
+  m.import_modules = ''
   m.attention_kwargs = attention_kwargs_placeholders()
   m.positions = 'sinusoidal'  # sinusoidal | learned | none
   m.max_len = 256  # longest sequence (learned positions, decoding)

@@ -2,8 +2,9 @@
 
 Progress goes to stdout, warnings and errors to stderr. Exit codes: 0 done;
 2 bad flag, config or data (nothing compiled, nothing saved overwritten);
-3 non-finite loss (the last good checkpoint is kept). `./launch.sh --help`
-describes the commands and flags.
+3 non-finite loss (the last good checkpoint is kept); after SIGINT or SIGTERM
+0 (train/preemption.py), 128 + its number (130, 143) for a second signal.
+`./launch.sh --help` describes the commands and flags.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import runpy
 import shutil
 import sys
+import traceback
 from typing import Any, Mapping
 
 from absl import app, flags, logging
@@ -52,10 +54,13 @@ flags.DEFINE_bool('allow_config_change', False,
 
 def validate(config) -> None:
   """Every rule on the config, once, before anything is compiled or written:
-  its keys (typos), then each module's own (raises config.ConfigError)."""
+  model.import_modules imported (their variants and options join the
+  registry), its keys (typos), then each module's own (raises
+  config.ConfigError)."""
   from flaxformer_lite import models  # imported here: --list_attention stays fast
   from flaxformer_lite.data import validation as data_validation
   from flaxformer_lite.train import validation as train_validation
+  config_lib.import_modules(config.model.get('import_modules', ''))
   config_lib.check_keys(config)
   models.validate(config.model)
   train_validation.validate(config)
@@ -151,14 +156,33 @@ def _join_config_path(argv) -> list[str]:
 
 
 def _top_level_functions(path: str) -> set[str]:
-  """The names of the functions a Python file defines at its top level
-  (none if it does not parse: absl reports that file itself)."""
+  """The names of the functions a Python file defines at its top level (none
+  if it cannot be read); SyntaxError if it does not parse."""
   try:
     with open(path) as f:
-      tree = ast.parse(f.read(), path)
-  except (OSError, SyntaxError, ValueError):
+      source = f.read()
+  except (OSError, ValueError):
     return set()
+  tree = ast.parse(source, path)
   return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def _syntax_message(path: str, e: SyntaxError) -> str:
+  """'PATH, line N: MESSAGE: THE LINE' for an experiment file that does not parse."""
+  text = (e.text or '').strip()
+  return (f'{path}, line {e.lineno}: {e.msg}{f" ({text})" if text else ""}; an experiment file '
+          'is Python that defines get_config() (README, "Writing an experiment")')
+
+
+def _raised_in(e: BaseException, path: str) -> str | None:
+  """'PATH, line N: TYPE: MESSAGE' when the innermost frame of `e` in the file
+  `path` is there (the experiment's own code raised it); else None."""
+  here = os.path.abspath(path)
+  lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+           if os.path.abspath(f.filename) == here]
+  if not lines:
+    return None
+  return f'{path}, line {lines[-1]}: {type(e).__name__}: {e} (raised by the experiment file)'
 
 
 def parse_flags(argv):
@@ -171,10 +195,21 @@ def parse_flags(argv):
   if not os.path.isfile(experiment):
     _fail(f'experiment file {experiment!r} not found; experiments: '
           f'{", ".join(sorted(os.listdir("experiments"))) if os.path.isdir("experiments") else "?"}')
-  defined = _top_level_functions(experiment)
+  try:
+    defined = _top_level_functions(experiment)
+  except SyntaxError as e:
+    _fail(_syntax_message(experiment, e))
   if 'get_sweep' in defined and 'get_config' not in defined:
     _fail(f'{experiment} is a sweep grid (get_sweep()), not an experiment; run it with '
           f'./launch.sh sweep {experiment} (./launch.sh sweep --help)')
+  # The command line's modules before the experiment's base_config(): the
+  # options of the variants they register become keys that overrides can set.
+  for arg in argv[1:]:
+    if arg.startswith('--config.model.import_modules='):
+      try:
+        config_lib.import_modules(arg.split('=', 1)[1])
+      except config_lib.ConfigError as e:
+        _fail(str(e))
   try:
     rest = FLAGS(argv)
   except flags.UnrecognizedFlagError as e:
@@ -186,7 +221,11 @@ def parse_flags(argv):
       _fail(f'{e}. Override values must parse as the type of the key they replace.')
     _fail(f'{e} (./launch.sh --help lists the flags)')
   except (AttributeError, KeyError, TypeError, ValueError) as e:
-    _fail(_explain_override(argv) or f'bad --config override: {e}')
+    _fail(_raised_in(e, experiment) or _explain_override(argv) or f'bad --config override: {e}')
+  except Exception as e:  # noqa: BLE001  (anything else the experiment's code raises)
+    if (message := _raised_in(e, experiment)) is None:
+      raise
+    _fail(message)
   if len(rest) > 1:
     _fail(f'unexpected arguments {rest[1:]}; flags look like --workdir=DIR or '
           '--config.model.attention=NAME')

@@ -109,6 +109,7 @@ def load_run(workdir: str) -> Run:
                      'workdir; pass the --workdir of a run of flaxformer_lite.main')
   with open(path) as f:
     config = config_lib.from_json(f.read())
+  config_lib.import_modules(config.model.get('import_modules', ''))  # the run's own variants
   if config.model.type == 'decoder_only':
     raise UsageError('plot_attention decodes an input sequence; model.type=decoder_only '
                      'has none (valid: encoder_decoder, rnn_seq2seq)')
@@ -315,7 +316,7 @@ def main(argv):
     window = parse_window(FLAGS.window) if FLAGS.window is not None else None
     paths = plot_run(FLAGS.workdir, FLAGS.split, FLAGS.example,
                      FLAGS.out or os.path.join(FLAGS.workdir, 'attention'), window)
-  except UsageError as e:
+  except (UsageError, config_lib.ConfigError) as e:
     _fail(str(e))
   for path in paths:
     print(path)

@@ -225,8 +225,13 @@ def row_configs(study: dict, where: str) -> dict:
   get_config = runpy.run_path(study['experiment'])['get_config']
   out = {}
   for row, overrides in study['rows'].items():
+    given = {**study['overrides'], **overrides}
+    try:  # before get_config(), as on the command line: their variants' options are keys
+      config_lib.import_modules(given.get('model.import_modules', ''))
+    except config_lib.ConfigError as e:
+      raise SweepError(f'{where} row {row}: {e}') from None
     config = get_config()
-    for key, value in {**study['overrides'], **overrides}.items():
+    for key, value in given.items():
       message = config_lib.unknown_key_message(config, key)
       if message:
         raise SweepError(f'{where} row {row}: override {message}')

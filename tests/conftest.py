@@ -34,6 +34,7 @@ if _ACCELERATOR:
   jax.config.update('jax_default_matmul_precision', 'highest')
 
 from flaxformer_lite import compilation, config as config_lib
+from flaxformer_lite.attention import registry
 from flaxformer_lite import main as main_lib
 from flaxformer_lite.data import corpora, shared
 
@@ -319,3 +320,55 @@ def _loop_keep(seed: int, rate: float, b: int, h: int, n: int, m: int):
 def loop_keep():
   """loop_keep(seed, rate, b, h, n, m) -> bool [b, h, n, m]: dropout's keep mask."""
   return _loop_keep
+
+
+# A user's module, outside the package: a variant with an option of its own.
+TILTED = '''
+import dataclasses
+import jax.numpy as jnp
+from flaxformer_lite.attention import chunked, registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  tilt: float = 0.5
+
+  def __post_init__(self):
+    registry.check_positive(self, 'tilt')
+
+
+def terms(num_heads, *, tilt):
+  return chunked.BlockTerms(
+      score=lambda s, q_pos, k_pos, head, tables: s - tilt * jnp.abs(q_pos - k_pos),
+      additive=True)
+
+
+registry.register(registry.AttentionVariant(name='tilted', terms=terms, options=Options,
+                                            doc='s - tilt |i - j|'))
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+  """user_module(NAME, SOURCE): a module importable by NAME, forgotten afterwards
+  (with the variants it registers)."""
+  monkeypatch.syspath_prepend(str(tmp_path))
+  names = []
+
+  def write(name, source):
+    (tmp_path / f'{name}.py').write_text(source)
+    names.append(name)
+  before = set(registry.names())
+  yield write
+  for name in set(registry.names()) - before:
+    registry._REGISTRY.pop(name)  # pylint: disable=protected-access
+  for name in names:
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def tilted_variant(user_module) -> str:
+  """The name of a user's module that registers the variant 'tilted' (option
+  `tilt`)."""
+  user_module('tilted_variant', TILTED)
+  return 'tilted_variant'

@@ -58,7 +58,8 @@ HELP_NAMES = ('./launch.sh test', './launch.sh run SCRIPT.py', '-m MODULE', './l
               '--list_attention', 'experiments/reverse.py', '--config.a.b=value',
               '--config.model.attention=shaw', '--workdir=DIR', 'workdirs/EXPERIMENT-HASH',
               '--devices=N', 'Exit codes: 0 done; 2 bad flag, config or data',
-              '3 non-finite loss', '--config.data.manual_dir', '../shared/data', 'stdout',
+              '3 non-finite loss', '130 a second SIGINT (143 a second SIGTERM)',
+              '--config.data.manual_dir', '../shared/data', 'stdout',
               'FFL_PYTHON=python3')
 
 

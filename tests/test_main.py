@@ -161,3 +161,68 @@ def test_every_experiment_starts_unchanged_on_several_devices(devices):
     accum = runpy.run_path(path)['get_config']().train.grad_accum_steps
     assert train_rows % (devices * accum) == 0 and 0 <= train_rows - rows < devices * accum
     assert eval_rows % devices == 0 and 0 <= eval_rows - eval_size < devices
+
+
+def test_import_modules_names_a_users_variant_and_its_options_on_the_command_line(
+    parse, tilted_variant):
+  from flaxformer_lite.attention import registry
+  parse('--config.model.import_modules=tilted_variant', '--config.model.attention=tilted',
+        '--config.model.attention_kwargs.tilt=2.0')
+  config = main.FLAGS.config
+  main.validate(config)
+  assert config.model.import_modules == 'tilted_variant'  # config.json records it
+  assert registry.resolve_kwargs('tilted', config.model.attention_kwargs) == {'tilt': 2.0}
+
+
+def test_an_experiment_file_names_a_users_variant_and_sets_its_option(tilted_variant):
+  """model.import_modules set by the experiment file rather than the command
+  line: its modules are imported before the config's keys are checked, so
+  the option the file sets is a key."""
+  from flaxformer_lite import config as config_lib
+  config = config_lib.base_config()
+  config.model.import_modules, config.model.attention = tilted_variant, 'tilted'
+  config.model.attention_kwargs.tilt = 2.0
+  main.validate(config)
+
+
+@pytest.mark.parametrize('source, message', [
+    (None, "model.import_modules: no module 'absent_module' on the path; valid: names "
+           'importable from the checkout or PYTHONPATH'),
+    ('def broken(:\n', "model.import_modules: importing 'absent_module' failed: SyntaxError"),
+    ('import no_such_dependency\n', "model.import_modules: importing 'absent_module' failed: "
+                                     "No module named 'no_such_dependency'"),
+], ids=['not found', 'syntax error', 'a missing dependency'])
+def test_a_module_that_does_not_import_is_a_config_error_naming_it(
+    parse, user_module, capsys, source, message):
+  if source is not None:
+    user_module('absent_module', source)
+  with pytest.raises(SystemExit) as exit_:
+    parse('--config.model.import_modules=absent_module', '--config.model.attention=tilted')
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f'error: {message}') and 'Traceback' not in err, err
+  # set in an experiment file instead: the same error, from the config's validation
+  from flaxformer_lite import config as config_lib
+  config = config_lib.base_config()
+  config.model.import_modules = 'absent_module'
+  with pytest.raises(config_lib.ConfigError, match=re.escape(message)):
+    main.validate(config)
+
+
+@pytest.mark.parametrize('body, message', [
+    ('def get_config(:\n  return config.base_config()\n',
+     'broken.py, line 3: invalid syntax (def get_config(:); an experiment file is Python'),
+    ('def get_config():\n  c = config.base_config()\n  c.model.d_model = d_model\n  return c\n',
+     "broken.py, line 5: NameError: name 'd_model' is not defined (raised by the experiment "
+     'file)'),
+], ids=['syntax error', 'raises'])
+def test_an_experiment_file_that_does_not_run_exits_2_with_one_line(parse, capsys, tmp_path,
+                                                                    body, message):
+  path = tmp_path / 'broken.py'
+  path.write_text('from flaxformer_lite import config\n\n' + body)
+  with pytest.raises(SystemExit) as exit_:
+    parse(f'--config={path}')
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f'error: {tmp_path}/{message}'), err
+  assert len(err.splitlines()) == 1 and 'Traceback' not in err

@@ -678,7 +678,7 @@ def test_byte_level_bpe_merges_by_rank_by_hand():
 
 
 def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
-    tmp_path, tfds_dir, shared_data):
+    tmp_path, tfds_dir, shared_data, caplog):
   """The user's path: model.init_from a GGUF file and data.tokenizer=pretrained.
   The run takes the file's architecture, tokenizes the corpus with its BPE
   (here: three specials, the 256 byte symbols and one merge: byte b is
@@ -705,7 +705,11 @@ def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
   workdir = str(tmp_path / 'run')
   loop.train_and_evaluate(c, workdir)
 
-  dataset = data.load(c.data, tokenizer_from=path)
+  with caplog.at_level('INFO', logger='flaxformer_lite'):
+    dataset = data.load(c.data, tokenizer_from=path)
+  # the data line names the file's tokenizer, not the corpus builder's 'char'
+  assert (f'data: tiny_shakespeare tokenized by the tokenizer of {path} (BPETokenizer), '
+          f'vocabulary {len(tokens)}') in caplog.text
   assert dataset.vocab_size == len(tokens)
   text = 'First Citizen:\nBefore we proceed'
   assert dataset.tokenizer.decode(dataset.tokenizer.encode(text)) == text
@@ -732,4 +736,8 @@ def test_a_gguf_llama_fine_tunes_on_tiny_shakespeare_with_its_own_tokenizer(
   records = [json.loads(l) for l in open(os.path.join(evaluated, 'metrics.jsonl'))]
   assert [(r['step'], r['split']) for r in records] == [(0, 'eval')]  # no test split
   assert not os.path.exists(os.path.join(evaluated, 'checkpoints'))
+  # the same command again: the evaluation recorded stands, written once
+  again = loop.train_and_evaluate(c, evaluated)
+  assert again['eval'] == results['eval']
+  assert [json.loads(l) for l in open(os.path.join(evaluated, 'metrics.jsonl'))] == records
 

@@ -90,12 +90,16 @@ def _launch(argv, env, timeout=600):
 
 @pytest.fixture(scope='module')
 def env(shared_data, tfds_dir):
-  """launch.sh on the venv that runs these tests, the real corpora found
-  where the README says (FFL_SHARED_DATA), a scratch TFDS folder."""
+  """launch.sh on the venv that runs these tests (or FFL_PYTHON's interpreter,
+  when the suite runs in it), the real corpora found where the README says
+  (FFL_SHARED_DATA), a scratch TFDS folder."""
+  found = dict(os.environ, FFL_SHARED_DATA=shared_data, TFDS_DATA_DIR=tfds_dir)
+  if os.environ.get('FFL_PYTHON'):
+    return found
   venv = os.path.join(REPO, '.venv')
   if not os.path.isfile(os.path.join(venv, '.pyproject.sha256')):
     pytest.skip(f'{venv} was not made by launch.sh (it would install a new one)')
-  return dict(os.environ, FFL_VENV=venv, FFL_SHARED_DATA=shared_data, TFDS_DATA_DIR=tfds_dir)
+  return dict(found, FFL_VENV=venv)
 
 
 # Printed by JAX on a host without a TPU, and by tfds for every builder config
@@ -117,22 +121,28 @@ def _quick_start_logs(done, workdir):
 COMMANDS = launch_commands(open(README).read())
 # The quick start's run, then each command that reads it (the plot), in one test.
 QUICK_START = ['./launch.sh'] + [c for c in COMMANDS if 'workdirs/reverse' in c]
-ON_THEIR_OWN = [c for c in COMMANDS
-                if c not in QUICK_START and shlex.split(c)[1:2] != ['test']]  # test: this suite
+# "Writing a variant"'s run of the module it shows, then the plot of that run.
+VARIANT_RUN = 'workdirs/learned_alibi'
+VARIANT = [c for c in COMMANDS if VARIANT_RUN in c]
+ON_THEIR_OWN = [c for c in COMMANDS if c not in QUICK_START + VARIANT
+                and shlex.split(c)[1:2] != ['test']]  # test: this suite
 
 
-def _run_as_written(command, env, tmp_path, quick_start):
+def _run_as_written(command, env, tmp_path, runs):
   """Runs one README command (a training one tiny, in a workdir under
-  tmp_path; one that reads workdirs/reverse on the quick start's); returns
-  the finished process."""
+  tmp_path; one that names a workdir of `runs`, {README's workdir: this
+  test's}, in that one); returns the finished process."""
   argv = shlex.split(command)
   if _trains(argv):
     experiment = _experiment(argv)
     assert experiment in TINY, f'add tiny overrides for {experiment} ({command})'
-    workdir = quick_start if command == './launch.sh' else tmp_path / 'run'
+    named = [run for readme_dir, run in runs.items() if f'--workdir={readme_dir}' in argv]
+    workdir = (runs['workdirs/reverse'] if command == './launch.sh' else
+               named[0] if named else tmp_path / 'run')
     argv = argv + TINY[experiment] + [f'--workdir={workdir}']
   else:
-    argv = [a.replace('workdirs/reverse', str(quick_start)) for a in argv]
+    for readme_dir, run in runs.items():
+      argv = [a.replace(readme_dir, str(run)) for a in argv]
   done = _launch(argv, env)
   assert done.returncode == 0, f'{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
   assert 'Traceback' not in done.stderr, f'{command}\n{done.stderr[-3000:]}'
@@ -149,7 +159,7 @@ def test_readme_has_the_quick_start():
 def test_quick_start_and_its_plot_run_as_written(env, tmp_path):
   quick_start = tmp_path / 'quick_start'
   for command in QUICK_START:
-    done = _run_as_written(command, env, tmp_path, quick_start)
+    done = _run_as_written(command, env, tmp_path, {'workdirs/reverse': quick_start})
     if command == './launch.sh':
       _quick_start_logs(done, quick_start)
   assert list((quick_start / 'attention').glob('*.png')), 'the plot command wrote no figure'
@@ -159,7 +169,7 @@ def test_quick_start_and_its_plot_run_as_written(env, tmp_path):
 def test_readme_command_runs_as_written(command, env, tmp_path):
   """Each README command apart from the quick start's is its own test, so
   that pytest-xdist's workers share them."""
-  done = _run_as_written(command, env, tmp_path, tmp_path / 'quick_start')
+  done = _run_as_written(command, env, tmp_path, {'workdirs/reverse': tmp_path / 'quick_start'})
   if 'smollm2_shakespeare' in command:
     _pretrained_before_and_after(done, tmp_path / 'run')
   if 'flaxformer_lite.embed' in command:
@@ -199,6 +209,28 @@ def _pretrained_before_and_after(done, workdir):
   # the pretrained weights, not random ones (a random 49,152-way LM is near 49,152)
   assert evals[0]['perplexity'] < 1000, evals
   assert log.count('\n  greedy ') == 1 and (workdir / 'sample.txt').read_text().strip()
+
+
+def test_readme_variant_runs_by_name_and_its_plot_reads_the_run(env, tmp_path):
+  """"Writing a variant"'s module, saved as the README says (here on
+  PYTHONPATH), named on the command line as written: the run trains the
+  variant and records the module in config.json, and plot_attention, which
+  reads the workdir alone, draws that run's maps."""
+  assert len(VARIANT) >= 2, 'the README shows no command line, or no plot, for its variant'
+  module = re.search(r'--config\.model\.import_modules=(\w+)', VARIANT[0]).group(1)
+  block, = [b for b in fenced(open(README).read(), 'python')
+            if 'registry.register' in '\n'.join(b)]
+  (tmp_path / 'modules').mkdir()
+  (tmp_path / 'modules' / f'{module}.py').write_text('\n'.join(block))
+  env = dict(env, PYTHONPATH=str(tmp_path / 'modules'))
+  run = tmp_path / 'learned_alibi'
+  for command in VARIANT:
+    done = _run_as_written(command, env, tmp_path, {VARIANT_RUN: run})
+    if command == VARIANT[0]:
+      assert 'attention=learned_alibi' in done.stdout, done.stdout[-3000:]
+  saved = json.loads((run / 'config.json').read_text())['model']
+  assert (saved['attention'], saved['import_modules']) == ('learned_alibi', module)
+  assert list((run / 'attention').glob('*.png')), 'the plot command wrote no figure'
 
 
 def test_readme_error_examples_print_what_they_show(env):

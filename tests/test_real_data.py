@@ -56,9 +56,12 @@ def test_char_lm_on_tiny_shakespeare(tfds_dir, shared_data, tmp_path):
   assert train[-1]['loss'] < train[0]['loss']
 
 
-def test_lm_eval_scores_every_validation_character_once(tfds_dir, shared_data):
+def test_lm_eval_scores_every_validation_character_once(tfds_dir, shared_data, caplog):
   c = _tiny(tfds_dir, shared_data, 'tiny_shakespeare', 'decoder_only')
-  ds = data.load(c.data)
+  with caplog.at_level('INFO', logger='flaxformer_lite'):
+    ds = data.load(c.data)
+  assert 'data: tiny_shakespeare tokenized by characters (CharTokenizer), vocabulary 68' in (
+      caplog.text)
   text = open(os.path.join(shared_data, 'tiny_shakespeare', 'input.txt')).read()
   n = len(text)
   assert len(ds.splits['train']) == int(0.9 * n)  # nanoGPT's split

@@ -558,3 +558,18 @@ def test_counts_a_run_takes_from_its_data_do_not_make_its_row_changed(tmp_path):
   assert sweep.config_changes(run) == [] and sweep.status(run) != 'changed'
   config.model.num_classes = 7
   assert sweep.config_changes(run) == ['model.num_classes: 5 -> 7']
+
+
+def test_a_grid_names_a_users_variant_and_its_option(tmp_path, capsys, fake, tilted_variant):
+  """model.import_modules among a row's overrides: the row's variant and its
+  option are checked like the package's own; a module that does not import
+  is a grid error naming it."""
+  row = {'model.import_modules': tilted_variant, 'model.attention': 'tilted',
+         'model.attention_kwargs.tilt': 2.0}
+  grid = sweep.load_grid(_grid(tmp_path, {'tilted': row}))
+  config = sweep.row_configs(grid['studies']['s'], 'studies.s')['tilted']
+  assert (config.model.attention, config.model.attention_kwargs.tilt) == ('tilted', 2.0)
+  path = _grid(tmp_path, {'tilted': {**row, 'model.import_modules': 'no_such_module'}})
+  assert sweep.main([path]) == 2
+  assert "row tilted: model.import_modules: no module 'no_such_module'" in capsys.readouterr().err
+  assert fake() == []

@@ -189,17 +189,32 @@ def _tokenizer(d, builder, texts_fn, tokenizer_from=''):
   if kind == 'pretrained':
     from flaxformer_lite import pretrained
     try:
-      return pretrained.tokenizer(tokenizer_from)
+      tokenizer = pretrained.tokenizer(tokenizer_from)
     except pretrained.PretrainedError as e:
       raise DataError(f'data.tokenizer=pretrained: {e}') from None
-  suffix = {'sentencepiece': f'spm_{d["spm_model_type"]}_{d["vocab_size"]}',
-            'char': 'char', 'byte': 'byte'}.get(kind, kind)
-  try:
-    return tokenizers.create(kind, cache_prefix=os.path.join(builder.data_dir, suffix),
-                             texts_fn=texts_fn, vocab_size=d['vocab_size'],
-                             model_type=d['spm_model_type'])
-  except ValueError as e:
-    raise DataError(f'data.tokenizer: {e}') from None
+  else:
+    suffix = {'sentencepiece': f'spm_{d["spm_model_type"]}_{d["vocab_size"]}',
+              'char': 'char', 'byte': 'byte'}.get(kind, kind)
+    try:
+      tokenizer = tokenizers.create(kind, cache_prefix=os.path.join(builder.data_dir, suffix),
+                                    texts_fn=texts_fn, vocab_size=d['vocab_size'],
+                                    model_type=d['spm_model_type'])
+    except ValueError as e:
+      raise DataError(f'data.tokenizer: {e}') from None
+  log.info('%s', tokenizer_line(d, tokenizer, tokenizer_from))
+  return tokenizer
+
+
+def tokenizer_line(d, tokenizer, tokenizer_from='') -> str:
+  """The log's data line for a corpus as tokenized: the task, the tokenizer
+  that was used (a pretrained checkpoint's by its path; the TFDS builder's
+  name, such as tiny_shakespeare_char, says nothing about it) and its
+  vocabulary."""
+  how = {'pretrained': f'the tokenizer of {tokenizer_from}', 'char': 'characters',
+         'byte': 'bytes', 'sentencepiece': f'sentencepiece ({d["spm_model_type"]})'
+         }.get(d['tokenizer'], d['tokenizer'])
+  return (f'data: {d["task"]} tokenized by {how} ({type(tokenizer).__name__}), vocabulary '
+          f'{tokenizer.vocab_size:,}')
 
 
 def _encode(tokenizer, text: str, max_len: int | None, overlong: str):

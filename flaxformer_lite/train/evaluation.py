@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import jax
 import numpy as np
@@ -187,7 +188,7 @@ class Evaluator:
       sums = s if sums is None else metrics_lib.add_sums(sums, s)
       if each_batch:
         each_batch(i, batch, rows)
-    return sums
+    return preemption.wait(sums)  # the last batch too: one batch can take most of a split
 
   def _translation(self, params, split, beam_size, log_examples) -> dict:
     """Teacher-forced metrics, then the decoded split scored against its
@@ -271,8 +272,10 @@ class Evaluator:
              f', the last {len(shown)}' if len(shown) < prompt.shape[1] else '',
              self.dataset.tokenizer.decode(shown), continuation)
     if self.sample_path and jax.process_index() == 0:
-      with open(self.sample_path, 'w') as f:
+      # Whole or not at all: a re-run keeps a finished evaluation's sample.
+      with open(self.sample_path + '.tmp', 'w') as f:
         f.write(continuation)
+      os.replace(self.sample_path + '.tmp', self.sample_path)
 
 
 def _tokens(ids) -> str:

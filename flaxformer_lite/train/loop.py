@@ -126,6 +126,24 @@ def _prepare_workdir(config, workdir, allow_config_change=False):
     os.replace(path + '.tmp', path)
 
 
+def _undo_new_workdir(workdir: str, created: bool) -> None:
+  """A new run refused before it wrote anything but config.json (the memory
+  guard, a pretrained checkpoint that does not fit the model) leaves no
+  workdir that looks like a run: config.json and an empty checkpoints/ go,
+  and the workdir itself if this run made it. Anything else there stays."""
+  if jax.process_index() != 0 or not os.path.isdir(workdir):
+    return
+  checkpoints_dir = os.path.join(workdir, 'checkpoints')
+  if os.path.isdir(checkpoints_dir) and not os.listdir(checkpoints_dir):
+    os.rmdir(checkpoints_dir)
+  if set(os.listdir(workdir)) - {'config.json'}:
+    return
+  if os.path.exists(os.path.join(workdir, 'config.json')):
+    os.remove(os.path.join(workdir, 'config.json'))
+  if created:
+    os.rmdir(workdir)
+
+
 def _load_dataset(config):
   """data.load(config.data), checked against the config; model.vocab_size 0
   becomes the dataset's vocabulary, model.num_classes 0 a classification
@@ -168,16 +186,22 @@ def _init_state(config, model, first_batch, parallel):
   return state, dropout_rng
 
 
+# The checkpoint's data state also holds the train window it was taken in.
+WINDOW_KEY = 'train_window'
+
+
 def _resume(ckpt, state, train_iter):
-  """(state, first step): the newest readable checkpoint's, with train_iter
-  moved to where it was; (state, 0) when there is no checkpoint."""
+  """(state, first step, train window): the newest readable checkpoint's,
+  with train_iter moved to where it was; (state, 0, an empty window) when
+  there is no checkpoint."""
   if ckpt.latest_step() is None:
-    return state, 0
+    return state, 0, _TrainWindow()
   state, data_state = ckpt.restore(state)
+  window = _TrainWindow.resumed(data_state.pop(WINDOW_KEY, {}))
   train_iter.set_state(data_state)
   start = int(state.step)
   log.info('Resumed from %s at step %d', ckpt.directory, start)
-  return state, start
+  return state, start, window
 
 
 def _compile_train_step(config, dataset, parallel):
@@ -239,7 +263,11 @@ def _analysis(lowered, compiled, limit_bytes):
       or 4 * memory.step_bytes(stats) * jax.local_device_count() <= limit_bytes):
     return stats
   try:
-    plain = lowered.compile(memory.WITHOUT_LIBRARY_FUSIONS).memory_analysis()
+    # In a thread of its own, as every compile: a signal meanwhile stops the run.
+    plain = preemption.start(lowered.compile,
+                             memory.WITHOUT_LIBRARY_FUSIONS).result().memory_analysis()
+  except preemption.Preempted:
+    raise
   except Exception as e:  # an XLA without those options: its own assignment stands
     log.info('Memory: a step read as compiled only (%s)', str(e).splitlines()[0][:200])
     return stats
@@ -340,10 +368,30 @@ def _log_setup(config, parallel, evaluate, num_params, start, row_multiple):
 
 class _TrainWindow:
   """The metric sums of the training steps since the last train log, and
-  when they started (moved on by the time evaluation takes)."""
+  when they started (moved on by the time evaluation takes). Steps and tokens
+  restored from a checkpoint (`resumed`) count in the means, not the speed."""
 
   def __init__(self):
     self.sums, self.start, self.steps = None, time.time(), 0
+    self.restored_steps, self.restored_tokens = 0, 0.0
+
+  def saved(self) -> dict:
+    """The sums and their step count as JSON values, for a checkpoint taken
+    inside the window: the run resumed from it logs the same means."""
+    if self.sums is None:
+      return {}
+    return {'steps': self.steps, 'sums': {k: [np.asarray(v).item(), str(np.asarray(v).dtype)]
+                                          for k, v in self.sums.items()}}
+
+  @classmethod
+  def resumed(cls, saved: dict) -> _TrainWindow:
+    """The window `saved` describes (empty: a checkpoint at a train log)."""
+    window = cls()
+    if saved:
+      window.steps = window.restored_steps = saved['steps']
+      window.sums = {k: np.asarray(v, dtype) for k, (v, dtype) in saved['sums'].items()}
+      window.restored_tokens = float(window.sums['tokens'])
+    return window
 
   def add(self, sums):
     self.sums = sums if self.sums is None else metrics_lib.add_sums(self.sums, sums)
@@ -370,51 +418,70 @@ class _TrainWindow:
         log.warning('skipped %d of the last %d steps: non-finite loss or gradients',
                     skipped, self.steps)
     elapsed = time.time() - self.start
-    m['steps_per_sec'] = self.steps / elapsed
-    m['tokens_per_sec'] = float(self.sums['tokens']) / elapsed  # scored target tokens
+    m['steps_per_sec'] = (self.steps - self.restored_steps) / elapsed
+    # scored target tokens
+    m['tokens_per_sec'] = (float(self.sums['tokens']) - self.restored_tokens) / elapsed
     return m
 
 
 def _log_train(writer, done: int, num_steps: int, m: dict):
   writer.write(done, 'train', m)
   eta = (num_steps - done) / m['steps_per_sec']
-  log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %.1f steps/s  ETA %s',
+  log.info('step %d/%d  loss %.4f  acc %.3f  lr %.2e  %s  ETA %s',
            done, num_steps, m['loss'], m['accuracy'], m['learning_rate'],
-           m['steps_per_sec'], metrics_lib.fmt_time(eta))
+           metrics_lib.fmt_rate(m['steps_per_sec']), metrics_lib.fmt_time(eta))
 
 
-def _validate(evaluate, params, done: int, writer, log_examples: int):
-  """(the validation metrics of `params`, written and logged; the seconds they took)."""
+def _validation_due(config, step: int) -> bool:
+  """Whether a training run evaluates the validation split at `step`: step 0
+  with eval.at_start, every train.eval_every-th step, and the last."""
+  if step == 0:
+    return config.eval.at_start
+  return step % config.train.eval_every == 0 or step == config.train.num_steps
+
+
+def _validate(evaluate, params, done: int, writer, log_examples: int, recorded=None):
+  """(the validation metrics of `params`, written and logged; the seconds they
+  took). Metrics that `recorded` (`_recorded_results` at `done`) holds are
+  returned as they are, neither evaluated nor written again."""
+  if recorded and 'eval' in recorded:
+    log.info('eval at step %d (recorded): %s', done, _fmt_metrics(recorded['eval']))
+    return recorded['eval'], 0.0
   eval_start = time.time()
+  # The sample (an LM's) is written inside evaluate, before the metrics line:
+  # the line is the record that the whole evaluation finished.
   m = evaluate(params, 'validation', log_examples=log_examples)
   writer.write(done, 'eval', m)
   log.info('eval at step %d (%.1fs): %s', done, time.time() - eval_start, _fmt_metrics(m))
   return m, time.time() - eval_start
 
 
-def _test(config, dataset, evaluate, params, writer) -> dict:
-  """The test split's metrics and test_long's as long_<name>, written at the last step."""
+def _test(config, dataset, evaluate, params, writer, step: int, recorded) -> dict | None:
+  """The test split's metrics and test_long's as long_<name>, written at
+  `step` (the last); those `recorded` at it as they are; None without a test
+  split or with eval.final_test=False."""
+  if 'test' in recorded:
+    log.info('test at step %d (recorded): %s', step, _fmt_metrics(recorded['test']))
+    return recorded['test']
   e, test_start = config.eval, time.time()
+  if not (e.final_test and 'test' in dataset.splits):
+    return None
   m = evaluate(params, 'test', beam_size=e.beam_size, log_examples=e.num_examples_to_log)
   if 'test_long' in dataset.splits:
     long = evaluate(params, 'test_long', beam_size=e.beam_size)
     m.update({f'long_{k}': v for k, v in long.items()})
-  writer.write(config.train.num_steps, 'test', m)
+  writer.write(step, 'test', m)
   log.info('test (%.1fs, beam %d): %s', time.time() - test_start, e.beam_size, _fmt_metrics(m))
   return m
 
 
-def _final_results(config, dataset, evaluate, params, writer, recorded, results) -> dict:
-  """results with 'eval' and 'test' added where missing: a finished run re-run
-  gives its recorded ones, anything else is evaluated."""
-  if 'eval' not in results:  # resumed a finished run
-    results['eval'] = recorded.get('eval') or evaluate(params, 'validation')
-  if 'test' in recorded:  # a finished run re-run: its test record stands, written once
-    results['test'] = recorded['test']
-    log.info('test (recorded): %s', _fmt_metrics(results['test']))
-  elif config.eval.final_test and 'test' in dataset.splits:
-    results['test'] = _test(config, dataset, evaluate, params, writer)
-  return results
+def _stopped_evaluating(signal: preemption.Preempted, step: int, results=None) -> dict:
+  """The result of a run stopped while it evaluated at `step`, its
+  checkpoint's: the evaluations finished are recorded, a re-run does the rest."""
+  log.warning('Stopped on %s while evaluating at step %d; the checkpoint at step %d is saved '
+              'and the evaluations finished are recorded. Re-run the same command to finish '
+              'the run.', signal, step, step)
+  return {'preempted': str(signal), 'step': step, **(results or {})}
 
 
 def _log_done(num_steps: int, start: int, train_time: float, eval_seconds: float, results):
@@ -447,9 +514,11 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
   _check_needs(config, *_eval_needs(config, dataset, evaluate, params, 0, limit[0]), limit)
   results, start = {}, time.time()
   with contextlib.closing(metrics_lib.MetricWriter(workdir, 0)) as writer:
-    results['eval'], _ = _validate(evaluate, params, 0, writer, config.eval.num_examples_to_log)
-    if config.eval.final_test and 'test' in dataset.splits:
-      results['test'] = _test(config, dataset, evaluate, params, writer)
+    recorded = _recorded_results(workdir, 0)
+    results['eval'], _ = _validate(evaluate, params, 0, writer, config.eval.num_examples_to_log,
+                                   recorded)
+    if (test := _test(config, dataset, evaluate, params, writer, 0, recorded)) is not None:
+      results['test'] = test
   _log_done(0, 0, 0.0, time.time() - start, results)
   return results
 
@@ -461,16 +530,22 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   run within a step (train/preemption.py), keeping every step trained; the
   result then has 'preempted' (the signal) and 'step'.
   allow_config_change: resume a workdir whose config.json differs (logged)."""
+  created, new = not os.path.isdir(workdir), not os.path.exists(
+      os.path.join(workdir, 'config.json'))
   with preemption.Preemption() as preempt:
     try:
       if config.train.num_steps == 0:
         return evaluate_only(config, workdir, allow_config_change=allow_config_change)
       return _train(config, workdir, allow_config_change, preempt)
     except preemption.Preempted as e:  # before the first step, or with nothing to save
-      log.warning('Stopped on %s %s. Re-run the same command to start again.', e,
+      log.warning('Stopped on %s %s. Re-run the same command to finish the run.', e,
                   'before the first step: nothing new to save' if config.train.num_steps else
-                  'while evaluating (train.num_steps=0): nothing was written')
+                  'while evaluating (train.num_steps=0): the splits evaluated are recorded')
       return {'preempted': str(e), 'step': None}
+    except Exception:
+      if new:
+        _undo_new_workdir(workdir, created)
+      raise
 
 
 def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
@@ -496,7 +571,7 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
   with contextlib.ExitStack() as to_close:
     ckpt = to_close.enter_context(contextlib.closing(
         checkpoints.Checkpointer(workdir, t.keep_checkpoints)))
-    state, start = _resume(ckpt, state, train_iter)
+    state, start, resumed_window = _resume(ckpt, state, train_iter)
     if start >= t.num_steps:
       log.info('Nothing to train: %s is already trained to step %d (train.num_steps=%d); its '
                'results follow. Pass --workdir=DIR, or raise train.num_steps, for more.',
@@ -519,12 +594,23 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
     writer = to_close.enter_context(contextlib.closing(metrics_lib.MetricWriter(workdir, start)))
     schedule = schedules.create(t, config.model.d_model)
 
-    window, stop, in_flight = _TrainWindow(), False, None
+    # What metrics.jsonl holds at `start`: a run stopped in the evaluation at
+    # its newest checkpoint (or after the last step) does what is not recorded.
+    recorded = _recorded_results(workdir, start)
     train_start, eval_seconds, results = time.time(), 0.0, {}
     preemption.check()
-    if config.eval.at_start and start == 0:
-      _, eval_seconds = _validate(evaluate, parallel.unplace_state(state).params, 0, writer,
-                                  config.eval.num_examples_to_log)
+    if _validation_due(config, start):
+      try:
+        results['eval'], eval_seconds = _validate(
+            evaluate, parallel.unplace_state(state).params, start, writer,
+            config.eval.num_examples_to_log, recorded)
+      except preemption.Preempted as e:
+        if start == 0:
+          raise
+        to_close.close()
+        return _stopped_evaluating(e, start)
+    window, stop, in_flight = resumed_window, False, None
+    window.start = time.time()
     with contextlib.closing(profiling.StepTracer(t.profile_steps, workdir)) as tracer:
       for step in range(start, t.num_steps):
         done = step + 1
@@ -551,7 +637,7 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
             m['step_flops'] = step_flops
           _log_train(writer, done, t.num_steps, m)
           window = _TrainWindow()
-        if done % t.eval_every == 0 or done == t.num_steps:
+        if _validation_due(config, done):
           try:
             results['eval'], seconds = _validate(
                 evaluate, parallel.unplace_state(state).params, done, writer,
@@ -563,7 +649,8 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
         stop = multihost.any_process(preempt.requested is not None)  # all stop at one step
         if done % t.checkpoint_every == 0 or done == t.num_steps or stop:
           window.check_finite(done, ckpt)  # never save a non-finite state
-          ckpt.save(done, parallel.unplace_state(state), train_iter.get_state())
+          ckpt.save(done, parallel.unplace_state(state),
+                    {**train_iter.get_state(), WINDOW_KEY: window.saved()})
         if stop:
           break
     if stop:
@@ -574,15 +661,14 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
       return {'preempted': reason, 'step': done, **results}
 
     train_time = time.time() - train_start
-    recorded = _recorded_results(workdir, t.num_steps) if start == t.num_steps else {}
     try:
-      results = _final_results(config, dataset, evaluate, parallel.unplace_state(state).params,
-                               writer, recorded, results)
+      test = _test(config, dataset, evaluate, parallel.unplace_state(state).params, writer,
+                   t.num_steps, recorded if start == t.num_steps else {})
     except preemption.Preempted as e:
       to_close.close()
-      log.warning('Stopped on %s during the final evaluation; the checkpoint at step %d is '
-                  'saved. Re-run the same command for the final results.', e, t.num_steps)
-      return {'preempted': str(e), 'step': t.num_steps, **results}
+      return _stopped_evaluating(e, t.num_steps, results)
+    if test is not None:
+      results['test'] = test
 
   _log_done(t.num_steps, start, train_time, eval_seconds, results)
   results['train_seconds'] = train_time

@@ -40,6 +40,14 @@ def fmt_time(seconds: float) -> str:
       f'{seconds // 60}m{seconds % 60:02d}s'
 
 
+def fmt_rate(steps_per_sec: float) -> str:
+  """'8.3 steps/s'; below one step a second the period, '12.4 s/step', so
+  that a slow run's speed never reads '0.0 steps/s'."""
+  if steps_per_sec >= 1:
+    return f'{steps_per_sec:.1f} steps/s'
+  return f'{1 / steps_per_sec:.1f} s/step'
+
+
 def bleu(hypotheses: list[str], references: list[str]) -> float:
   """Corpus sacreBLEU (13a tokenization, cased) of detokenized text, 0..100."""
   if len(hypotheses) != len(references):

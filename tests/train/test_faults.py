@@ -148,14 +148,16 @@ PHASES = {
 
 
 @pytest.mark.parametrize('phase', list(PHASES))
-def test_a_signal_in_each_phase_stops_the_run_within_seconds_and_it_resumes(
+def test_a_signal_in_each_phase_stops_the_run_within_seconds(
     tmp_path, shared_data, tfds_dir, phase):
   """Through the command line: SIGTERM while the run trains (a step of its
   own, not a queue of them), evaluates, or samples. The message comes when
   the signal does; the run exits 0 within seconds, without finishing the
-  phase, with a checkpoint of the steps it trained; the same command resumes
-  from it (checked once, after the evaluation; after training:
-  test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes)."""
+  phase, with a checkpoint of the steps it trained. The same command resumes
+  from it: after training,
+  test_signals_save_a_checkpoint_exit_0_and_the_same_command_resumes; after
+  an evaluation, at small shapes, the tests of runs stopped in an evaluation
+  below, which hold the resumed run to an uninterrupted one."""
   overrides, marker = PHASES[phase]
   workdir = str(tmp_path / 'w')
   command = [sys.executable, '-m', 'flaxformer_lite.main', LONG[0], f'--workdir={workdir}',
@@ -189,13 +191,6 @@ def test_a_signal_in_each_phase_stops_the_run_within_seconds_and_it_resumes(
     assert 'eval at step 2' not in log, log[-3000:]
     assert not os.path.exists(os.path.join(workdir, 'sample.txt'))
 
-  if phase == 'evaluation':  # the same command resumes at the saved step and finishes
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f'Resumed from {workdir}/checkpoints at step 2' in proc.stdout + proc.stderr
-    assert _steps(workdir) == [2, 4]
-
 
 def test_second_signal_exits_at_once():
   # A training step here takes ~1 ms, so a second signal to the training loop
@@ -217,6 +212,10 @@ def test_second_signal_exits_at_once():
   assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
   assert proc.stdout == 'first handled\n'
   assert 'SIGINT again: exiting now' in proc.stderr
+  # the code the README's list gives (./launch.sh --help's: tests/test_launch.py)
+  with open(os.path.join(REPO, 'README.md')) as f:
+    readme = ' '.join(f.read().split())
+  assert f'{128 + signal.SIGINT} a second SIGINT ({128 + signal.SIGTERM} a second SIGTERM' in readme
 
 
 def _damage(step_dir):
@@ -326,3 +325,113 @@ def test_unwritable_workdir_exits_2_before_training(tmp_path, tfds_dir):
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert f'workdir {blocker}/run cannot be written' in proc.stderr
   assert 'Traceback' not in proc.stderr
+
+
+# The default experiment, tiny, its validation and test splits in batches
+# small enough that evaluating each outlasts the signal's way to the run: a
+# signal sent when one begins arrives inside it.
+FINAL = ['--config.model.d_model=16', '--config.model.num_heads=2', '--config.model.mlp_dim=32',
+         '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
+         '--config.data.max_len=8', '--config.data.num_train=64', '--config.data.num_eval=400',
+         '--config.train.batch_size=8', '--config.eval.batch_size=10',
+         '--config.train.num_steps=2', '--config.eval.num_examples_to_log=0']
+TIMINGS = ('steps_per_sec', 'tokens_per_sec')  # the only values two runs need not share
+
+
+def _launch(args, workdir, env, marker=None, signum=None):
+  """`./launch.sh ARGS --workdir=workdir`; with a marker, `signum` is sent
+  once a line holding it is printed. Returns (exit code, the log, seconds
+  from the signal to the exit)."""
+  proc = subprocess.Popen(['bash', os.path.join(REPO, 'launch.sh'), *args,
+                           f'--workdir={workdir}'], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines, sent = [], time.time()
+  if marker is not None:
+    for line in proc.stdout:
+      lines.append(line)
+      if marker in line:
+        sent = time.time()
+        proc.send_signal(signum)
+        break
+    else:
+      raise AssertionError(f'no {marker!r} line: {"".join(lines)[-3000:]}')
+  rest, _ = proc.communicate(timeout=300)
+  return proc.returncode, ''.join(lines) + rest, time.time() - sent
+
+
+def _records(workdir):
+  """metrics.jsonl's points, in order, without their timings."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in f]
+
+
+def test_a_run_stopped_in_its_final_evaluation_and_test_ends_as_an_uninterrupted_one(
+    tmp_path, tfds_dir):
+  """Through ./launch.sh, the default experiment: SIGTERM when the final
+  validation begins, then SIGINT to the re-run when its test begins. Each is
+  answered within seconds with exit 0, leaving its phase unrecorded; the third
+  run does only the test, and metrics.jsonl ends point for point, value for
+  value, as the uninterrupted run's."""
+  env = {**os.environ, 'FFL_PYTHON': sys.executable, 'TFDS_DATA_DIR': tfds_dir}
+  reference, workdir = str(tmp_path / 'reference'), str(tmp_path / 'w')
+  code, log, _ = _launch(FINAL, reference, env)
+  assert code == 0, log[-3000:]
+  assert [r['split'] for r in _records(reference)] == ['train', 'eval', 'test']
+
+  code, log, took = _launch(FINAL, workdir, env, 'step 2/2', signal.SIGTERM)
+  assert code == 0 and 'Stopped on SIGTERM at step 2 of 2' in log, log[-3000:]
+  assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
+  assert 'eval at step 2' not in log and _steps(workdir) == [2], log[-3000:]
+  assert [r['split'] for r in _records(workdir)] == ['train']
+
+  code, log, took = _launch(FINAL, workdir, env, 'eval at step 2 (', signal.SIGINT)
+  assert code == 0 and 'Stopped on SIGINT while evaluating at step 2' in log, log[-3000:]
+  assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
+  assert 'test (' not in log, log[-3000:]
+  assert [r['split'] for r in _records(workdir)] == ['train', 'eval']
+
+  code, log, _ = _launch(FINAL, workdir, env)
+  assert code == 0, log[-3000:]
+  assert 'eval at step 2 (recorded)' in log and 'test (' in log, log[-3000:]
+  assert _records(workdir) == _records(reference)
+
+
+# The long-context experiment, tiny, evaluated at steps 2 and 4: an
+# evaluation scores the validation split at two contexts, in batches small
+# enough that it outlasts the signal's way to the run, then samples.
+LONG_TINY = ['experiments/tiny_shakespeare_long.py', '--config.model.d_model=16',
+              '--config.model.num_heads=2', '--config.model.mlp_dim=32',
+              '--config.model.num_decoder_layers=1', '--config.model.max_len=256',
+              '--config.data.max_len=64', '--config.train.batch_size=2',
+              '--config.train.num_steps=4', '--config.train.log_every=2',
+              '--config.train.eval_every=2', '--config.train.checkpoint_every=4',
+              '--config.eval.contexts=(128,)', '--config.eval.batch_tokens=256',
+              '--config.eval.sample_prompt=32', '--config.eval.sample_len=64']
+
+
+def test_a_long_context_run_stopped_in_an_evaluation_ends_with_the_same_metrics_and_sample(
+    tmp_path, tfds_dir, shared_data):
+  """Through ./launch.sh, the long-context experiment: SIGTERM when the
+  evaluation at step 2 of 4 begins stops the run within seconds, with a
+  checkpoint at step 2 and neither that evaluation recorded nor a sample
+  written. The same command again evaluates step 2 first, trains on, and ends
+  with metrics.jsonl and sample.txt equal to an uninterrupted run's."""
+  env = {**os.environ, 'FFL_PYTHON': sys.executable, 'TFDS_DATA_DIR': tfds_dir,
+         'FFL_SHARED_DATA': shared_data}
+  reference, workdir = tmp_path / 'reference', tmp_path / 'w'
+  code, log, _ = _launch(LONG_TINY, reference, env)
+  assert code == 0, log[-3000:]
+  order = [(2, 'train'), (2, 'eval'), (4, 'train'), (4, 'eval')]
+  assert [(r['step'], r['split']) for r in _records(reference)] == order
+
+  code, log, took = _launch(LONG_TINY, workdir, env, 'step 2/4', signal.SIGTERM)
+  assert code == 0 and 'Stopped on SIGTERM at step 2 of 4' in log, log[-3000:]
+  assert took < 5, f'{took:.1f} s from the signal to the exit: {log[-3000:]}'
+  assert 'eval at step 2' not in log and not (workdir / 'sample.txt').exists(), log[-3000:]
+  assert _steps(str(workdir)) == [2]
+
+  code, log, _ = _launch(LONG_TINY, workdir, env)
+  assert code == 0, log[-3000:]
+  assert f'Resumed from {workdir}/checkpoints at step 2' in log, log[-3000:]
+  assert _records(workdir) == _records(reference)
+  assert (workdir / 'sample.txt').read_text() == (reference / 'sample.txt').read_text()

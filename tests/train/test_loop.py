@@ -180,3 +180,50 @@ def test_a_small_state_is_drawn_on_the_host_when_the_default_device_is_an_accele
   assert state_lib.init_device(shapes) is None
   monkeypatch.setattr(state_lib, 'HOST_INIT_BYTES', nbytes)
   assert state_lib.init_device(shapes) is not None
+
+
+def test_a_run_stopped_inside_a_log_window_logs_the_same_means_when_resumed(
+    tiny_config, tmp_path, monkeypatch):
+  """Stopped after step 7 of a window 6..10 (the loop told, as by a signal
+  to another process, to stop there), the run checkpoints that step; resumed,
+  it logs at step 10 the means over steps 6..10, as the uninterrupted run did:
+  the checkpoint carries the window's sums."""
+  c = tiny_config
+  c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 5, 100, 100
+  c.eval.final_test = False  # the test splits' decoding plays no part here
+  whole = str(tmp_path / 'whole')
+  loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), whole)
+
+  parts, calls = str(tmp_path / 'parts'), []
+
+  def stop_after_step_7(requested):
+    calls.append(requested)
+    return len(calls) == 7
+  with monkeypatch.context() as patched:
+    patched.setattr(loop.multihost, 'any_process', stop_after_step_7)
+    stopped = loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), parts)
+  assert stopped['step'] == 7 and sorted(_train_points(parts)) == [5]
+  loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(c)), parts)
+  timings = ('steps_per_sec', 'tokens_per_sec')
+  want, got = _train_points(whole), _train_points(parts)
+  assert sorted(got) == sorted(want) == [5, 10, 15, 20]
+  for step in want:  # the same floats: the same sums in the same order
+    assert ({k: v for k, v in got[step].items() if k not in timings} ==
+            {k: v for k, v in want[step].items() if k not in timings}), step
+
+
+def test_a_signal_before_the_first_step_stops_the_run_with_nothing_saved(
+    tiny_config, tmp_path, monkeypatch, caplog):
+  """A signal pending when training would begin (here: preemption.check
+  raising as it does then) ends the run with a result, not an error."""
+  from flaxformer_lite.train import preemption
+
+  def pending():
+    raise preemption.Preempted('SIGTERM')
+  monkeypatch.setattr(loop.preemption, 'check', pending)
+  workdir = tmp_path / 'w'
+  with caplog.at_level('WARNING', logger='flaxformer_lite'):
+    result = loop.train_and_evaluate(tiny_config, str(workdir))
+  assert result == {'preempted': 'SIGTERM', 'step': None}
+  assert 'Stopped on SIGTERM before the first step: nothing new to save' in caplog.text
+  assert not (workdir / 'checkpoints').exists() or not list((workdir / 'checkpoints').iterdir())

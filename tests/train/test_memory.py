@@ -6,12 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite import config as config_lib
-from flaxformer_lite.train import loop, memory
+from flaxformer_lite.train import loop, memory, preemption
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB, MiB = 2**30, 2**20
@@ -245,3 +248,29 @@ def test_a_run_that_cannot_fit_exits_2_before_training_and_keeps_its_checkpoints
                  "model.remat='block'"):
     assert option in error
   assert snapshot() == before
+
+
+def test_a_new_run_that_cannot_fit_leaves_no_workdir(tiny_config, tmp_path, monkeypatch):
+  """Refused before its first step, a new run takes back what it wrote
+  (config.json, an empty checkpoints/), and the folder it made; a folder the
+  user made stays, empty."""
+  monkeypatch.setenv('FFL_MEMORY_LIMIT', '64KiB')
+  made = tmp_path / 'made_by_the_user'
+  made.mkdir()
+  for workdir in (tmp_path / 'new', made):
+    with pytest.raises(config_lib.ConfigError, match='64.0 KiB is available'):
+      loop.train_and_evaluate(config_lib.from_json(config_lib.to_json(tiny_config)),
+                              str(workdir))
+  assert not (tmp_path / 'new').exists()
+  assert made.is_dir() and not list(made.iterdir())
+
+
+def test_a_signal_during_the_guards_second_compile_stops_the_run(monkeypatch):
+  """The guard's compile without library fusions (a step near the limit: here
+  any, against 1 byte) answers a pending signal as the run's other compiles
+  do, instead of when it ends (here: never, within the test)."""
+  compiled = jax.jit(lambda x: jnp.tanh(x @ x)).lower(jnp.ones((64, 64), jnp.float32)).compile()
+  unending = types.SimpleNamespace(compile=lambda options: threading.Event().wait(60))
+  monkeypatch.setattr(preemption, '_active', types.SimpleNamespace(requested='SIGTERM'))
+  with pytest.raises(preemption.Preempted, match='SIGTERM'):
+    loop._analysis(unending, compiled, 1)
