@@ -9,6 +9,9 @@ on masked keys and sum to 1 over the visible ones (luong_local_p: at most 1,
 its documented Gaussian factor; hard: one key, weight 1), and the output must
 be the weights applied to the values (shaw: sum_j alpha_ij (v_j + a^V_ij),
 recomputed here with a loop, with the weights themselves).
+
+Also, for every variant that reads positions: the cached decoder's calls
+(queries t.. at q_offset=t, traced) give the full causal pass's rows.
 """
 import math
 
@@ -129,3 +132,49 @@ def test_hard_attention_training_draws_are_one_visible_key():
   rows = mask.any(-1)
   np.testing.assert_array_equal(weights[~mask & rows[..., None]], 0.0)
   np.testing.assert_array_equal(np.sort(weights[rows], -1)[:, -2:], [[0.0, 1.0]] * rows.sum())
+
+
+# ---- the cached decoder's calls: a step's rows are the full causal pass's ----------
+
+# Options that put windows, clipping distances and far buckets inside DECODE_N
+# tokens; t5_bias unidirectional, as a decoder's.
+DECODE_OPTIONS = {'local': {'window': 3}, 'shaw': {'max_distance': 3},
+                  't5_bias': {'num_buckets': 8, 'bucket_max_distance': 6, 'bidirectional': False},
+                  'luong_local_m': {'half_window': 2},
+                  'deberta': {'position_buckets': 4, 'max_relative_positions': 6}}
+# Every variant that reads the queries' position (q_offset, the cache index
+# when decoding).
+DECODERS = [name for name in registry.names() if registry.get(name).uses_positions]
+DECODE_N = 12
+# (first query, number of queries) of each call: single tokens and chunks.
+DECODE_STEPS = [(0, 1), (1, 1), (2, 3), (5, 1), (6, 3), (9, 3)]
+
+
+@pytest.mark.parametrize('name', DECODERS)
+def test_decoding_rows_equal_the_full_causal_pass(name):
+  """The cached decoder's call: keys 0..n-1, queries t..t+size-1 at q_offset=t
+  (traced), the causal mask's rows; equal to those rows of the full causal
+  pass."""
+  variant = registry.get(name)
+  kwargs = registry.resolve_kwargs(name, DECODE_OPTIONS.get(name, {}))
+  r = np.random.default_rng(5)
+  n = DECODE_N
+  q = jnp.asarray(2 * r.normal(size=(B, n, H, D)), jnp.float32)
+  k, v = (jnp.asarray(r.normal(size=(B, n, H, D)), jnp.float32) for _ in range(2))
+  tables = variant.params(H, D, kwargs) if variant.params else {}
+  params = {p: jnp.asarray(0.5 * r.normal(size=shape), jnp.float32)
+            for p, (shape, _, _) in sorted(tables.items())}
+  causal = jnp.tril(jnp.ones((n, n), bool))[None, None]
+
+  @jax.jit
+  def call(q, q_offset, mask):
+    return variant.fn(q, k, v, mask=mask, bias=None, dropout_rate=0.0, dropout_rng=None,
+                      deterministic=True, dtype=jnp.float32, return_weights=False,
+                      q_offset=q_offset, **params, **kwargs)
+
+  full = np.asarray(call(q, 0, causal))
+  assert np.all(np.isfinite(full))
+  for t, size in DECODE_STEPS:
+    got = call(q[:, t:t + size], t, causal[:, :, t:t + size])
+    np.testing.assert_allclose(np.asarray(got), full[:, t:t + size], atol=1e-6,
+                               err_msg=f'rows {t}..{t + size - 1}')

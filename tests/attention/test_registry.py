@@ -185,16 +185,20 @@ def test_register_refuses_options_that_are_not_typed_defaults_that_validate(
   assert 'fake' not in registry.names()
 
 
-@pytest.mark.parametrize('variant,foreign,own', [
-    ('t5_bias', 'max_distance', 'bucket_max_distance=128'),
-    ('shaw', 'bucket_max_distance', 'max_distance=16'),
-    ('luong_local_m', 'window', 'half_window=8'),
-    ('luong_local_p', 'window', 'half_window=8'),
-    ('local', 'half_window', 'window=8'),
-])
-def test_an_option_of_another_variant_is_refused_naming_the_valid_ones(variant, foreign, own):
-  with pytest.raises(ValueError, match=rf"\['{foreign}'\].*{variant!r}.*{own}"):
-    registry.resolve_kwargs(variant, {foreign: 4})
+@pytest.mark.parametrize('name', registry.names())
+def test_every_option_of_another_variant_is_refused_naming_the_valid_ones(name):
+  """Each option that only other variants take (every one of them, with its
+  default) is an error naming it, the variant, and each option the variant
+  does take (name=default, the kernel options included)."""
+  variant = registry.get(name)
+  others = registry.all_kwargs()
+  foreign = sorted(set(others) - set(variant.kwargs) - set(registry.KERNEL_OPTIONS))
+  assert foreign
+  own = [f'{k}={v!r}' for k, v in {**variant.kwargs, **registry.KERNEL_OPTIONS}.items()]
+  for option in foreign:
+    with pytest.raises(ValueError, match=rf"\['{option}'\].*{name!r}") as e:
+      registry.resolve_kwargs(name, {option: others[option]})
+    assert all(o in str(e.value) for o in own), (option, str(e.value))
 
 
 @pytest.mark.parametrize('name', registry.names())

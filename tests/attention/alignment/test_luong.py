@@ -248,30 +248,11 @@ def test_local_m_window_by_hand():
   np.testing.assert_allclose(padded, [0, 0, 0, 0, 0.5, 0.5, 0, 0, 0, 0])
 
 
-def test_local_m_decoding_rows_equal_full_causal_pass():
-  n = 6
-  q, k, v = _qkv(12, n=n, m=n)
-  w = np.random.default_rng(13).normal(size=(2, 4, 4)).astype(np.float32)
-  causal = np.tril(np.ones((n, n), bool))[None, None]
-  full = _local_m(q, k, v, w, half_window=2, q_offset=0, mask=causal)
-  for t, size in [(0, 1), (2, 3), (5, 1)]:
-    got = _local_m(q[:, t:t + size], k, v, w, half_window=2, q_offset=jnp.int32(t),
-                   mask=causal[:, :, t:t + size])
-    np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, t:t + size]), atol=1e-6)
-
-
 @pytest.mark.parametrize('name', ['luong_local_p', 'luong_local_m'])
 @pytest.mark.parametrize('half_window', [0, -1, 2.0, True, '3'])
 def test_bad_half_window_raises_naming_it(name, half_window):
   with pytest.raises(ValueError, match='half_window'):
     registry.resolve_kwargs(name, {'half_window': half_window})
-
-
-@pytest.mark.parametrize('name', ['luong_local_p', 'luong_local_m'])
-def test_locals_window_is_not_an_option_here(name):
-  # local's window (|j - p| < window) is not Luong's D (|j - p| <= D).
-  with pytest.raises(ValueError, match=r"\['window'\].*half_window=8"):
-    registry.resolve_kwargs(name, {'window': 3})
 
 
 # ---- every classic variant: registry and layer -------------------------------------

@@ -357,12 +357,6 @@ def test_registry_dot_product_is_the_dot_product_function():
   np.testing.assert_allclose(np.asarray(got), _loop_attention(q, k, v), atol=1e-5)
 
 
-def test_resolve_kwargs_rejects_option_of_another_variant():
-  with pytest.raises(ValueError, match='max_distance') as e:
-    registry.resolve_kwargs('dot_product', {'max_distance': 3})
-  assert 'implementation' in str(e.value)  # names the options it does take
-
-
 def test_resolve_kwargs_ignores_none_values_and_keeps_the_kernel_apart():
   assert registry.get('dot_product').kwargs == {}  # the kernel options are every variant's
   assert registry.resolve_kwargs('dot_product', {'max_distance': None}) == {}

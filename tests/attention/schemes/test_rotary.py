@@ -99,18 +99,6 @@ def test_attention_matches_loop(n, m, q_offset, max_wavelength, loop_attention):
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
-def test_decoding_rows_equal_full_causal_pass():
-  # The cached decoder's call: keys 0..n-1, queries t.. at q_offset=t (traced).
-  n = 5
-  q, k, v = (jnp.asarray(x) for x in _qkv(6, n=n, m=n))
-  causal = jnp.tril(jnp.ones((n, n), bool))[None, None]
-  full = _attention(q, k, v, mask=causal, q_offset=0)
-  for t, size in [(0, 1), (1, 1), (2, 3), (4, 1)]:
-    got = _attention(q[:, t:t + size], k, v, mask=causal[:, :, t:t + size], q_offset=t)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, t:t + size]),
-                               atol=1e-6, err_msg=f'rows {t}..{t + size - 1}')
-
-
 # ---- registry and layer ---------------------------------------------------------
 
 

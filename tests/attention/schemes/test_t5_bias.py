@@ -181,22 +181,6 @@ def test_table_and_query_gradients_match_finite_differences_of_loop(b, loop_atte
     np.testing.assert_allclose(float(g_q[idx]), fd_q[idx], atol=2e-4, rtol=1e-3)
 
 
-def test_decoding_rows_equal_full_causal_pass():
-  # The cached decoder's call: keys 0..n-1, queries t.. at q_offset=t (traced).
-  n = 5
-  q, k, v = (jnp.asarray(x) for x in _qkv(5, n=n, m=n))
-  table = jnp.asarray(np.random.default_rng(6).normal(size=(8, 2)).astype(np.float32))
-  causal = jnp.tril(jnp.ones((n, n), bool))[None, None]
-  fn = jax.jit(lambda q, off, mask: _t5_attention(
-      q, k, v, table, mask=mask, q_offset=off, num_buckets=8, bucket_max_distance=6,
-      bidirectional=False))
-  full = fn(q, 0, causal)
-  for t, size in [(0, 1), (1, 1), (2, 3), (4, 1)]:
-    got = fn(q[:, t:t + size], t, causal[:, :, t:t + size])
-    np.testing.assert_allclose(np.asarray(got), np.asarray(full[:, t:t + size]),
-                               atol=1e-6, err_msg=f'rows {t}..{t + size - 1}')
-
-
 # ---- registry and layer ---------------------------------------------------------
 
 
