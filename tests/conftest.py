@@ -326,7 +326,7 @@ def loop_keep():
 TILTED = '''
 import dataclasses
 import jax.numpy as jnp
-from flaxformer_lite.attention import chunked, registry
+from flaxformer_lite.attention import registry, scheme
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +338,8 @@ class Options:
 
 
 def terms(num_heads, *, tilt):
-  return chunked.BlockTerms(
-      score=lambda s, q_pos, k_pos, head, tables: s - tilt * jnp.abs(q_pos - k_pos),
+  return scheme.Terms(
+      score=lambda s, b, h, q_pos, k_pos, tables: s - tilt * jnp.abs(q_pos - k_pos),
       additive=True)
 
 
