@@ -1,8 +1,10 @@
 """Attention math: pure functions of arrays, no parameters, no state.
 
-schemes/: the position schemes, one file each; alignment/: the RNN papers'
-attention and CoPE; masks.py: masks as functions; kernels/: how a call is
-computed; select.py: which kernel `auto` runs; registry.py: the names.
+scheme.py: the contract a scheme fills in (its score, tables, maps of q and
+k, values term); schemes/: the position schemes, one file each; alignment/:
+the RNN papers' attention and CoPE; masks.py: masks as functions; kernels/:
+how a call is computed, every kernel a row of kernels/table.py; select.py:
+which kernel runs a call; registry.py: the names; entry.py: `attend`.
 Importing this package registers every variant.
 """
 from flaxformer_lite.attention import alignment

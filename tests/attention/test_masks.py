@@ -5,7 +5,7 @@ for what flax has no builder for, a position-by-position numpy rule); `block`
 against the slice of `to_dense`; `key_block_range` / `query_block_range`
 against the blocks of `to_dense` that hold a visible pair: none left out (the
 chunked kernel's loops run over those ranges only) and none taken in that
-holds no visible pair (the skipping that chunked.py promises).
+holds no visible pair (the skipping that kernels/blockwise.py promises).
 """
 import flax.linen as nn
 import jax
@@ -184,7 +184,7 @@ def _structural_blocks(spec, bq, bk, nq, nk, q_offset):
 
 def test_block_ranges_hold_exactly_the_blocks_with_a_visible_pair():
   """Never skip a block with a visible pair (the output would be wrong); never
-  run one without (the skipping chunked.py promises). The structural parts
+  run one without (the skipping kernels/blockwise.py promises). The structural parts
   only: padding decides nothing about which blocks run."""
   checked = 0
   for rng, bq, bk, nq, nk, q_offset in _configs(5, 200):
