@@ -27,7 +27,7 @@ def build(which, a):
     return MultiHeadAttention(num_heads=a.heads, attention='dot_product', dtype=dtype)
   if which == 'jax.nn':
     return MultiHeadAttention(num_heads=a.heads, attention='dot_product', dtype=dtype,
-                              attention_kwargs={'implementation': 'xla'})
+                              attention_kwargs={'kernel': 'xla'})
   return nn.MultiHeadDotProductAttention(num_heads=a.heads, dtype=dtype,
                                          force_fp32_for_softmax=a.flax_fp32_softmax)
 

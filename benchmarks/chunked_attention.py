@@ -7,7 +7,7 @@
 For each variant and length: MultiHeadAttention (d_model 512, 8 heads,
 float32 by default) forward+backward (the vjp of y = layer(x) with a given
 random cotangent dy, w.r.t. the parameters and x, as FlashAttention's
-benchmarks call out.backward(dout)) with attention_kwargs.implementation
+benchmarks call out.backward(dout)) with attention_kwargs.kernel
 'dense' and 'chunked' at each of --chunk_sizes, all timed interleaved in one
 run. Prints a row per chunk size: time (median ms) and XLA's compiled temp
 memory (MiB) of each, chunked/dense for both, and the chunked time over
@@ -23,7 +23,7 @@ evaluation and a prompt's prefill run it.
 cuDNN attention; an NVIDIA GPU and --dtype bfloat16), timed interleaved, and
 the chunked time over it (c/cudnn) in dot_product's rows.
 
---pallas adds the layer on implementation='pallas' (the fused Pallas kernel,
+--pallas adds the layer on kernel='pallas' (the fused Pallas kernel,
 kernels/pallas_gpu.py: Triton on an NVIDIA GPU; elsewhere interpreted, so
 only its memory means anything there) for the variants it runs, timed
 interleaved, and the chunked time over it (c/pallas).
@@ -78,7 +78,7 @@ def _step(variant, implementation, chunk_size, dropout, args, x, padding=False):
   """
   layer = MultiHeadAttention(
       num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype], dropout_rate=dropout,
-      attention_kwargs={'implementation': implementation, 'chunk_size': chunk_size})
+      attention_kwargs={'kernel': implementation, 'chunk_size': chunk_size})
   spec = MaskSpec(causal=args.causal)
   params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
   if padding:  # after init, which sees 8 tokens: the padding arrays are n long
@@ -216,7 +216,7 @@ def main(argv=None):
   parser.add_argument('--cudnn', action='store_true',
                       help="add dot_product on implementation='cudnn' (NVIDIA GPU, bfloat16)")
   parser.add_argument('--pallas', action='store_true',
-                      help="add implementation='pallas' (the fused kernel; a GPU's timing)")
+                      help="add kernel='pallas' (the fused kernel; a GPU's timing)")
   parser.add_argument('--masked_blocks', action='store_true',
                       help='also time the chunked kernel masking every block (c/mask)')
   parser.add_argument('--no_staircase', action='store_true',

@@ -12,7 +12,7 @@ donated, as decoding's while_loop updates its carry in place: without that
 every step would also copy the whole cache. Each row is a pair of steps,
 all timed interleaved in one run:
 
-  chunked / dense       dot_product, attention_kwargs.implementation 'chunked' vs 'dense'
+  chunked / dense       dot_product, attention_kwargs.kernel 'chunked' vs 'dense'
   local / dot_product   local (causal, window --window) vs dot_product, both chunked
   GQA / MHA             num_kv_heads=--kv_heads vs --heads, on each kernel
 
@@ -71,7 +71,7 @@ def _step(args, attention, implementation, num_kv_heads):
   layer = MultiHeadAttention(
       num_heads=args.heads, num_kv_heads=num_kv_heads, attention=attention,
       dtype=jnp.dtype(args.dtype), decode=True,
-      attention_kwargs={'implementation': implementation, 'chunk_size': args.chunk_size,
+      attention_kwargs={'kernel': implementation, 'chunk_size': args.chunk_size,
                         **options})
   token = jax.random.normal(jax.random.key(1), (args.batch, 1, args.d_model), args.dtype)
   # A full-length input sizes the cache; run, init would attend over all of it.

@@ -421,7 +421,7 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
 
     def build(implementation):
       layer = MultiHeadAttention(num_heads=heads, attention=variant, dtype=jnp.dtype(dtype),
-                                 attention_kwargs={'implementation': implementation})
+                                 attention_kwargs={'kernel': implementation})
       params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
 
       def loss(params, x):

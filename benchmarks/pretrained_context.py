@@ -16,7 +16,7 @@ its rotary attention's frequencies alone (attention/schemes/rotary.py):
   linearS   Position Interpolation (rope_scaling=linear), factor S
   ntkS      NTK-aware base (rope_scaling=ntk), factor S
   yarnS     YaRN (rope_scaling=yarn), factor S, rope_original_max_len 8192
-Every call runs with attention_kwargs.implementation='auto': the chunked
+Every call runs with attention_kwargs.kernel='auto': the chunked
 kernel wherever the dense scores would pass 16 MiB (past about 680
 tokens), so that 32,768 tokens fit.
 
@@ -126,7 +126,7 @@ def row_config(model_config, row: Row, original_max_len: int, chunk_size: int = 
   kwargs = c.attention_kwargs
   kwargs.rope_scaling, kwargs.rope_factor = row.scaling, row.factor
   kwargs.rope_original_max_len = original_max_len if row.scaling == 'yarn' else 0
-  kwargs.implementation = 'auto'
+  kwargs.kernel = 'auto'
   if chunk_size:
     kwargs.chunk_size = chunk_size
   models.validate(c)

@@ -13,7 +13,7 @@ no internet (no file to fetch), SmolLM2-135M's shapes with random weights:
 
 Both sides run the same GGUF file (./launch.sh fetch smollm2; --model PATH),
 dequantised to float32: ours through pretrained.load and models.build with
-attention_kwargs.implementation='auto' (the chunked kernel past 16 MiB of
+attention_kwargs.kernel='auto' (the chunked kernel past 16 MiB of
 scores, and when decoding once the cache spans more than two blocks),
 theirs through LlamaForCausalLM.from_pretrained(gguf_file=...) with its
 default attention (reported: sdpa, torch's fused dense kernel).
@@ -128,7 +128,7 @@ class Ours:
     from flaxformer_lite import decoding, models, pretrained
     self.jax, self.decoding, self.dtype = jax, decoding, dtype
     config, params = pretrained.load(path)
-    config.attention_kwargs.implementation = 'auto'
+    config.attention_kwargs.kernel = 'auto'
     config.dtype = dtype
     self.config, self.vocab, self._attention = config, config.vocab_size, {}
     self.model = models.build(config, decode=True)

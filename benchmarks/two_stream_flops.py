@@ -46,7 +46,7 @@ def build(overrides: dict, n: int, batch: int):
   def make():
     config = runpy.run_path(os.path.join(REPO, 'experiments', 'two_stream.py'))['get_config']()
     config.model.update(vocab_size=64, num_classes=5, max_len=n, **overrides)
-    config.model.attention_kwargs.implementation = 'dense'  # see the module docstring
+    config.model.attention_kwargs.kernel = 'dense'  # see the module docstring
     model = models.build(config.model)
     rng = np.random.default_rng(0)
     data = {'inputs': rng.integers(3, 64, (batch, n), dtype=np.int32),

@@ -30,7 +30,7 @@ def get_config():
   config = runpy.run_path(_CPU_RECIPE)['get_config']()
   config.model.positions = 'none'
   config.model.attention = 'alibi'
-  config.model.attention_kwargs.implementation = 'auto'
+  config.model.attention_kwargs.kernel = 'auto'
   config.model.attention_dropout_rate = 0.1
   config.model.max_len = 4096
 

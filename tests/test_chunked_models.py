@@ -1,4 +1,4 @@
-"""implementation='chunked' in whole models, against implementation='dense'.
+"""kernel='chunked' in whole models, against kernel='dense'.
 
 Every variant in the live registry that has a chunked form trains a tiny
 Transformer for three SGD steps with each kernel, from the same parameters
@@ -60,7 +60,7 @@ def _config(name, model_type, implementation, **model):
   cfg.model.update({**dict(type=model_type, vocab_size=V, d_model=16, num_heads=2, mlp_dim=32,
                            dropout_rate=0.0, attention_dropout_rate=0.0, num_encoder_layers=1,
                            num_decoder_layers=1, attention=name), **model})
-  cfg.model.attention_kwargs.update(implementation=implementation, chunk_size=4,
+  cfg.model.attention_kwargs.update(kernel=implementation, chunk_size=4,
                                     **OPTIONS.get(name, {}))
   return cfg
 
@@ -231,7 +231,7 @@ def test_chunked_lm_gradient_at_16k_tokens_compiles_within_1_gib():
   cfg = config_lib.base_config()
   cfg.model.update(type='decoder_only', vocab_size=64, d_model=512, num_heads=8, mlp_dim=512,
                    dropout_rate=0.0, num_encoder_layers=1, num_decoder_layers=1, max_len=n)
-  cfg.model.attention_kwargs.implementation = 'chunked'
+  cfg.model.attention_kwargs.kernel = 'chunked'
   model = models.build(cfg.model)
   ids = jax.ShapeDtypeStruct((1, n), jnp.int32)
   params = jax.eval_shape(lambda ids: model.init(jax.random.key(0), ids)['params'], ids)

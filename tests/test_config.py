@@ -87,7 +87,7 @@ def test_option_of_another_variant_is_rejected():
   c = config_lib.base_config()
   with c.unlocked():
     c.model.attention_kwargs.max_distance = 4  # not a dot_product option
-  with pytest.raises(config_lib.ConfigError, match="max_distance.*implementation="):
+  with pytest.raises(config_lib.ConfigError, match="max_distance.*kernel="):
     main.validate(c)
 
 
@@ -126,9 +126,11 @@ def test_differences_ignore_resumable_keys():
     (['--config.model.num_heads=5'], 'does not divide'),
     (['--config=experiments/missing.py'], 'experiments/missing.py'),
     (['--config.model.attention=luong_local_m',
-      '--config.model.attention_kwargs.implementation=chunked'],
+      '--config.model.attention_kwargs.kernel=chunked'],
      "attention='luong_local_m' does not run on it (its scores need the whole"),
     (['--config.model.attention_kwargs.dense_max_mib=-1'], 'dense_max_mib=-1'),
+    (['--config.model.attention_kwargs.implementation=chunked'],
+     "config key 'model.attention_kwargs.implementation' is 'model.attention_kwargs.kernel' now"),
     (['--config=experiments/two_stream.py', '--config.model.fusion_layer=9'],
      "model.fusion_layer=9 is beyond the model's layers: valid 0..4"),
 ])
@@ -143,10 +145,10 @@ def test_cli_bad_config_exits_2_with_message(args, expected, tmp_path, run_main)
 def test_cli_variant_option_settable_from_command_line(tmp_path, run_main):
   # A variant option that exists in the registry is accepted from the CLI, and
   # a wrong value for it is a config error naming the valid ones.
-  proc = run_main('--config.model.attention_kwargs.implementation=bogus',
+  proc = run_main('--config.model.attention_kwargs.kernel=bogus',
                   f'--workdir={tmp_path}/w')
   assert proc.returncode == 2
-  assert "implementation='bogus'" in proc.stderr and "'chunked'" in proc.stderr
+  assert "kernel='bogus'" in proc.stderr and "'chunked'" in proc.stderr
 
 
 def _table_rows(text: str, width: int) -> tuple[list[str], dict]:
@@ -189,7 +191,7 @@ def test_list_attention_table_lists_every_variant_in_aligned_columns(width):
   shorthand = {'all': registry.ALL_MODELS, 'transformers': registry.TRANSFORMER_MODELS}
   for name, short in shorthand.items():
     assert f'{name} = {", ".join(short)}' in footer
-  for name in ('implementation=', 'chunk_size=', 'dense_max_mib='):
+  for name in ('kernel=', 'chunk_size=', 'dense_max_mib='):
     assert name in footer
   for name, (models, kernels, options, description) in rows.items():
     variant = registry.get(name)

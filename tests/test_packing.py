@@ -161,7 +161,7 @@ def test_a_packed_row_gives_each_example_its_own_logits_and_loss(name, implement
                                                                 small_options):
   positions = 'learned' if name == 'dot_product' and implementation == 'dense' else 'sinusoidal'
   # Blocks of 5 straddle the segments.
-  options = small_options(name, implementation=implementation, chunk_size=5)
+  options = small_options(name, kernel=implementation, chunk_size=5)
   cfg = dict(type='encoder_decoder', vocab_size=V, d_model=16, num_heads=2, num_kv_heads=0,
              num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32, dropout_rate=0.0,
              attention_dropout_rate=0.0, attention=name, attention_kwargs=options,

@@ -125,7 +125,7 @@ def test_rows_set_rope_scaling():
   c, _ = _tiny()
   yarn = pc.row_config(c, rows[2], 8192).attention_kwargs
   assert (yarn.rope_scaling, yarn.rope_factor, yarn.rope_original_max_len,
-          yarn.implementation) == ('yarn', 4.0, 8192, 'auto')
+          yarn.kernel) == ('yarn', 4.0, 8192, 'auto')
   assert c.attention_kwargs.rope_scaling is None  # the base config is left as it was
   with pytest.raises(ValueError, match="'pi2' is not a row"):
     pc.parse_rows(['none,pi2'])

@@ -461,7 +461,7 @@ def test_readme_mask_example_runs_on_both_kernels_as_its_definition(monkeypatch)
   outs, visits = {}, collections.Counter()
   for kernel in ('dense', 'chunked', 'pallas'):
     layer = MultiHeadAttention(num_heads=2, attention='alibi',
-                               attention_kwargs={'implementation': kernel, 'chunk_size': 4})
+                               attention_kwargs={'kernel': kernel, 'chunk_size': 4})
     params = layer.init(jax.random.key(0), x)
     if kernel == 'chunked':
       monkeypatch.setattr(blockwise, 'VISIT_HOOK', lambda pass_name, masked, qb, kb: visits.update(

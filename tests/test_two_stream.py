@@ -74,7 +74,7 @@ def test_each_variant_classifies_ignores_padding_and_runs_chunked(name):
   no chunked form here, tests/layers/test_fusion.py for dot_product)."""
   logits = _logits(name, 'bottleneck')
   assert logits.shape == (2, 3) and np.isfinite(logits).all()
-  chunked = {} if registry.get(name).chunked is None else {'implementation': 'chunked',
+  chunked = {} if registry.get(name).chunked is None else {'kernel': 'chunked',
                                                           'chunk_size': 2}
   np.testing.assert_allclose(_logits(name, 'bottleneck', a=_pad(A, 2), b=_pad(B, 3), **chunked),
                              logits, atol=2e-5)

@@ -38,7 +38,7 @@ def attend(query, key, value, *, scheme: str = 'dot_product', score=None, tables
     mask: None, a masks.Mask, a masks.MaskSpec or a boolean array
       broadcastable to [b, h, n, m] (True = may attend).
     kernel: 'auto' (select.py), 'dense', 'chunked' or one of the variant's
-      own (dot_product: 'xla', 'cudnn'); None: options' `implementation`.
+      own (dot_product: 'xla', 'cudnn'); None: options' `kernel`.
     scale: what q.k is multiplied by before the score (default 1/sqrt(d)).
     options: the variant's options and the kernel options
       (config.model.attention_kwargs; unset ones may be None).
@@ -78,7 +78,7 @@ def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, 
   variant, params = _variant(scheme, score, tables, params)
   given = dict(options or {})
   if kernel is not None:
-    given['implementation'] = kernel
+    given['kernel'] = kernel
   kwargs = registry.resolve_kwargs(variant, given)
   kernel_options = registry.resolve_kernel(variant, given)
   h = query.shape[2]
@@ -98,7 +98,7 @@ def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, 
       rng=rng, prev_alignment=prev_alignment, decoding=decoding,
       return_weights=return_weights, chunk_size=select.chunk_size(kernel_options.chunk_size),
       platform=select.platform())
-  return call, kernel_options.implementation, kernel_options.dense_max_mib
+  return call, kernel_options.kernel, kernel_options.dense_max_mib
 
 
 def plan(query, key, **arguments) -> select.Choice:

@@ -18,7 +18,7 @@ Some variants receive more:
     decoder (the RNN) can supply it, so such variants list rnn_seq2seq only.
 
 The kernel is chosen apart from the variant, by the options every variant
-takes (KERNEL_OPTIONS): `implementation` ('auto' or a kernel of
+takes (KERNEL_OPTIONS): `kernel` ('auto' or a kernel of
 kernels/table.py), `chunk_size` and `dense_max_mib`. A variant that can run
 block by block has `chunked`, called as `fn` but with a masks.MaskSpec or a
 masks.Mask (or None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
@@ -132,7 +132,7 @@ SHARED_OPTIONS: dict[str, str] = {
     'max_wavelength': "RoPE's base b: feature pair i of d turns by b^(-2i/d) a position",
 }
 
-# Options of every variant, not of one: which kernel runs it. implementation:
+# Options of every variant, not of one: which kernel runs it. kernel:
 # 'auto' (select.choose) or a kernel's name (kernels/table.py TABLE: 'dense',
 # the [n, m] scores, the reference; 'chunked', blocks, O(n) memory; 'pallas',
 # the fused Pallas kernel; 'cudnn', 'xla', 'splash'); chunk_size: rows and
@@ -141,12 +141,14 @@ SHARED_OPTIONS: dict[str, str] = {
 # take at most this many MiB. Unset (None), those two are the platform's
 # (select.POLICIES).
 KERNELS = ('auto', *kernels.TABLE)
-KERNEL_OPTIONS = {'implementation': 'auto', 'chunk_size': None, 'dense_max_mib': None}
+KERNEL_OPTIONS = {'kernel': 'auto', 'chunk_size': None, 'dense_max_mib': None}
+# The names kernel options had before, refused naming the new one.
+RENAMED_OPTIONS = {'implementation': 'kernel'}
 
 
 class KernelOptions(NamedTuple):
   """A variant's kernel options, checked (resolve_kernel); None = the platform's."""
-  implementation: str
+  kernel: str
   chunk_size: int | None
   dense_max_mib: int | None
 
@@ -333,7 +335,7 @@ def all_kwargs() -> dict[str, Any]:
   is the platform's, the CPU's (config.py types its placeholders by these)."""
   own = {k: default for v in _REGISTRY.values() for k, default in v.kwargs.items()}
   cpu = select.POLICIES['cpu']
-  return {**own, 'implementation': KERNEL_OPTIONS['implementation'],
+  return {**own, 'kernel': KERNEL_OPTIONS['kernel'],
           'chunk_size': cpu.chunk_size, 'dense_max_mib': cpu.dense_max_mib}
 
 
@@ -364,6 +366,10 @@ def resolve_options(name: str | AttentionVariant, given: Mapping[str, Any] | Non
   """
   variant = _variant(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
+  for old, new in RENAMED_OPTIONS.items():
+    if old in given:
+      raise ValueError(f'attention_kwargs.{old}={given[old]!r}: the option is {new!r} now; '
+                       f'did you mean attention_kwargs.{new}={given[old]!r}?')
   unknown = sorted(set(given) - set(variant.kwargs) - set(KERNEL_OPTIONS))
   if unknown:
     valid = ', '.join(f'{k}={v!r}' for k, v in {**variant.kwargs, **KERNEL_OPTIONS}.items())
@@ -404,19 +410,19 @@ def chunked_names() -> list[str]:
 
 
 def _validate_kernel(variant: AttentionVariant, kernel: KernelOptions) -> None:
-  impl = kernel.implementation
+  impl = kernel.kernel
   if impl not in KERNELS:
-    raise ValueError(f'attention_kwargs.implementation={impl!r}; valid: '
+    raise ValueError(f'attention_kwargs.kernel={impl!r}; valid: '
                      f'{", ".join(map(repr, KERNELS))}')
   if impl != 'auto':
     reason = kernels.TABLE[impl].takes(variant)
     if reason is not None:
       runs = ', '.join(n for n in names() if kernels.TABLE[impl].takes(_REGISTRY[n]) is None)
-      raise ValueError(f'attention_kwargs.implementation={impl!r}: attention={variant.name!r} '
+      raise ValueError(f'attention_kwargs.kernel={impl!r}: attention={variant.name!r} '
                        f'does not run on it ({reason}); schemes it runs: {runs}')
   if impl == 'cudnn' and select.platform() != 'gpu':
     raise ValueError(
-        "attention_kwargs.implementation='cudnn' needs an NVIDIA GPU, and this machine's "
+        "attention_kwargs.kernel='cudnn' needs an NVIDIA GPU, and this machine's "
         f"JAX backend is {select.platform()!r}; use 'auto' (picks cuDNN where it can "
         "run) or 'dense'/'xla'/'chunked'")
   for option, low in (('chunk_size', 1), ('dense_max_mib', 0)):
@@ -433,7 +439,7 @@ class Description(NamedTuple):
   """A variant's row in `table`: one entry a line in each list column."""
   name: str
   models: tuple[str, ...]  # 'all' and 'transformers' stand for those sets
-  kernels: tuple[str, ...]  # values of attention_kwargs.implementation besides 'auto'
+  kernels: tuple[str, ...]  # values of attention_kwargs.kernel besides 'auto'
   options: tuple[str, ...]  # its own options, 'name=default'
   doc: str
 
@@ -455,7 +461,7 @@ def describe(variant: AttentionVariant) -> Description:
 def refusals(width: int = 100) -> str:
   """The scheme x kernel table's refusals: per kernel, the schemes it does
   not run, grouped by the reason (Kernel.takes), wrapped to `width`."""
-  lines = textwrap.wrap('Kernels (attention_kwargs.implementation) and the schemes they do '
+  lines = textwrap.wrap('Kernels (attention_kwargs.kernel) and the schemes they do '
                         'not run:', width)
   for name, kernel in kernels.TABLE.items():
     by_reason = {}
@@ -502,7 +508,7 @@ def table(width: int = 100) -> str:
                              for k, v in KERNEL_OPTIONS.items())
   footer = (f'models: all = {", ".join(ALL_MODELS)}; transformers = '
             f'{", ".join(TRANSFORMER_MODELS)}. Every variant also takes the kernel options '
-            f'{kernel_options} (attention_kwargs; implementation: auto or one of its '
+            f'{kernel_options} (attention_kwargs; kernel: auto or one of its '
             'kernels).')
   lines = render(_HEADER, kernels[0]) + [_GAP.join('-' * w for w in widths)]
   for row, kernel_lines in zip(rows, kernels[1:]):

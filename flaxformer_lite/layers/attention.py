@@ -56,7 +56,7 @@ class MultiHeadAttention(nn.Module):
   `mask` is a boolean array broadcastable to [b, h, n, m], a
   `masks.MaskSpec` (causal, key padding, query validity) or a `masks.Mask`
   (any function of batch, head, query and key index; query i at index
-  q_offset + i): the kernel that `attention_kwargs.implementation` picks
+  q_offset + i): the kernel that `attention_kwargs.kernel` picks
   (attention/entry.py, select.py) builds it whole (dense) or one block at a time
   (chunked). With decode=True a Mask is and-ed with the cache's causal rule.
   """

@@ -37,7 +37,7 @@ def test_attend_names_what_is_valid_when_given_a_bad_scheme_kernel_or_option():
   q, k, v = _inputs()
   with pytest.raises(ValueError, match="unknown attention variant 'alibbi'; valid: .*alibi"):
     attend(q, k, v, scheme='alibbi')
-  with pytest.raises(ValueError, match="implementation='fast'; valid: 'auto', 'dense'"):
+  with pytest.raises(ValueError, match="kernel='fast'; valid: 'auto', 'dense'"):
     attend(q, k, v, scheme='alibi', kernel='fast')
   with pytest.raises(ValueError, match=r"\['max_distance'\] do not apply to attention='alibi'"):
     attend(q, k, v, scheme='alibi', options={'max_distance': 3})

@@ -83,7 +83,7 @@ def test_register_rejects_an_undeclared_name_another_variant_takes(scratch_regis
 
 @pytest.mark.parametrize('option', sorted(registry.KERNEL_OPTIONS))
 def test_register_rejects_a_kernel_option_as_a_variant_option(scratch_registry, option):
-  """implementation and chunk_size choose the kernel for every variant; none may
+  """kernel and chunk_size choose the kernel for every variant; none may
   give them a meaning of its own."""
   with pytest.raises(ValueError, match='KERNEL_OPTIONS') as e:
     registry.register(_fake(**{option: registry.KERNEL_OPTIONS[option]}))
@@ -157,7 +157,7 @@ def test_options_refuse_a_value_of_another_type_naming_the_option(name):
 def test_variants_without_options_resolve_to_none_and_no_kwargs():
   for name in sorted(set(registry.names()) - set(_WITH_OPTIONS)):
     assert dict(registry.get(name).kwargs) == {} and registry.resolve_kwargs(name, None) == {}
-    assert registry.resolve_options(name, {'implementation': 'dense'}) is None
+    assert registry.resolve_options(name, {'kernel': 'dense'}) is None
 
 
 def _must_be_even(self):
@@ -256,8 +256,8 @@ def test_auto_is_dense_up_to_256_mib_of_scores_on_cpu_then_chunked(name):
   assert _pick(name, 9, 512, 512, dense_max_mib=64) == 'chunked'
   assert _pick(name, 1, 16, 16, dense_max_mib=0) == 'chunked'
   assert _pick(name, 64, 512, 512, return_weights=True) == 'dense'  # only dense has them
-  assert _pick(name, 64, 512, 512, implementation='dense') == 'dense'
-  assert _pick(name, 1, 16, 16, implementation='chunked') == 'chunked'
+  assert _pick(name, 64, 512, 512, kernel='dense') == 'dense'
+  assert _pick(name, 1, 16, 16, kernel='chunked') == 'chunked'
 
 
 @pytest.mark.parametrize('name', registry.chunked_names())
@@ -277,7 +277,7 @@ def test_positions_given_as_data_run_on_the_dense_kernel(name):
   positions as a range, so such a call is dense whatever its size or option."""
   assert _pick(name, 64, 512, 512, h=16) == 'chunked'
   assert _pick(name, 64, 512, 512, h=16, positions=True) == 'dense'
-  assert _pick(name, 1, 16, 16, implementation='chunked', positions=True) == 'dense'
+  assert _pick(name, 1, 16, 16, kernel='chunked', positions=True) == 'dense'
 
 
 def test_auto_keeps_variants_without_a_chunked_form_dense():
@@ -311,3 +311,9 @@ def test_every_schemes_terms_keep_their_contract(name):
   kwargs = dict(variant.kwargs)
   specs = variant.params(2, 4, kwargs) if variant.params else {}
   scheme.check_terms(name, variant.terms(2, **kwargs), scheme.random_params(specs), 2, 4)
+
+
+def test_the_kernel_options_old_name_is_refused_naming_the_new_one():
+  with pytest.raises(ValueError, match="implementation='dense': the option is 'kernel' now; "
+                                       "did you mean attention_kwargs.kernel='dense'"):
+    registry.resolve_kwargs('alibi', {'implementation': 'dense'})

@@ -50,7 +50,7 @@ def _params(name, h, d):
 
 
 def _pick(platform, name, b, n, m, h=8, g=None, d=64, dtype='float32', **kwargs):
-  """The name of the kernel 'auto' (or options' implementation) runs."""
+  """The name of the kernel 'auto' (or options' kernel) runs."""
   call, requested, dense_max_mib = _call(platform, name, b, n, m, h, g, d, dtype, **kwargs)
   with select.target_platform(platform):
     return select.choose(call, requested, dense_max_mib).kernel.name
@@ -221,7 +221,7 @@ def test_dot_product_in_bf16_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, device_m
   assert '__cudnn$fmha' in _cuda_hlo(num_kv_heads=1)  # multi-query: its g heads in place
   assert '__cudnn$fmhaScaleBiasSoftmaxBackward' in _cuda_hlo(grad=True)
   assert '__cudnn$fmha' not in _cuda_hlo(dtype=jnp.float32)
-  assert '__cudnn$fmha' not in _cuda_hlo(implementation='dense')
+  assert '__cudnn$fmha' not in _cuda_hlo(kernel='dense')
 
 
 def test_rotary_rotates_q_and_k_then_lowers_to_cudnn_for_a_gpu(cudnn_lowerable, device_memory):
@@ -276,10 +276,10 @@ def test_the_gpu_runs_every_scheme_the_pallas_kernel_takes_on_it_in_16_bits(devi
     assert _pick('tpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
     assert _pick('cpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
   assert _pick('gpu', 'shaw', 64, 2048, 2048, dtype='bfloat16') == 'chunked'
-  assert _pick('cpu', 'alibi', 2, 16, 16, implementation='pallas') == 'pallas'
+  assert _pick('cpu', 'alibi', 2, 16, 16, kernel='pallas') == 'pallas'
   with pytest.raises(ValueError, match="'pallas': attention='shaw' does not run on it .it has "
                                        'a term'):
-    registry.resolve_kernel('shaw', {'implementation': 'pallas'})
+    registry.resolve_kernel('shaw', {'kernel': 'pallas'})
 
 
 def test_a_scored_layer_lowers_to_the_pallas_kernel_for_a_gpu(device_memory):

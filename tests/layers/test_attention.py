@@ -241,7 +241,7 @@ def test_decode_with_a_mask_function_ands_it_with_the_cache_rule(implementation)
   a time, give the full pass under mask & causal."""
   x, params, _, _, _ = _decode_setup(3)
   mask = masks.Mask(lambda b, h, q, k: (k % 2 == 0) | (q - k < 2), 'even_or_near')
-  kwargs = {'implementation': implementation, 'chunk_size': 2}
+  kwargs = {'kernel': implementation, 'chunk_size': 2}
   full = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5,
                             attention_kwargs=kwargs)
   want = full.apply({'params': params}, x, mask=masks.evaluate(mask & masks.causal(), B, H, L, L))

@@ -49,10 +49,10 @@ def test_every_variant_with_g_kv_heads_equals_h_heads_with_copied_projections(
   # Causal, and example 1's last 3 keys padding: each kernel's mask handling is in play.
   mask = MaskSpec(causal=True, key_valid=jnp.arange(N)[None] < jnp.asarray([[N], [N - 3]]))
   grouped = MultiHeadAttention(num_heads=H, num_kv_heads=g, attention=name,
-                               attention_kwargs=small_options(name, implementation=implementation,
+                               attention_kwargs=small_options(name, kernel=implementation,
                                                               chunk_size=5))
   reference = MultiHeadAttention(num_heads=H, attention=name,
-                                 attention_kwargs=small_options(name, implementation='dense'))
+                                 attention_kwargs=small_options(name, kernel='dense'))
   params = _draw(nn.unbox(jax.eval_shape(grouped.init, jax.random.key(0), x, mask=mask))['params'])
   assert params['key']['kernel'].shape == (F, g, F // H)
   got = jax.jit(grouped.apply)({'params': params}, x, mask=mask)

@@ -86,7 +86,7 @@ def test_long_context_lm_run_scores_each_context_and_writes_the_sample(
                  sample_len=24, num_examples_to_log=1)
   c.model.vocab_size = 0
   c.model.positions, c.model.attention, c.model.attention_dropout_rate = 'none', 'alibi', 0.1
-  c.model.attention_kwargs.update(implementation='auto', dense_max_mib=0, chunk_size=8)
+  c.model.attention_kwargs.update(kernel='auto', dense_max_mib=0, chunk_size=8)
   c.data.manual_dir, c.data.data_dir = os.path.join(shared_data, 'tiny_shakespeare'), tfds_dir
   c.train.num_steps, c.train.batch_size, c.train.label_smoothing = 2, 4, 0.0
   c.train.log_every = c.train.eval_every = c.train.checkpoint_every = 2
@@ -96,7 +96,7 @@ def test_long_context_lm_run_scores_each_context_and_writes_the_sample(
   record, = [r for r in metrics.read(workdir) if r['split'] == 'eval']
   dense = config_lib.from_json(config_lib.to_json(c))
   dense.model.vocab_size = data.load(c.data).vocab_size
-  dense.model.attention_kwargs.implementation = 'dense'
+  dense.model.attention_kwargs.kernel = 'dense'
   model = models.build(dense.model)
   example = {'inputs': np.ones((1, 16), np.int32), 'targets': np.ones((1, 16), np.int32)}
   ckpt = checkpoints.Checkpointer(workdir, keep=1)

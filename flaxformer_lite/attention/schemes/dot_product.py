@@ -23,5 +23,5 @@ registry.register(registry.AttentionVariant(
     terms=lambda num_heads: scheme.Terms(),  # nothing to change: the fused kernels' view
     plain_product=True,
     grouped_kv=True,
-    doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); implementation=xla|cudnn '
+    doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); kernel=xla|cudnn '
         'for jax.nn.dot_product_attention'))

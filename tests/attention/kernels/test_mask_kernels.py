@@ -248,7 +248,7 @@ def test_a_new_mask_runs_on_both_kernels_through_the_layer():
 
   def layer(implementation):
     return MultiHeadAttention(num_heads=H, qkv_features=8, attention='alibi', attention_kwargs={
-        'implementation': implementation, 'chunk_size': CHUNK})
+        'kernel': implementation, 'chunk_size': CHUNK})
 
   params = layer('dense').init(jax.random.key(0), x)['params']
 

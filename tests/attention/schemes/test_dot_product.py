@@ -360,19 +360,19 @@ def test_registry_dot_product_is_the_dot_product_function():
 def test_resolve_kwargs_ignores_none_values_and_keeps_the_kernel_apart():
   assert registry.get('dot_product').kwargs == {}  # the kernel options are every variant's
   assert registry.resolve_kwargs('dot_product', {'max_distance': None}) == {}
-  assert registry.resolve_kwargs('dot_product', {'implementation': 'dense'}) == {}
+  assert registry.resolve_kwargs('dot_product', {'kernel': 'dense'}) == {}
   # chunk_size and dense_max_mib unset (None): the platform's (select.py)
-  assert registry.resolve_kernel('dot_product', {'implementation': None}) == (
+  assert registry.resolve_kernel('dot_product', {'kernel': None}) == (
       'auto', None, None)
   assert registry.resolve_kernel(
-      'dot_product', {'implementation': 'xla', 'chunk_size': 64}) == ('xla', 64, None)
+      'dot_product', {'kernel': 'xla', 'chunk_size': 64}) == ('xla', 64, None)
 
 
 def test_resolve_kwargs_validates_values():
   with pytest.raises(ValueError, match='warp'):
-    registry.resolve_kwargs('dot_product', {'implementation': 'warp'})
+    registry.resolve_kwargs('dot_product', {'kernel': 'warp'})
   with pytest.raises(ValueError, match="'xla'"):  # dot_product's own kernels, no other's
-    registry.resolve_kwargs('alibi', {'implementation': 'xla'})
+    registry.resolve_kwargs('alibi', {'kernel': 'xla'})
   with pytest.raises(ValueError, match='chunk_size=0'):
     registry.resolve_kwargs('alibi', {'chunk_size': 0})
 
@@ -389,7 +389,7 @@ ON_GPU = jax.default_backend() == 'gpu'
 def test_cudnn_without_a_gpu_is_a_config_error_naming_the_backend():
   from flaxformer_lite import config as config_lib, main
   c = config_lib.base_config()
-  c.model.attention_kwargs.implementation = 'cudnn'
+  c.model.attention_kwargs.kernel = 'cudnn'
   with pytest.raises(config_lib.ConfigError, match="'cudnn' needs an NVIDIA GPU.*'cpu'"):
     main.validate(c)
   q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
