@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import entry, registry
 from flaxformer_lite.attention.masks import MaskSpec
 from flaxformer_lite.config import check, check_choice, ConfigError
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
@@ -372,3 +372,19 @@ def _validate_two_stream(m) -> None:
   for key in ('randomized_positions', 'token_types', 'embed_norm'):
     check(not m[key], f'model.{key}={m[key]!r} is not implemented for model.type=two_stream; '
           'leave it off')
+
+
+def attention_kernels(seen: list) -> list[str]:
+  """What entry.recording noted while the model's programs were traced, one
+  line per distinct call: 'alibi on dense (auto: cpu, scores 8 MiB <= 256),
+  q [8, 64, 4, 16] against k [8, 64, 4, 16]'."""
+  lines = []
+  for c in seen:
+    line = (f'{c.scheme} on {c.kernel} ({c.why}), q {list(c.query_shape)} against k '
+            f'{list(c.key_shape)}')
+    if line not in lines:
+      lines.append(line)
+  return lines
+
+
+recording_attention = entry.recording

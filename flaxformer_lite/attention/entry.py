@@ -13,7 +13,9 @@ layers hold projections and caches only.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+import contextvars
+from typing import Any, Mapping, NamedTuple
 
 import jax.numpy as jnp
 
@@ -65,7 +67,36 @@ def attend(query, key, value, *, scheme: str = 'dot_product', score=None, tables
       prev_alignment=prev_alignment, decoding=decoding, dtype=dtype,
       return_weights=return_weights)
   choice = select.choose(call, requested, dense_max_mib)
+  seen = _SEEN.get()
+  if seen is not None:
+    seen.append(Chosen(call.variant.name, choice.kernel.name, choice.why, call.query_shape,
+                       call.key_shape))
   return choice.kernel.run(call, _scaled(call.variant, query, scale), key, value)
+
+
+class Chosen(NamedTuple):
+  """One attend call as `recording` notes it."""
+  scheme: str
+  kernel: str
+  why: str
+  query_shape: tuple[int, ...]  # [b, n, h, d]
+  key_shape: tuple[int, ...]  # [b, m, g, d]
+
+
+_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar('seen', default=None)
+
+
+@contextlib.contextmanager
+def recording():
+  """Inside it, every attend call (traced or run) appends a Chosen to the
+  list it yields: which kernel each attention call of a program runs, and
+  why, for a run's log."""
+  seen = []
+  token = _SEEN.set(seen)
+  try:
+    yield seen
+  finally:
+    _SEEN.reset(token)
 
 
 def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, mask=None,

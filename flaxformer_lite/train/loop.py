@@ -585,9 +585,12 @@ def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
     # a run that cannot fit changes nothing in its workdir.
     example = parallel.place_batch(data.pad_rows(first_batch, partitioning.padded_rows(
         len(first_batch['inputs']), row_multiple)))
-    lowered_train, compiled_train = _compile_programs(
-        config, dataset, evaluate, parallel.unplace_state(state).params,
-        compilation.Compiling('train step', train_step, state, example, dropout_rng))
+    with models.recording_attention() as seen:
+      lowered_train, compiled_train = _compile_programs(
+          config, dataset, evaluate, parallel.unplace_state(state).params,
+          compilation.Compiling('train step', train_step, state, example, dropout_rng))
+    for line in models.attention_kernels(seen):
+      log.info('Attention: %s', line)
     _check_memory(config, dataset, parallel, state, lowered_train, compiled_train, example,
                   evaluate, limit)
     step_flops = profiling.step_flops(compiled_train)

@@ -113,6 +113,9 @@ def test_a_run_resumes_with_its_layers_scanned(tiny_config, tmp_path, caplog, mo
   assert traced_in == {threading.get_ident()}
   assert 'checkpoint 2: layers stacked' in caplog.text
   assert 'train step compiled in' in caplog.text and 'eval step' in caplog.text
+  kernels = [r.getMessage() for r in caplog.records if r.getMessage().startswith('Attention: ')]
+  assert kernels and all(f'{leg.model.attention} on ' in line for line in kernels), kernels
+  assert any(' on dense (auto: cpu, scores ' in line for line in kernels), kernels
   a, b = _train_points(str(tmp_path / 'whole')), _train_points(str(tmp_path / 'parts'))
   assert sorted(a) == sorted(b) == [2, 4]
   for step in (2, 4):
