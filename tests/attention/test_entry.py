@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import attend, masks, registry, scheme
+from flaxformer_lite.attention import attend, entry, masks, registry, scheme, select
 
 B, N, H, G, D = 2, 9, 4, 2, 8
 
@@ -114,8 +114,14 @@ def test_an_inline_score_reads_the_batch_row_and_a_table_per_row_and_head():
     got = attend(q, k, v, score=tilt, tables={'tilt': table}, mask=masks.causal(),
                  kernel=kernel, options={'chunk_size': 4})
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5, err_msg=kernel)
-  with pytest.raises(ValueError, match=r"has shape \(2, 4\): a table is per head"):
+  with pytest.raises(ValueError, match=r"table 'tilt' has shape \(2, 4\)"):
     attend(q, k, v, score=tilt, tables={'tilt': table}, mask=masks.causal(), kernel='pallas')
+  spec = jax.ShapeDtypeStruct((B, N, H, 64), jnp.bfloat16)
+  for tables, kernel in (({'tilt': table}, 'chunked'), ({'tilt': table[0]}, 'pallas')):
+    with select.target_platform('gpu'):  # 'auto' takes the fused kernel only for per-head tables
+      chosen = entry.plan(spec, spec, score=tilt, tables=tables, mask=masks.causal(),
+                          options={'dense_max_mib': 0}, dtype=jnp.bfloat16)
+    assert chosen.kernel.name == kernel, (tables, chosen)
   square = np.zeros((H, H), np.float32)  # per head by its shape, read by batch row
   with pytest.raises(ValueError, match="reads a table per head.*kernel='dense' or 'chunked'"):
     attend(q, k, v, score=tilt, tables={'tilt': square}, mask=masks.causal(), kernel='pallas')

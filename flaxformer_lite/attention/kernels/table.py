@@ -162,7 +162,15 @@ def _pallas_supports(call: Call) -> str | None:
     return (f'mask {call.mask.name!r} reads an array its function closed over; the fused '
             'kernel takes a mask\'s data as inputs: give them as masks.Mask(fn, name, '
             'arrays=(...)), fn(b, h, q, k, *arrays)')
-  return None if pallas_runs(call.terms) else _pallas_takes(call.variant)
+  if not pallas_runs(call.terms):
+    return _pallas_takes(call.variant)
+  h = call.query_shape[2]
+  if call.terms.prepare is None:  # the tables are the call's arrays: per head, [h, ...]
+    for name, table in call.params.items():
+      if not jnp.shape(table) or jnp.shape(table)[0] != h:
+        return (f'it reads tables per head, [{h}, ...], and table {name!r} has shape '
+                f'{tuple(jnp.shape(table))}')
+  return None
 
 
 def _run_pallas(call: Call, query, key, value):
