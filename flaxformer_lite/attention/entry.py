@@ -106,7 +106,7 @@ def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, 
   """(kernels.Call, the kernel asked for, dense_max_mib) of `attend`'s call
   (its arguments; query and key may be jax.ShapeDtypeStructs): what
   select.choose reads, checked. `plan` is its choice."""
-  variant, params = _variant(scheme, score, tables, params)
+  variant, params = _scheme_and_params(scheme, score, tables, params)
   given = dict(options or {})
   if kernel is not None:
     given['kernel'] = kernel
@@ -139,7 +139,7 @@ def plan(query, key, **arguments) -> select.Choice:
   return select.choose(call, requested, dense_max_mib)
 
 
-def _variant(scheme: str, score, tables, params):
+def _scheme_and_params(scheme: str, score, tables, params):
   """(the registry entry, its parameters) for attend's `scheme`, or an
   unregistered one for an inline `score` with its `tables`."""
   if score is None:

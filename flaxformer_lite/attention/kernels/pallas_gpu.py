@@ -562,15 +562,25 @@ def block_states(st: Settings, mask: masks.Mask, b: int, h: int, q_offset) -> Bl
   return Blocks(states, ranges(occupied), ranges(jnp.swapaxes(occupied, -1, -2)))
 
 
+def table_problem(tables, h: int) -> str | None:
+  """None where every table (name -> array) is per head, [h, ...], as the
+  kernel reads them; else which one is not."""
+  for name, table in (tables or {}).items():
+    shape = tuple(jnp.shape(table))
+    if not shape or shape[0] != h:
+      return f'table {name!r} has shape {shape}: a table is per head, [{h}, ...] for {h} heads'
+  return None
+
+
 def _per_head_tables(tables: dict | None, h: int) -> dict:
   """The tables as the kernels read them: a [h] table as [h, 1] (a head's
   row has an axis), the rows' axes zero-padded to powers of two."""
+  problem = table_problem(tables, h)
+  if problem is not None:
+    raise ValueError(problem)
   out = {}
   for name, table in (tables or {}).items():
     table = jnp.asarray(table)
-    if table.ndim < 1 or table.shape[0] != h:
-      raise ValueError(f"tables['{name}'] has shape {table.shape}: a table is per head, "
-                       f'[{h}, ...] for {h} heads')
     table = table[:, None] if table.ndim == 1 else table
     out[name] = jnp.pad(table, [(0, 0)] + [(0, (1 << (size - 1).bit_length()) - size)
                                            for size in table.shape[1:]])

@@ -164,12 +164,8 @@ def _pallas_supports(call: Call) -> str | None:
             'arrays=(...)), fn(b, h, q, k, *arrays)')
   if not pallas_runs(call.terms):
     return _pallas_takes(call.variant)
-  h = call.query_shape[2]
-  if call.terms.prepare is None:  # the tables are the call's arrays: per head, [h, ...]
-    for name, table in call.params.items():
-      if not jnp.shape(table) or jnp.shape(table)[0] != h:
-        return (f'it reads tables per head, [{h}, ...], and table {name!r} has shape '
-                f'{tuple(jnp.shape(table))}')
+  if call.terms.prepare is None:  # the tables are the call's arrays
+    return pallas_gpu.table_problem(call.params, call.query_shape[2])
   return None
 
 
@@ -181,14 +177,8 @@ def _run_pallas(call: Call, query, key, value):
   terms, dtype = call.terms, call.dtype
   b, n, h, _ = call.query_shape
   m = call.key_shape[1]
-  q_pos, k_pos = query_key_positions(n, m, call.q_offset, call.positions)
-  tables = call_tables(terms, call.params, q_pos, k_pos) or {}
   query, key, value = (x.astype(dtype) for x in (query, key, value))
-  origin = k_pos[0]  # as the dense reference measures, one block for the call
-  if terms.transform_q is not None:
-    query = terms.transform_q(query, tables, q_pos, origin)
-  if terms.transform_k is not None:
-    key = terms.transform_k(key, tables, k_pos, origin)
+  query, key, tables, q_pos, k_pos = _mapped(call, query, key)
   mask = call.mask
   spec = mask if isinstance(mask, masks.MaskSpec) else None
   causal = spec is not None and spec.causal and spec.window is None and not spec.has_arrays()
@@ -207,6 +197,22 @@ def _run_pallas(call: Call, query, key, value):
   seen = masks.rows_seeing_a_key(rule, b, h, n, m, call.q_offset)  # [b | 1, h | 1, n]
   mean = product.repeat_heads(terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
   return jnp.where(jnp.moveaxis(seen, 1, 2)[..., None], out, mean.astype(out.dtype))
+
+
+def _mapped(call: Call, query, key):
+  """(query, key) through the scheme's maps (rotary's rotation), positions
+  measured from the call's first key as the dense reference measures them
+  (one block for the call), with the tables and positions they read:
+  (query, key, tables, q_pos [n], k_pos [m])."""
+  terms = call.terms
+  q_pos, k_pos = query_key_positions(call.query_shape[1], call.key_shape[1], call.q_offset,
+                                     call.positions)
+  tables = call_tables(terms, call.params, q_pos, k_pos) or {}
+  if terms.transform_q is not None:
+    query = terms.transform_q(query, tables, q_pos, k_pos[0])
+  if terms.transform_k is not None:
+    key = terms.transform_k(key, tables, k_pos, k_pos[0])
+  return query, key, tables, q_pos, k_pos
 
 
 PALLAS = Kernel('pallas', _pallas_takes, _pallas_supports, _run_pallas,
@@ -300,14 +306,8 @@ def splash_fits(call: Call) -> str | None:
 def _run_splash(call: Call, query, key, value):
   """The scheme's maps of q and k (rotary's rotation), then splash on the
   mask's causal rule and padding."""
-  terms, dtype = call.terms, call.dtype
-  n, m = call.query_shape[1], call.key_shape[1]
-  q_pos, k_pos = query_key_positions(n, m, call.q_offset, call.positions)
-  tables = call_tables(terms, call.params, q_pos, k_pos) or {}
-  if terms.transform_q is not None:
-    query = terms.transform_q(query, tables, q_pos, k_pos[0])
-  if terms.transform_k is not None:
-    key = terms.transform_k(key, tables, k_pos, k_pos[0])
+  dtype = call.dtype
+  query, key, _, _, _ = _mapped(call, query, key)
   spec = call.mask if isinstance(call.mask, masks.MaskSpec) else masks.MaskSpec()
   return splash.splash_attention(
       query.astype(dtype), key.astype(dtype), value.astype(dtype),
