@@ -61,9 +61,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
-from flaxformer_lite.attention import registry  # noqa: E402
+from flaxformer_lite.attention import masks, registry  # noqa: E402
 from flaxformer_lite.attention.kernels import blockwise  # noqa: E402
-from flaxformer_lite.attention.masks import MaskSpec  # noqa: E402
 from flaxformer_lite.layers import MultiHeadAttention  # noqa: E402
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -79,11 +78,11 @@ def _step(variant, implementation, chunk_size, dropout, args, x, padding=False):
   layer = MultiHeadAttention(
       num_heads=args.heads, attention=variant, dtype=DTYPES[args.dtype], dropout_rate=dropout,
       attention_kwargs={'kernel': implementation, 'chunk_size': chunk_size})
-  spec = MaskSpec(causal=args.causal)
+  spec = masks.causal() if args.causal else None
   params = layer.init(jax.random.key(0), x[:, :8], mask=spec)
   if padding:  # after init, which sees 8 tokens: the padding arrays are n long
-    valid = jnp.ones(x.shape[:2], bool)
-    spec = spec.replace(key_valid=valid, query_valid=valid)
+    valid = masks.padding(jnp.ones(x.shape[:2], bool))
+    spec = valid if spec is None else spec & valid
 
   def loss(params, x, d_y, rng):  # its gradient is the layer's vjp with cotangent d_y
     y = layer.apply(params, x, mask=spec, deterministic=not dropout, rngs={'dropout': rng})

@@ -407,8 +407,7 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
 
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
   import timing
-  from flaxformer_lite.attention import registry
-  from flaxformer_lite.attention.masks import MaskSpec
+  from flaxformer_lite.attention import masks, registry
   from flaxformer_lite.layers import MultiHeadAttention
 
   d_model, heads = (32, 2) if quick else (512, 8)
@@ -417,7 +416,7 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
   for variant, n, b, dtype in kernel_cases(quick):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, d_model)), jnp.float32)
     d_y = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
-    spec = MaskSpec(causal=True)
+    spec = masks.causal()
 
     def build(implementation):
       layer = MultiHeadAttention(num_heads=heads, attention=variant, dtype=jnp.dtype(dtype),

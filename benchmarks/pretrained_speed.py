@@ -188,7 +188,7 @@ class Ours:
       q, k, v = (jnp.asarray(x, self.dtype) for x in attention_inputs(
           n, c.num_heads, c.num_kv_heads or c.num_heads, c.d_model // c.num_heads))
       attend = self.jax.jit(lambda q, k, v: variant.chunked(
-          q, k, v, mask=masks.MaskSpec(causal=True), chunk_size=kernel.chunk_size))
+          q, k, v, mask=masks.causal(), chunk_size=kernel.chunk_size))
       self.jax.block_until_ready(attend(q, k, v))
       self._attention[n] = functools.partial(attend, q, k, v)
     start = time.perf_counter()

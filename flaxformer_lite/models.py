@@ -7,8 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import entry, registry
-from flaxformer_lite.attention.masks import MaskSpec
+from flaxformer_lite.attention import entry, masks, registry
 from flaxformer_lite.config import check, check_choice, ConfigError
 from flaxformer_lite.layers import (Decoder, Embed, Encoder, RNNConfig, RNNDecoder,
                                     RNNEncoder, TransformerConfig, TwoStreamEncoder)
@@ -32,14 +31,17 @@ def compute_dtype(name: str):
   return DTYPES[name]
 
 
-def padding_mask(ids, causal=False, segmentation=None) -> MaskSpec:
+def padding_mask(ids, causal=False, segmentation=None) -> masks.Mask:
   """Self-attention over ids [b, n]: PAD tokens neither attend nor are attended
   to; causal: key j <= query i; segmentation [b, n] (packed rows): only within
-  a segment. Described (masks.MaskSpec): the attention kernel builds it whole
+  a segment. A function (masks.Mask): the attention kernel evaluates it whole
   or block by block."""
-  valid = ids > PAD_ID
-  return MaskSpec(key_valid=valid, query_valid=valid, causal=causal,
-                  query_segments=segmentation, key_segments=segmentation)
+  mask = masks.padding(ids > PAD_ID)
+  if causal:
+    mask = masks.causal() & mask
+  if segmentation is not None:
+    mask = mask & masks.segments(segmentation, segmentation)
+  return mask
 
 
 class EncoderDecoder(nn.Module):
@@ -82,8 +84,11 @@ class EncoderDecoder(nn.Module):
     else:
       self_mask = padding_mask(decoder_inputs, causal=True, segmentation=targets_segmentation)
       queries_valid = decoder_inputs > PAD_ID
-    cross_mask = MaskSpec(key_valid=inputs > PAD_ID, query_valid=queries_valid,
-                          query_segments=targets_segmentation, key_segments=inputs_segmentation)
+    cross_mask = masks.key_padding(inputs > PAD_ID)
+    if queries_valid is not None:
+      cross_mask = cross_mask & masks.query_padding(queries_valid)
+    if targets_segmentation is not None:
+      cross_mask = cross_mask & masks.segments(targets_segmentation, inputs_segmentation)
     return self.decoder(decoder_inputs, encoded, self_mask=self_mask,
                         cross_mask=cross_mask, positions=targets_positions,
                         deterministic=deterministic)

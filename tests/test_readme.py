@@ -270,7 +270,7 @@ def test_readme_variant_example_registers_and_equals_its_formula():
     want = np.einsum('bhnm,bmhd->bnhd', w / w.sum(-1, keepdims=True), v)
     dense = variant.fn(q, k, v, mask=jnp.asarray(np.tril(np.ones((n, n), bool))),
                        my_slopes=slopes)
-    chunked = variant.chunked(q, k, v, mask=masks.MaskSpec(causal=True), chunk_size=3,
+    chunked = variant.chunked(q, k, v, mask=masks.causal(), chunk_size=3,
                               my_slopes=slopes)
     from flaxformer_lite.attention import attend
     fused = attend(q, k, v, scheme='learned_alibi', mask=masks.causal(), kernel='pallas',

@@ -19,7 +19,7 @@ from typing import Any, Mapping, NamedTuple
 
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import registry, select
+from flaxformer_lite.attention import masks, registry, select
 from flaxformer_lite.attention.kernels import table as kernels
 
 
@@ -37,8 +37,8 @@ def attend(query, key, value, *, scheme: str = 'dot_product', score=None, tables
     scheme: the variant's registry name (`--list_attention`).
     score, tables: in place of `scheme`, a score(s, b, h, q_pos, k_pos,
       tables) -> s run unregistered (scheme.py), with its tables by name.
-    mask: None, a masks.Mask, a masks.MaskSpec or a boolean array
-      broadcastable to [b, h, n, m] (True = may attend).
+    mask: None, a masks.Mask, or a boolean array broadcastable to
+      [b, h, n, m] (True = may attend; its row i is query q_offset + i).
     kernel: 'auto' (select.py), 'dense', 'chunked' or one of the variant's
       own (dot_product: 'xla', 'cudnn'); None: options' `kernel`.
     scale: what q.k is multiplied by before the score (default 1/sqrt(d)).
@@ -119,6 +119,7 @@ def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, 
     raise ValueError(f'attention={variant.name!r} reads positions as q_offset + 0..n-1 only; '
                      f'randomized positions need one of {registry.position_array_names()}')
   dropout = dropout_rng is not None and dropout_rate > 0.0
+  mask = _as_mask(mask, query.shape, key.shape, q_offset)
   call = kernels.Call(
       variant=variant, terms=variant.terms(h, **kwargs) if variant.terms is not None else None,
       kwargs=kwargs, params=params, query_shape=tuple(query.shape),
@@ -153,6 +154,21 @@ def _scheme_and_params(scheme: str, score, tables, params):
   if params is not None:
     raise ValueError('attend(score=...) reads its arrays from tables=, not params=')
   return registry.inline(score), dict(tables or {})
+
+
+def _as_mask(mask, query_shape, key_shape, q_offset):
+  """attend's mask as a masks.Mask or None (masks.as_mask), a boolean
+  array's shape checked against [b, h, n, m] first."""
+  if mask is not None and not isinstance(mask, masks.Mask) and hasattr(mask, 'shape'):
+    want = (query_shape[0], query_shape[2], query_shape[1], key_shape[1])
+    try:
+      fits = jnp.broadcast_shapes(mask.shape, want) == want
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(f'mask of shape {tuple(mask.shape)} does not broadcast to [b, h, n, m] = '
+                       f'{list(want)}')
+  return masks.as_mask(mask, q_offset)
 
 
 def _scaled(variant, query, scale):

@@ -1,257 +1,55 @@
-"""Attention masks described, not built: each kernel builds what it needs.
+"""Attention masks as functions: one type, `Mask`, for every model, layer and kernel.
 
-A `MaskSpec` says which keys a query may see. Query i sits at absolute
-position p = q_offset + i, key j at position j:
-  causal:      j <= p;
-  window w:    |j - p| < w (window_causal: p - w < j <= p), local attention's band;
-  key_valid:   bool [b, m], False for padding keys;
-  query_valid: bool [b, n], False for padding queries (they see nothing);
-  segments:    query_segments int [b, n] and key_segments int [b, m]: packed
-               examples, a query sees the keys of its own segment only;
-  dense:       an explicit boolean mask broadcastable to [b, h, n, m].
-A query may attend to a key where every given part allows it.
+A Mask is FlexAttention's mask_mod kept to JAX: a function of (batch, head,
+query index, key index) -> bool, True = may attend, evaluated on int arrays
+that broadcast ([B,1,1,1], [1,H,1,1], [1,1,N,1], [1,1,1,M]). A query's index
+counts from the sequence's first query (a decoding step's offset included),
+a key's from the first key. Masks combine with &, | and ~.
 
-The dense path asks for the whole [b, 1, n, m] array (`to_dense`); the chunked
-path asks for one block at a time (`block`) and for the range of key blocks
-a query block can see at all (`key_block_range`), so it never holds the
-[b, 1, n, m] boolean array that `nn.make_attention_mask` would build.
+The data a mask reads (padding, segments, prefix lengths) are its explicit
+`arrays`, handed to its function after the indices, not closed over: a
+kernel passes them as its own operands and calls the mask with them
+replaced (`with_arrays`; a Pallas kernel passes refs, whose indexing by an
+int array is a gather load). So a mask's function only indexes its arrays
+(arr[b, k], arr[b]), with indices inside their shapes. A Mask is a pytree
+whose leaves are its arrays, so it passes through jit, scan and remat.
+
+Kernels read a mask two ways. The blocked ones classify each block of a call
+once (`block_mask`: empty, full, partial, or partial below the diagonal)
+and take their fast paths from that map: skip the empty blocks, run the
+full ones without the select, the diagonal ones as a staircase. Kernels
+that take rules, not functions (splash, Shaw's band), read `rules_of`: what
+a mask made only of the constructors causal, sliding_window, key_padding,
+query_padding and segments says, or None for any other mask.
+
+A boolean array (True = may attend, broadcastable to [b, h, n, m]) converts
+once at the entry (`as_mask`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+EMPTY, PARTIAL, FULL, DIAGONAL = 0, 1, 2, 3
 
-def band(q_pos, k_pos, window: int, causal: bool):
-  """Whether the query at q_pos sees the key at k_pos inside a window
-  (broadcasting int arrays): |j - p| < window, or p - window < j <= p."""
-  rel = k_pos - q_pos
-  if causal:
-    return (rel > -window) & (rel <= 0)
-  return jnp.abs(rel) < window
-
-
-@flax.struct.dataclass
-class MaskSpec:
-  """A described attention mask (module docstring). Arrays are pytree leaves;
-  `causal`, `window` and `window_causal` are static."""
-  key_valid: Any = None  # bool [b, m]
-  query_valid: Any = None  # bool [b, n]
-  query_segments: Any = None  # int [b, n]; with key_segments
-  key_segments: Any = None  # int [b, m]
-  dense: Any = None  # bool, broadcastable to [b, h, n, m]
-  causal: bool = flax.struct.field(pytree_node=False, default=False)
-  window: int | None = flax.struct.field(pytree_node=False, default=None)
-  window_causal: bool = flax.struct.field(pytree_node=False, default=False)
-
-  def has_arrays(self) -> bool:
-    """Whether a part of the mask is data (padding, segments, an explicit
-    mask), not only the causal and window rules."""
-    return any(x is not None for x in (self.key_valid, self.query_valid, self.dense,
-                                       self.query_segments))
-
-  def may_hide_rows(self, n: int, m: int, q_offset=0) -> bool:
-    """Whether some of n queries (query i at q_offset + i) may see none of m
-    keys. Without padding or an explicit mask none can: causally every query
-    sees key 0, and inside a window a query at p < m sees key p, which a
-    python-int q_offset with q_offset + n <= m guarantees."""
-    if self.has_arrays():
-      return True
-    if self.window is None:
-      return False
-    return not (isinstance(q_offset, int) and q_offset + n <= m)
-
-  def structural(self, q_pos, k_pos):
-    """Causal and window parts for positions q_pos [.., 1] and k_pos [1, ..]
-    (broadcasting int arrays) -> bool, or None if neither is set."""
-    ok = None
-    if self.causal:
-      ok = k_pos <= q_pos
-    if self.window is not None:
-      inside = band(q_pos, k_pos, self.window, self.window_causal)
-      ok = inside if ok is None else ok & inside
-    return ok
-
-  def to_dense(self, n: int, m: int, q_offset=0):
-    """The boolean mask [b | 1, h | 1, n, m], or None when nothing is masked."""
-    parts = []
-    q_pos = q_offset + jnp.arange(n)[:, None]
-    structural = self.structural(q_pos, jnp.arange(m)[None, :])
-    if structural is not None:
-      parts.append(structural[None, None])
-    if self.key_valid is not None:
-      parts.append(self.key_valid.astype(bool)[:, None, None, :])
-    if self.query_valid is not None:
-      parts.append(self.query_valid.astype(bool)[:, None, :, None])
-    if self.query_segments is not None:
-      parts.append(self.query_segments[:, None, :, None] == self.key_segments[:, None, None, :])
-    if self.dense is not None:
-      parts.append(jnp.asarray(self.dense).astype(bool))
-    if not parts:
-      return None
-    out = parts[0]
-    for part in parts[1:]:
-      out = jnp.logical_and(out, part)
-    return jnp.broadcast_to(out, jnp.broadcast_shapes(out.shape, (1, 1, n, m)))
-
-  def block(self, q_start, k_start, bq: int, bk: int, q_offset=0):
-    """The mask of queries q_start .. q_start+bq-1 and keys k_start ..
-    k_start+bk-1 (indices, may be traced; the arrays must already be padded
-    to cover them) -> bool broadcastable to [b, h, bq, bk], or None."""
-    q_pos = q_offset + q_start + jnp.arange(bq)[:, None]
-    k_pos = k_start + jnp.arange(bk)[None, :]
-    ok = self.structural(q_pos, k_pos)
-    ok = None if ok is None else ok[None, None]
-    if self.key_valid is not None:
-      keys = jax.lax.dynamic_slice_in_dim(self.key_valid.astype(bool), k_start, bk, axis=1)
-      ok = _and(ok, keys[:, None, None, :])
-    if self.query_valid is not None:
-      queries = jax.lax.dynamic_slice_in_dim(self.query_valid.astype(bool), q_start, bq, 1)
-      ok = _and(ok, queries[:, None, :, None])
-    if self.query_segments is not None:
-      q_seg = jax.lax.dynamic_slice_in_dim(self.query_segments, q_start, bq, axis=1)
-      k_seg = jax.lax.dynamic_slice_in_dim(self.key_segments, k_start, bk, axis=1)
-      ok = _and(ok, q_seg[:, None, :, None] == k_seg[:, None, None, :])
-    if self.dense is not None:
-      dense = _dense4(self.dense)
-      if dense.shape[2] > 1:
-        dense = jax.lax.dynamic_slice_in_dim(dense, q_start, bq, axis=2)
-      if dense.shape[3] > 1:
-        dense = jax.lax.dynamic_slice_in_dim(dense, k_start, bk, axis=3)
-      ok = _and(ok, dense)
-    return ok
-
-  def padded(self, n_pad: int, m_pad: int) -> MaskSpec:
-    """The same mask for n_pad >= n queries and m_pad >= m keys: the arrays
-    padded with False (nothing sees or is seen there), so `block` can slice
-    whole blocks."""
-    dense = self.dense
-    if dense is not None:
-      dense = _dense4(dense)
-      if dense.shape[2] > 1:
-        dense = pad_to(dense, 2, n_pad)
-      if dense.shape[3] > 1:
-        dense = pad_to(dense, 3, m_pad)
-    return self.replace(
-        key_valid=None if self.key_valid is None else pad_to(
-            self.key_valid.astype(bool), 1, m_pad),
-        query_valid=None if self.query_valid is None else pad_to(
-            self.query_valid.astype(bool), 1, n_pad),
-        query_segments=None if self.query_segments is None else pad_to(
-            self.query_segments, 1, n_pad),
-        key_segments=None if self.key_segments is None else pad_to(self.key_segments, 1, m_pad),
-        dense=dense)
-
-  def to_mask(self) -> Mask:
-    """The same rules as a Mask (a function of indices; query i at q_offset + i)."""
-    parts = []
-    if self.causal:
-      parts.append(causal())
-    if self.window is not None:
-      parts.append(sliding_window(self.window, self.window_causal))
-    if self.key_valid is not None:
-      parts.append(key_padding(self.key_valid))
-    if self.query_valid is not None:
-      parts.append(query_padding(self.query_valid))
-    if self.query_segments is not None:
-      parts.append(segments(self.query_segments, self.key_segments))
-    if self.dense is not None:
-      parts.append(Mask(lambda b, h, q, k, dense: dense[b % dense.shape[0], h % dense.shape[1],
-                                                        q % dense.shape[2], k % dense.shape[3]],
-                        'dense', (_dense4(self.dense),)))
-    if not parts:
-      return Mask(lambda b, h, q, k: jnp.ones((), bool), 'everything')
-    mask = parts[0]
-    for part in parts[1:]:
-      mask = mask & part
-    return mask
-
-  def key_block_range(self, q_first, q_last, bk: int, num_blocks: int):
-    """Key blocks [lo, hi) that queries at absolute positions q_first..q_last
-    may see under the causal and window parts (int32 scalars, may be traced)."""
-    lo, hi = jnp.int32(0), jnp.int32(num_blocks)
-    if self.causal or (self.window is not None and self.window_causal):
-      hi = jnp.minimum(hi, q_last // bk + 1)
-    if self.window is not None:
-      lo = jnp.maximum(lo, (q_first - self.window + 1) // bk)
-      if not self.window_causal:
-        hi = jnp.minimum(hi, (q_last + self.window - 1) // bk + 1)
-    return lo, jnp.maximum(lo, hi)
-
-  def query_block_range(self, k_first, k_last, bq: int, num_blocks: int, q_offset=0):
-    """Query blocks [lo, hi) whose queries (query i at q_offset + i) may see a
-    key at positions k_first..k_last under the causal and window parts."""
-    lo, hi = jnp.int32(0), jnp.int32(num_blocks)
-    if self.causal or (self.window is not None and self.window_causal):
-      lo = jnp.maximum(lo, (k_first - q_offset) // bq)
-    if self.window is not None:
-      hi = jnp.minimum(hi, (k_last + self.window - 1 - q_offset) // bq + 1)
-      if not self.window_causal:
-        lo = jnp.maximum(lo, (k_first - self.window + 1 - q_offset) // bq)
-    return jnp.maximum(lo, 0), jnp.maximum(jnp.maximum(lo, 0), hi)
-
-
-def _dense4(dense):
-  """An explicit mask as bool with 4 axes ([b|1, h|1, n|1, m|1])."""
-  dense = jnp.asarray(dense).astype(bool)
-  return dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
-
-
-def pad_to(x, axis: int, size: int):
-  """x padded with zeros (False for a mask) along `axis` up to `size`."""
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
-
-
-def _and(a, b):
-  return b if a is None else jnp.logical_and(a, b)
-
-
-def as_dense(mask, batch: int, heads: int, n: int, m: int, q_offset=0):
-  """A MaskSpec, a Mask, a boolean array or None -> a boolean array
-  broadcastable to [batch, heads, n, m], or None (the dense path's form);
-  query i sits at q_offset + i."""
-  if isinstance(mask, MaskSpec):
-    return mask.to_dense(n, m, q_offset)
-  if isinstance(mask, Mask):
-    return evaluate(mask, batch, heads, n, m, q_offset)
-  return mask
-
-
-# ------------------------------------------------------------ masks as functions
-#
-# A Mask is FlexAttention's mask_mod kept to JAX: a function of (batch, head,
-# query index, key index) -> bool, True = may attend, evaluated on int arrays
-# that broadcast ([B,1,1,1], [1,H,1,1], [1,1,N,1], [1,1,1,M]). A query's index
-# counts from the sequence's first query (a decoding step's offset included),
-# a key's from the first key. Masks combine with &, | and ~; `block_mask`
-# classifies each block of a call once, for the blocked kernels.
-#
-# The data a mask reads (padding, segments, prefix lengths) are its explicit
-# `arrays`, handed to its function after the indices, not closed over: a
-# kernel passes them as its own operands and calls the mask with them
-# replaced (`with_arrays`; a Pallas kernel passes refs, whose indexing by an
-# int array is a gather load). So a mask's function only indexes its arrays
-# (arr[b, k], arr[b]), with indices inside their shapes.
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
+# The arrays each rule reads, in order (Mask.rules).
+_RULE_ARRAYS = {'causal': 0, 'window': 0, 'key_padding': 1, 'query_padding': 1, 'segments': 2}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class Mask:
-  """fn(b, h, q, k, *arrays) -> bool (section comment above); `name` for
-  messages; `arrays` the data fn reads."""
+  """fn(b, h, q, k, *arrays) -> bool (module docstring); `name` for
+  messages; `arrays` the data fn reads; `rules` what it says as rules, one
+  (kind, static values) per conjunct, where a constructor of _RULE_ARRAYS
+  made each (rules_of), else None."""
   fn: Callable[..., Any]
   name: str = 'mask'
   arrays: tuple = ()
+  rules: tuple | None = None
 
   def __post_init__(self):
     # Data as JAX arrays: a kernel indexes them by traced indices, which a
@@ -270,7 +68,8 @@ class Mask:
     return dataclasses.replace(self, arrays=arrays)
 
   def __and__(self, other: Mask) -> Mask:
-    return _combine(jnp.logical_and, self, other, f'({self.name} & {other.name})')
+    rules = None if self.rules is None or other.rules is None else self.rules + other.rules
+    return _combine(jnp.logical_and, self, other, f'({self.name} & {other.name})', rules)
 
   def __or__(self, other: Mask) -> Mask:
     return _combine(jnp.logical_or, self, other, f'({self.name} | {other.name})')
@@ -279,6 +78,20 @@ class Mask:
     fn = self.fn
     return Mask(lambda b, h, q, k, *arrays: jnp.logical_not(fn(b, h, q, k, *arrays)),
                 f'~{self.name}', self.arrays)
+
+
+jax.tree_util.register_pytree_node(
+    Mask, lambda mask: (mask.arrays, (mask.fn, mask.name, mask.rules)),
+    lambda aux, arrays: Mask(aux[0], aux[1], tuple(arrays), aux[2]))
+
+
+def _combine(op, first: Mask, second: Mask, name: str, rules=None) -> Mask:
+  """op of two masks; the arrays are first's then second's."""
+  split, f, g = len(first.arrays), first.fn, second.fn
+
+  def fn(b, h, q, k, *arrays):
+    return op(f(b, h, q, k, *arrays[:split]), g(b, h, q, k, *arrays[split:]))
+  return Mask(fn, name, first.arrays + second.arrays, rules)
 
 
 def closes_over_arrays(mask: Mask) -> bool:
@@ -291,41 +104,51 @@ def closes_over_arrays(mask: Mask) -> bool:
   return any(jnp.ndim(c) > 0 for c in closed.consts)
 
 
-def _combine(op, first: Mask, second: Mask, name: str) -> Mask:
-  """op of two masks; the arrays are first's then second's."""
-  split, f, g = len(first.arrays), first.fn, second.fn
+# ------------------------------------------------------------ constructors
 
-  def fn(b, h, q, k, *arrays):
-    return op(f(b, h, q, k, *arrays[:split]), g(b, h, q, k, *arrays[split:]))
-  return Mask(fn, name, first.arrays + second.arrays)
+
+def band(q_pos, k_pos, window: int, causal_: bool):
+  """Whether the query at q_pos sees the key at k_pos inside a window
+  (broadcasting int arrays): |j - p| < window, or p - window < j <= p."""
+  rel = k_pos - q_pos
+  if causal_:
+    return (rel > -window) & (rel <= 0)
+  return jnp.abs(rel) < window
 
 
 def causal() -> Mask:
-  return Mask(lambda b, h, q, k: k <= q, 'causal')
+  """k <= q."""
+  return Mask(lambda b, h, q, k: k <= q, 'causal', rules=(('causal', ()),))
 
 
 def sliding_window(window: int, causal_: bool = False) -> Mask:
   """|k - q| < window; causal_: q - window < k <= q (local attention's band)."""
-  return Mask(lambda b, h, q, k: band(q, k, window, causal_), f'window({window})')
+  return Mask(lambda b, h, q, k: band(q, k, window, causal_), f'window({window})',
+              rules=(('window', (window, causal_)),))
 
 
 def key_padding(key_valid) -> Mask:
   """key_valid bool [B, M]: False keys are seen by no query."""
   return Mask(lambda b, h, q, k, valid: valid[b, k], 'key_padding',
-              (jnp.asarray(key_valid, bool),))
+              (jnp.asarray(key_valid, bool),), (('key_padding', ()),))
 
 
 def query_padding(query_valid) -> Mask:
   """query_valid bool [B, N]: False queries see no key."""
   return Mask(lambda b, h, q, k, valid: valid[b, q], 'query_padding',
-              (jnp.asarray(query_valid, bool),))
+              (jnp.asarray(query_valid, bool),), (('query_padding', ()),))
+
+
+def padding(valid) -> Mask:
+  """valid bool [B, L] for self-attention: padding neither sees nor is seen."""
+  return key_padding(valid) & query_padding(valid)
 
 
 def segments(query_segments, key_segments) -> Mask:
   """int [B, N] and [B, M]: a query sees the keys of its own segment
   (packed examples, documents)."""
   return Mask(lambda b, h, q, k, q_seg, k_seg: q_seg[b, q] == k_seg[b, k], 'segments',
-              (jnp.asarray(query_segments), jnp.asarray(key_segments)))
+              (jnp.asarray(query_segments), jnp.asarray(key_segments)), (('segments', ()),))
 
 
 def prefix_lm(prefix_len) -> Mask:
@@ -338,6 +161,87 @@ def prefix_lm(prefix_len) -> Mask:
 def chunked_causal(chunk: int) -> Mask:
   """Causal inside chunks of `chunk` positions, nothing across them."""
   return Mask(lambda b, h, q, k: (k <= q) & (k // chunk == q // chunk), f'chunked_causal({chunk})')
+
+
+def everything() -> Mask:
+  """Every query sees every key."""
+  return Mask(lambda b, h, q, k: jnp.ones((), bool), 'everything', rules=())
+
+
+def from_array(allowed, q_offset=0) -> Mask:
+  """A boolean array broadcastable to [b, h, n, m] (True = may attend; its
+  row i is query index q_offset + i, which may be traced) as a Mask."""
+  allowed = jnp.asarray(allowed).astype(bool)
+  allowed = allowed.reshape((1,) * (4 - allowed.ndim) + allowed.shape)
+
+  def fn(b, h, q, k, arr, offset):
+    at = lambda i, axis: i if arr.shape[axis] > 1 else 0 * i  # noqa: E731 (broadcast axis)
+    return arr[at(b, 0), at(h, 1), at(q - offset, 2), at(k, 3)]
+  return Mask(fn, 'array', (allowed, jnp.asarray(q_offset, jnp.int32)))
+
+
+def as_mask(mask, q_offset=0) -> Mask | None:
+  """None, a Mask, or a boolean array broadcastable to [b, h, n, m] whose row
+  i is query q_offset + i -> None or a Mask: the one conversion, at the entry."""
+  if mask is None or isinstance(mask, Mask):
+    return mask
+  if hasattr(mask, 'shape') or isinstance(mask, (list, tuple)):
+    return from_array(mask, q_offset)
+  raise TypeError(f'mask={type(mask).__name__}: give a masks.Mask, a boolean array '
+                  'broadcastable to [b, h, n, m] (True = may attend) or None')
+
+
+class Rules(NamedTuple):
+  """A mask made of the rule constructors, as rules (rules_of): causal, a
+  window (its width and whether it is causal), padding arrays and segments."""
+  causal: bool = False
+  window: int | None = None
+  window_causal: bool = False
+  key_valid: Any = None  # bool [b, m]
+  query_valid: Any = None  # bool [b, n]
+  segments: tuple | None = None  # (int [b, n], int [b, m])
+
+  def has_more(self) -> bool:
+    """Whether there is a rule beside causal: a window, padding or segments."""
+    return self.window is not None or any(
+        x is not None for x in (self.key_valid, self.query_valid, self.segments))
+
+
+def rules_of(mask: Mask | None) -> Rules | None:
+  """`mask`'s rules where it is an & of the rule constructors (None: Rules()),
+  else None: a function only a kernel that evaluates masks can take."""
+  if mask is None:
+    return Rules()
+  if mask.rules is None:
+    return None
+  out, arrays = Rules(), list(mask.arrays)
+  for kind, static in mask.rules:
+    taken = [arrays.pop(0) for _ in range(_RULE_ARRAYS[kind])]
+    if kind == 'causal':
+      out = out._replace(causal=True)
+    elif kind == 'window':
+      if out.window is not None:
+        return None
+      out = out._replace(window=static[0], window_causal=static[1])
+    else:
+      field = {'key_padding': 'key_valid', 'query_padding': 'query_valid'}.get(kind, kind)
+      value = taken[0] if len(taken) == 1 else tuple(taken)
+      if getattr(out, field) is not None:
+        value = _and_rule(getattr(out, field), value, field)
+        if value is None:
+          return None
+      out = out._replace(**{field: value})
+  return out
+
+
+def _and_rule(old, new, field: str):
+  """Two masks' arrays for one rule -> the rule both say, or None."""
+  if field == 'segments':
+    return None
+  return jnp.logical_and(old, new)
+
+
+# ------------------------------------------------------------ evaluation
 
 
 def _indices(batch: int, heads: int, q, k):
@@ -358,6 +262,12 @@ def evaluate(mask: Mask, batch: int, heads: int, n: int, m: int, q_offset=0):
   return at(mask, batch, heads, q_offset + jnp.arange(n), jnp.arange(m))
 
 
+def as_dense(mask, batch: int, heads: int, n: int, m: int, q_offset=0):
+  """A Mask evaluated (evaluate); a boolean array or None (nothing masked)
+  as it is: the dense kernels' form."""
+  return evaluate(mask, batch, heads, n, m, q_offset) if isinstance(mask, Mask) else mask
+
+
 def rows_seeing_a_key(mask: Mask, batch: int, heads: int, n: int, m: int, q_offset=0,
                       rows: int = 128):
   """Whether each query (query i at index q_offset + i) sees any of the m
@@ -376,15 +286,19 @@ def rows_seeing_a_key(mask: Mask, batch: int, heads: int, n: int, m: int, q_offs
 
 
 def block_mask(mask: Mask, batch: int, heads: int, n: int, m: int, bq: int, bk: int,
-               q_offset=0):
+               q_offset=0, diagonal: bool = False):
   """Each block's state, computed once per call -> int8 [batch | 1, heads | 1,
   ceil(n / bq), ceil(m / bk)]: EMPTY (no pair visible: skip it), FULL (every
-  pair visible: no select needed) or PARTIAL. Keys past m are hidden, queries
-  past n do not count. One query block at a time: the memory is a block row's,
-  as broadcast as the mask's own arrays."""
+  pair visible: no select needed) or PARTIAL; with `diagonal` (bq = bk),
+  DIAGONAL for a partial block that hides every pair above its diagonal
+  (key j > query i inside the block: a causal rule's diagonal block, which a
+  kernel may run as a staircase). Keys past m are hidden, queries past n do
+  not count. One query block at a time: the memory is a block row's, as
+  broadcast as the mask's own arrays."""
   nq, nk = -(-n // bq), -(-m // bk)
   k = jnp.arange(nk * bk)
   k_real = (k < m)[None, None, None, :]
+  above = (jnp.arange(bk)[None, :] > jnp.arange(bq)[:, None])[:, None, :]  # [bq, 1, bk]
 
   def row(qb):
     q = q_offset + qb * bq + jnp.arange(bq)
@@ -395,9 +309,21 @@ def block_mask(mask: Mask, batch: int, heads: int, n: int, m: int, bq: int, bk: 
     real = q_real[..., None]
     any_ = jnp.any(seen & real, axis=(2, 4))
     all_ = jnp.all(seen | ~real, axis=(2, 4))
-    return jnp.where(any_, jnp.where(all_, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+    partial = PARTIAL
+    if diagonal:
+      partial = jnp.where(jnp.any(seen & real & above, axis=(2, 4)), PARTIAL, DIAGONAL)
+    return jnp.where(any_, jnp.where(all_, FULL, partial), EMPTY).astype(jnp.int8)
 
   # Indices past the arrays' ends (the last blocks' tails) read clamped
   # values; k_real and q_real leave those pairs out.
   rows = jax.lax.map(row, jnp.arange(nq))  # [nq, b | 1, h | 1, nk]
   return jnp.moveaxis(rows, 0, 2)
+
+
+def pad_to(x, axis: int, size: int):
+  """x padded with zeros along `axis` up to `size`."""
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)

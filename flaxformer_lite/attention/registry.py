@@ -20,9 +20,9 @@ Some variants receive more:
 The kernel is chosen apart from the variant, by the options every variant
 takes (KERNEL_OPTIONS): `kernel` ('auto' or a kernel of
 kernels/table.py), `chunk_size` and `dense_max_mib`. A variant that can run
-block by block has `chunked`, called as `fn` but with a masks.MaskSpec or a
-masks.Mask (or None) for `mask`, `chunk_size`, and without `deterministic` (dropout is on
-when `dropout_rng` is given), bias or weights (kernels/blockwise.py); keys and values
+block by block has `chunked`, called as `fn` but with a masks.Mask (or None)
+for `mask`, `chunk_size`, and without `deterministic` (dropout is on when
+`dropout_rng` is given), bias or weights (kernels/blockwise.py); keys and values
 may have fewer heads than the queries there (grouped-query attention).
 select.choose (the `auto` policy, per platform) decides which kernel runs.
 """

@@ -133,17 +133,14 @@ def chunk_size(given: int | None = None) -> int:
 
 
 def mask_kind(mask, q_offset=0) -> str | None:
-  """'causal' or 'full' where `mask` (None, a masks.MaskSpec, a masks.Mask or
-  a boolean array) is that rule with query i at position i, plus padding
-  (key_valid, query_valid) at most; None for anything else (windows,
-  segments, an explicit array, a Mask: a function splash does not read, a
+  """'causal' or 'full' where `mask` (None or a masks.Mask) is that rule with
+  query i at position i, plus padding (masks.key_padding, query_padding) at
+  most; None for anything else (windows, segments, any other function, a
   causal rule offset by q_offset: a decoding step)."""
-  if mask is None:
-    return 'full'
-  if not isinstance(mask, masks.MaskSpec) or mask.window is not None or any(
-      x is not None for x in (mask.query_segments, mask.key_segments, mask.dense)):
+  rules = masks.rules_of(mask)
+  if rules is None or rules.window is not None or rules.segments is not None:
     return None
-  if not mask.causal:
+  if not rules.causal:
     return 'full'
   return 'causal' if isinstance(q_offset, int) and q_offset == 0 else None
 

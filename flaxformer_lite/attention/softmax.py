@@ -4,7 +4,8 @@ logits [b, h, n, m] -> weights [b, h, n, m]. A query row whose keys are all
 masked gets uniform weights over the keys (the same rule as
 `jax.nn.dot_product_attention` and flax): finite, never NaN.
 `window_softmax` is the same inside a window (local attention, Luong's
-local variants).
+local variants). `where_no_key` is that rule for the kernels that return a
+log-sum-exp instead of weights (blockwise, Pallas, Shaw's band).
 """
 from __future__ import annotations
 
@@ -85,3 +86,18 @@ def window_softmax(logits, in_window, mask, *, dropout_rate=0.0, dropout_rng=Non
   uniform = in_window / jnp.maximum(jnp.sum(in_window, -1, keepdims=True), 1)
   return jnp.where(jnp.any(allowed, -1, keepdims=True), weights,
                    uniform.astype(weights.dtype))
+
+
+def where_no_key(out, lse, uniform):
+  """The rule for a query that sees no key, for every kernel that returns
+  (out [b, n, h, dv], lse float32 [b, h, n]), lse -inf on such a row: the
+  row gets uniform(), [b, n, h, dv], the output of uniform weights over the
+  keys (the mean value for plain attention). That is the dense softmax's
+  answer (all its logits equal), jax.nn.dot_product_attention's and
+  flax's: finite where a -inf row would give NaN, and the same on every
+  kernel. uniform() runs only where some row needs it -> float32 [b, n, h, dv]."""
+  empty = jnp.isneginf(lse).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
+  out = out.astype(jnp.float32)
+  return jax.lax.cond(jnp.any(empty),
+                      lambda: jnp.where(empty, uniform().astype(jnp.float32), out),
+                      lambda: out)

@@ -53,12 +53,11 @@ class MultiHeadAttention(nn.Module):
   `return_weights=True` returns (output, weights [b, h, n, m]), for callers
   that use the weights (the RNN decoder's cumulative alignment).
 
-  `mask` is a boolean array broadcastable to [b, h, n, m], a
-  `masks.MaskSpec` (causal, key padding, query validity) or a `masks.Mask`
-  (any function of batch, head, query and key index; query i at index
-  q_offset + i): the kernel that `attention_kwargs.kernel` picks
-  (attention/entry.py, select.py) builds it whole (dense) or one block at a time
-  (chunked). With decode=True a Mask is and-ed with the cache's causal rule.
+  `mask` is a `masks.Mask` (a function of batch, head, query and key
+  index; query i at index q_offset + i) or a boolean array broadcastable to
+  [b, h, n, m]: the kernel that `attention_kwargs.kernel` picks
+  (attention/entry.py, select.py) evaluates it whole (dense) or one block at
+  a time (chunked). With decode=True it is and-ed with the cache's causal rule.
   """
   num_heads: int
   num_kv_heads: int | None = None
@@ -160,16 +159,11 @@ class MultiHeadAttention(nn.Module):
   def _update_cache(self, key, value, mask):
     """Writes key/value [b, L, g, d] at cache_index; returns the full cache.
 
-    Returns (key, value [b, max_len, g, d], mask [.., L, max_len], q_offset).
+    Returns (key, value [b, max_len, g, d], a masks.Mask, q_offset); a
+    boolean mask's row i is this call's query i, at index + i.
     The pass that creates the cache (inside `init`) attends over its own
     inputs only, with the caller's mask.
     """
-    if isinstance(mask, masks.MaskSpec):
-      if any(x is not None for x in (mask.key_valid, mask.query_valid, mask.dense)):
-        raise ValueError('decode=True: the cache supplies the causal mask; pass a boolean '
-                         'array (broadcastable to [b, h, L, max_len]) or a MaskSpec without '
-                         'arrays')
-      mask = None
     initialized = self.has_variable('cache', 'cached_key')
     cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape,
@@ -178,8 +172,7 @@ class MultiHeadAttention(nn.Module):
                                 lambda: jnp.array(0, dtype=jnp.int32))
     if not initialized:
       return key, value, mask, 0
-    length, max_len = key.shape[1], cached_key.value.shape[1]
-    index = cache_index.value
+    length, index = key.shape[1], cache_index.value
     key = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype),
                                        (0, index, 0, 0))
     value = jax.lax.dynamic_update_slice(cached_value.value,
@@ -188,12 +181,6 @@ class MultiHeadAttention(nn.Module):
     cached_key.value, cached_value.value = key, value
     cache_index.value = index + length
     # Query i of this call sits at absolute position index + i and may see
-    # cached keys at positions <= its own. A 'causal' flag would be wrong
-    # here: it would align query 0 with key 0.
-    if mask is None:  # described: each kernel builds it (j <= index + i)
-      return key, value, masks.MaskSpec(causal=True), index
-    if isinstance(mask, masks.Mask):  # a function of absolute indices: q_offset = index
-      return key, value, mask & masks.causal(), index
-    q_pos = index + jnp.arange(length)
-    visible = jnp.arange(max_len)[None, :] <= q_pos[:, None]  # [L, max_len]
-    return key, value, jnp.logical_and(mask, visible[None, None]), index
+    # cached keys at positions <= its own: the causal rule at q_offset = index.
+    causal = masks.causal()
+    return key, value, causal if mask is None else masks.as_mask(mask, index) & causal, index

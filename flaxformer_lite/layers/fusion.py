@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention.masks import MaskSpec
+from flaxformer_lite.attention import masks
 from flaxformer_lite.layers.transformer import EncoderLayer, TransformerConfig, norm
 
 FUSIONS = ('early', 'late', 'bottleneck')
@@ -57,10 +57,9 @@ def fusion_step(layers: Sequence[Callable[[jax.Array], jax.Array]],
 
 
 
-def _self_mask(valid) -> MaskSpec:
-  """valid [b, n] bool: padding neither attends nor is attended (described,
-  so the chunked kernel builds it block by block)."""
-  return MaskSpec(key_valid=valid, query_valid=valid)
+def _self_mask(valid) -> masks.Mask:
+  """valid [b, n] bool: padding neither attends nor is attended."""
+  return masks.padding(valid)
 
 
 class TwoStreamEncoder(nn.Module):

@@ -1,259 +1,229 @@
-"""masks.MaskSpec against independent references.
+"""masks.Mask against loops over every (batch, query, key) written from each
+mask's definition and against flax's mask builders; block_mask against the
+blocks of those loops' arrays; a mask's explicit arrays through &, |, ~ and
+with_arrays; the boolean array's conversion (as_mask); the rules a mask of
+constructors says (rules_of); a Mask through jit and scan as a pytree."""
+import itertools
 
-`to_dense` against flax's nn.make_attention_mask / nn.make_causal_mask (and,
-for what flax has no builder for, a position-by-position numpy rule); `block`
-against the slice of `to_dense`; `key_block_range` / `query_block_range`
-against the blocks of `to_dense` that hold a visible pair: none left out (the
-chunked kernel's loops run over those ranges only) and none taken in that
-holds no visible pair (the skipping that kernels/blockwise.py promises).
-"""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention.masks import MaskSpec, as_dense
+from flaxformer_lite.attention import masks
+
+B, H, N, M = 2, 3, 11, 13
 
 
-def _valid(rng, b, n, p=0.75):
-  """bool [b, n] with some False, including a row that is all False."""
-  x = rng.random((b, n)) < p
-  x[-1] = False
-  return x
-
-
-def _numpy_rule(n, m, q_offset, causal, window, window_causal):
-  """bool [n, m]: the module docstring's rule, pair by pair."""
-  out = np.ones((n, m), bool)
-  for i in range(n):
-    p = q_offset + i
-    for j in range(m):
-      if causal and not j <= p:
-        out[i, j] = False
-      if window is not None:
-        inside = (p - window < j <= p) if window_causal else abs(j - p) < window
-        if not inside:
-          out[i, j] = False
+def _loop(rule, n=N, m=M, q_offset=0):
+  out = np.zeros((B, H, n, m), bool)
+  for b, h, i, j in itertools.product(range(B), range(H), range(n), range(m)):
+    out[b, h, i, j] = rule(b, h, q_offset + i, j)
   return out
 
 
-# ---- to_dense ------------------------------------------------------------------
+RNG = np.random.default_rng(0)
+KEY_VALID = RNG.random((B, M)) > 0.3
+QUERY_VALID = RNG.random((B, N)) > 0.2
+Q_SEG = np.sort(RNG.integers(0, 3, (B, N)), axis=1)
+K_SEG = np.sort(RNG.integers(0, 3, (B, M)), axis=1)
+PREFIX = np.array([4, 0])
+
+CASES = {
+    'causal': (masks.causal(), lambda b, h, i, j: j <= i),
+    'window': (masks.sliding_window(3), lambda b, h, i, j: abs(j - i) <= 2),
+    'causal window': (masks.sliding_window(3, True), lambda b, h, i, j: i - 3 < j <= i),
+    'key padding': (masks.key_padding(KEY_VALID), lambda b, h, i, j: KEY_VALID[b, j]),
+    'segments': (masks.segments(Q_SEG, K_SEG), lambda b, h, i, j: Q_SEG[b, i] == K_SEG[b, j]),
+    'prefix_lm': (masks.prefix_lm(PREFIX), lambda b, h, i, j: j <= i or j < PREFIX[b]),
+    'chunked causal': (masks.chunked_causal(4), lambda b, h, i, j: j <= i and j // 4 == i // 4),
+    'causal & padding | prefix': (
+        (masks.causal() & masks.key_padding(KEY_VALID)) | masks.prefix_lm(PREFIX),
+        lambda b, h, i, j: (j <= i and KEY_VALID[b, j]) or j <= i or j < PREFIX[b]),
+    'not causal': (~masks.causal(), lambda b, h, i, j: j > i),
+    'per head': (masks.Mask(lambda b, h, q, k: (k + h) % 3 != 0, 'heads'),
+                 lambda b, h, i, j: (j + h) % 3 != 0),
+}
+
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_each_mask_is_its_definition(name):
+  mask, rule = CASES[name]
+  got = np.broadcast_to(np.asarray(masks.evaluate(mask, B, H, N, M)), (B, H, N, M))
+  np.testing.assert_array_equal(got, _loop(rule))
+
+
+def _blocks_by_hand(dense, n, m, bq, bk, diagonal=False):
+  nq, nk = -(-n // bq), -(-m // bk)
+  out = np.zeros(dense.shape[:2] + (nq, nk), np.int8)
+  above = np.arange(bk)[None, :] > np.arange(bq)[:, None]
+  for qb, kb in itertools.product(range(nq), range(nk)):
+    block = dense[:, :, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]  # real rows and keys only
+    whole = block.shape[3] == bk  # a block that runs past m has keys that are not there
+    for b, h in itertools.product(range(dense.shape[0]), range(dense.shape[1])):
+      cells = block[b, h]
+      hides_above = not (cells & above[:cells.shape[0], :cells.shape[1]]).any()
+      out[b, h, qb, kb] = (masks.EMPTY if not cells.any() else
+                           masks.FULL if whole and cells.all() else
+                           masks.DIAGONAL if diagonal and hides_above else masks.PARTIAL)
+  return out
+
+
+@pytest.mark.parametrize('name', list(CASES))
+@pytest.mark.parametrize('bq,bk', [(4, 4), (3, 5), (11, 13)])
+def test_block_mask_marks_each_block_empty_partial_or_full(name, bq, bk):
+  mask, rule = CASES[name]
+  q_offset = 2 if name == 'causal' else 0  # a decoding call's later queries
+  got = np.asarray(masks.block_mask(mask, B, H, N, M, bq, bk, q_offset=q_offset))
+  want = _blocks_by_hand(_loop(rule, q_offset=q_offset), N, M, bq, bk)
+  np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_block_mask_marks_the_blocks_hidden_above_their_diagonal(name):
+  mask, rule = CASES[name]
+  got = np.asarray(masks.block_mask(mask, B, H, N, M, 4, 4, diagonal=True))
+  want = _blocks_by_hand(_loop(rule), N, M, 4, 4, diagonal=True)
+  np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+
+
+def test_causal_blocks_are_the_staircase():
+  got = np.asarray(masks.block_mask(masks.causal(), 1, 1, 8, 8, 4, 4, diagonal=True))[0, 0]
+  np.testing.assert_array_equal(got, [[masks.DIAGONAL, masks.EMPTY],
+                                      [masks.FULL, masks.DIAGONAL]])
+
+
+# ---- against flax's builders ----------------------------------------------------
 
 @pytest.mark.parametrize('causal', [False, True])
-def test_to_dense_equals_flax_padding_and_causal_masks(causal):
-  rng = np.random.default_rng(0)
-  ids = rng.integers(1, 9, size=(3, 11))
+def test_padding_and_causal_equal_flax_masks(causal):
+  ids = RNG.integers(1, 9, size=(3, 11))
   ids[0, 7:] = 0
   ids[1, :] = 0  # all padding
   ids[2, 3] = 0  # a hole
-  valid = ids > 0
-  got = MaskSpec(key_valid=jnp.asarray(valid), query_valid=jnp.asarray(valid),
-                 causal=causal).to_dense(11, 11)
+  mask = masks.padding(ids > 0) & masks.causal() if causal else masks.padding(ids > 0)
   want = nn.make_attention_mask(ids > 0, ids > 0)
   if causal:
     want = nn.combine_masks(want, nn.make_causal_mask(ids))
-  assert got.dtype == jnp.bool_ and got.shape == (3, 1, 11, 11)
-  np.testing.assert_array_equal(got, np.asarray(want).astype(bool))
+  got = masks.evaluate(mask, 3, 1, 11, 11)
+  np.testing.assert_array_equal(np.broadcast_to(got, (3, 1, 11, 11)), np.asarray(want, bool))
 
 
-def test_to_dense_cross_attention_equals_flax():
-  """Rectangular: decoder queries [b, n] against encoder keys [b, m]."""
-  rng = np.random.default_rng(1)
-  q_valid, k_valid = _valid(rng, 3, 7), _valid(rng, 3, 12)
-  want = np.asarray(nn.make_attention_mask(q_valid, k_valid)).astype(bool)
-  got = MaskSpec(key_valid=jnp.asarray(k_valid), query_valid=jnp.asarray(q_valid)).to_dense(7, 12)
-  np.testing.assert_array_equal(got, want)
-  # keys only (the encoder-decoder's cached decoding: no query validity)
-  got = MaskSpec(key_valid=jnp.asarray(k_valid)).to_dense(7, 12)
-  np.testing.assert_array_equal(np.broadcast_to(got, (3, 1, 7, 12)),
-                                np.broadcast_to(k_valid[:, None, None, :], (3, 1, 7, 12)))
+def test_cross_attention_padding_equals_flax():
+  q_valid, k_valid = RNG.random((3, 7)) < 0.75, RNG.random((3, 12)) < 0.75
+  want = np.asarray(nn.make_attention_mask(q_valid, k_valid), bool)
+  got = masks.evaluate(masks.query_padding(q_valid) & masks.key_padding(k_valid), 3, 1, 7, 12)
+  np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
 
 
 @pytest.mark.parametrize('q_offset', [0, 4])
-def test_to_dense_causal_with_offset_equals_flax_positions(q_offset):
-  """Query i at position q_offset + i sees key j <= its position (a cache):
-  flax's make_attention_mask over positions with pairwise_fn=greater_equal."""
+def test_causal_with_offset_equals_flax_positions(q_offset):
+  """Query i at position q_offset + i sees key j <= its position (a cache)."""
   n, m = 5, 12
-  q_pos = (q_offset + np.arange(n))[None]
-  want = nn.make_attention_mask(q_pos, np.arange(m)[None], pairwise_fn=jnp.greater_equal)
-  got = MaskSpec(causal=True).to_dense(n, m, q_offset)
-  np.testing.assert_array_equal(np.broadcast_to(got, (1, 1, n, m)), np.asarray(want).astype(bool))
+  want = nn.make_attention_mask((q_offset + np.arange(n))[None], np.arange(m)[None],
+                                pairwise_fn=jnp.greater_equal)
+  got = masks.evaluate(masks.causal(), 1, 1, n, m, q_offset)
+  np.testing.assert_array_equal(np.broadcast_to(got, (1, 1, n, m)), np.asarray(want, bool))
 
 
-@pytest.mark.parametrize('causal,window,window_causal', [
-    (False, 3, False), (False, 3, True), (True, 4, False), (True, 2, True), (False, 1, False)])
-def test_to_dense_window_and_dense_part_equal_the_rule(causal, window, window_causal):
-  rng = np.random.default_rng(2)
-  n, m, q_offset = 6, 11, 3
-  k_valid, q_valid = _valid(rng, 2, m), _valid(rng, 2, n)
-  dense = rng.random((2, 1, n, m)) < 0.8
-  spec = MaskSpec(key_valid=jnp.asarray(k_valid), query_valid=jnp.asarray(q_valid),
-                  dense=jnp.asarray(dense), causal=causal, window=window,
-                  window_causal=window_causal)
-  want = (_numpy_rule(n, m, q_offset, causal, window, window_causal)[None, None]
-          & k_valid[:, None, None, :] & q_valid[:, None, :, None] & dense)
-  np.testing.assert_array_equal(spec.to_dense(n, m, q_offset), want)
+# ---- a boolean array, once at the entry -----------------------------------------
+
+@pytest.mark.parametrize('shape', [(B, H, N, M), (B, 1, N, M), (1, 1, N, M), (B, 1, 1, M),
+                                   (1, 1, N, 1), (N, M)])
+@pytest.mark.parametrize('q_offset', [0, 3])
+def test_a_boolean_array_converts_to_the_same_mask(shape, q_offset):
+  """Row i of the array is query index q_offset + i; every broadcastable shape."""
+  allowed = RNG.random(shape) < 0.6
+  mask = masks.as_mask(allowed, q_offset)
+  got = masks.evaluate(mask, B, H, N, M, q_offset)
+  want = np.broadcast_to(allowed.reshape((1,) * (4 - len(shape)) + shape), (B, H, N, M))
+  np.testing.assert_array_equal(np.broadcast_to(got, (B, H, N, M)), want)
 
 
-def test_to_dense_of_nothing_is_none_and_as_dense_passes_arrays_through():
-  assert MaskSpec().to_dense(3, 4) is None
-  assert as_dense(None, 2, 1, 3, 4) is None
-  arr = jnp.ones((1, 1, 3, 4), bool)
-  assert as_dense(arr, 2, 1, 3, 4) is arr
-  np.testing.assert_array_equal(as_dense(MaskSpec(causal=True), 2, 1, 3, 4),
-                                np.tril(np.ones((3, 4), bool))[None, None])
+def test_as_mask_passes_a_mask_and_none_and_refuses_anything_else():
+  mask = masks.causal()
+  assert masks.as_mask(mask) is mask and masks.as_mask(None) is None
+  with pytest.raises(TypeError, match='masks.Mask'):
+    masks.as_mask('causal')
 
 
-# ---- block, and the block ranges: random configurations -------------------------
+# ---- rules ----------------------------------------------------------------------
 
-def _random_spec(rng, b, n_pad, m_pad):
-  """A MaskSpec with a random choice of parts; arrays sized to the padded
-  lengths (the kernel pads them before asking for blocks)."""
-  causal = bool(rng.integers(2))
-  window = None if rng.random() < 0.3 else int(rng.integers(1, 9))
-  window_causal = bool(rng.integers(2))
-  kw = dict(causal=causal, window=window, window_causal=window_causal)
-  if rng.random() < 0.7:
-    kw['key_valid'] = jnp.asarray(_valid(rng, b, m_pad))
-  if rng.random() < 0.5:
-    kw['query_valid'] = jnp.asarray(_valid(rng, b, n_pad))
-  if rng.random() < 0.4:  # any of the broadcastable shapes MultiHeadAttention may pass
-    shape = [(b, 1, n_pad, m_pad), (1, 1, n_pad, m_pad), (b, 1, 1, m_pad), (1, 1, n_pad, 1),
-             (n_pad, m_pad)][rng.integers(5)]
-    kw['dense'] = jnp.asarray(rng.random(shape) < 0.8)
-  return MaskSpec(**kw)
+def test_rules_of_a_mask_of_constructors_name_each_part_with_its_arrays():
+  mask = (masks.causal() & masks.key_padding(KEY_VALID) & masks.query_padding(QUERY_VALID)
+          & masks.segments(Q_SEG, K_SEG))
+  rules = masks.rules_of(mask)
+  assert rules.causal and rules.window is None
+  np.testing.assert_array_equal(rules.key_valid, KEY_VALID)
+  np.testing.assert_array_equal(rules.query_valid, QUERY_VALID)
+  np.testing.assert_array_equal(rules.segments[0], Q_SEG)
+  np.testing.assert_array_equal(rules.segments[1], K_SEG)
+  window = masks.rules_of(masks.sliding_window(5, True) & masks.padding(KEY_VALID[:, :N]))
+  assert (window.causal, window.window, window.window_causal) == (False, 5, True)
+  assert masks.rules_of(None) == masks.Rules() and not masks.Rules(causal=True).has_more()
 
 
-def _configs(seed, count):
-  rng = np.random.default_rng(seed)
-  for _ in range(count):
-    bq, bk = int(rng.integers(1, 7)), int(rng.integers(1, 7))
-    nq, nk = int(rng.integers(1, 5)), int(rng.integers(1, 5))
-    q_offset = int(rng.choice([0, 0, rng.integers(1, 12)]))
-    yield rng, bq, bk, nq, nk, q_offset
+@pytest.mark.parametrize('mask', [masks.prefix_lm(PREFIX), masks.causal() | masks.causal(),
+                                  ~masks.causal(), masks.causal() & masks.chunked_causal(4),
+                                  masks.as_mask(np.ones((N, M), bool))])
+def test_rules_of_any_other_mask_is_none(mask):
+  assert masks.rules_of(mask) is None
 
 
-def test_block_equals_the_slice_of_to_dense():
-  for rng, bq, bk, nq, nk, q_offset in _configs(3, 16):
-    b = 2
-    spec = _random_spec(rng, b, nq * bq, nk * bk)
-
-    @jax.jit  # one compilation per configuration, not one per op
-    def full_and_blocks(spec):
-      return spec.to_dense(nq * bq, nk * bk, q_offset), [
-          [spec.block(qb * bq, kb * bk, bq, bk, q_offset) for kb in range(nk)]
-          for qb in range(nq)]
-
-    full, blocks = full_and_blocks(spec)
-    for qb in range(nq):
-      for kb in range(nk):
-        got = blocks[qb][kb]
-        if full is None:
-          assert got is None
-          continue
-        want = np.broadcast_to(full, (b, 1, nq * bq, nk * bk))[
-            :, :, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
-        assert got.ndim == 4 and got.shape[1] == 1
-        np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want,
-                                      err_msg=f'{spec} block ({qb}, {kb}) of {bq}x{bk}, '
-                                              f'q_offset={q_offset}')
+def test_a_mask_passes_jit_and_scan_as_a_pytree():
+  """Its arrays are the leaves: a jitted function of a mask and a scan that
+  broadcasts it (scanned layers) evaluate the rule on the arrays given."""
+  mask = masks.causal() & masks.key_padding(KEY_VALID)
+  assert len(jax.tree.leaves(mask)) == 1
+  got = jax.jit(lambda mk: masks.evaluate(mk, B, 1, N, M))(mask)
+  np.testing.assert_array_equal(np.broadcast_to(got, (B, 1, N, M)),
+                                _loop(lambda b, h, i, j: j <= i and KEY_VALID[b, j])[:, :1])
+  _, stacked = jax.lax.scan(lambda c, _: (c, masks.evaluate(mask, B, 1, N, M)), 0, None,
+                            length=2)
+  np.testing.assert_array_equal(np.broadcast_to(stacked[0], got.shape), got)
 
 
-def test_block_with_traced_starts_and_offset_equals_the_slice():
-  rng = np.random.default_rng(4)
-  bq, bk, nq, nk = 3, 4, 4, 3
-  spec = MaskSpec(key_valid=jnp.asarray(_valid(rng, 2, nk * bk)),
-                  query_valid=jnp.asarray(_valid(rng, 2, nq * bq)),
-                  dense=jnp.asarray(rng.random((2, 1, nq * bq, nk * bk)) < 0.8),
-                  causal=True, window=5)
-  block = jax.jit(lambda qs, ks, off: spec.block(qs, ks, bq, bk, off))
-  for qb, kb, off in [(0, 0, 0), (1, 2, 3), (3, 0, 7), (2, 2, 1)]:
-    want = np.asarray(spec.to_dense(nq * bq, nk * bk, off))[:, :, qb * bq:(qb + 1) * bq,
-                                                            kb * bk:(kb + 1) * bk]
-    np.testing.assert_array_equal(block(qb * bq, kb * bk, off), want)
+def _evaluated(mask):
+  return np.broadcast_to(np.asarray(masks.evaluate(mask, B, H, N, M)), (B, H, N, M))
 
 
-def _structural_blocks(spec, bq, bk, nq, nk, q_offset):
-  """bool [nq, nk]: whether block (qb, kb) holds a pair that the causal and
-  window parts allow (padded rows and columns included: the kernel's ranges
-  are asked for the padded blocks)."""
-  rule = _numpy_rule(nq * bq, nk * bk, q_offset, spec.causal, spec.window, spec.window_causal)
-  return rule.reshape(nq, bq, nk, bk).any(axis=(1, 3))
+def test_with_arrays_gives_the_same_rule_on_other_arrays():
+  mask = masks.key_padding(KEY_VALID)
+  assert len(mask.arrays) == 1
+  other = ~KEY_VALID
+  np.testing.assert_array_equal(_evaluated(mask.with_arrays([jnp.asarray(other)])),
+                                _loop(lambda b, h, i, j: other[b, j]))
+  np.testing.assert_array_equal(_evaluated(mask), _loop(lambda b, h, i, j: KEY_VALID[b, j]))
+  with pytest.raises(ValueError):
+    mask.with_arrays(())
 
 
-def test_block_ranges_hold_exactly_the_blocks_with_a_visible_pair():
-  """Never skip a block with a visible pair (the output would be wrong); never
-  run one without (the skipping kernels/blockwise.py promises). The structural parts
-  only: padding decides nothing about which blocks run."""
-  checked = 0
-  for rng, bq, bk, nq, nk, q_offset in _configs(5, 200):
-    spec = _random_spec(rng, 1, nq * bq, nk * bk)
-    visible = _structural_blocks(spec, bq, bk, nq, nk, q_offset)
-    for qb in range(nq):
-      q_first = q_offset + qb * bq
-      lo, hi = (int(x) for x in spec.key_block_range(q_first, q_first + bq - 1, bk, nk))
-      ran = np.zeros(nk, bool)
-      ran[lo:hi] = True
-      assert lo >= 0 and (hi <= nk or hi == lo), (spec, bq, bk, nq, nk, q_offset, qb, lo, hi)
-      np.testing.assert_array_equal(ran, visible[qb], err_msg=(
-          f'key blocks of query block {qb}: {spec}, bq={bq} bk={bk} nq={nq} nk={nk} '
-          f'q_offset={q_offset}'))
-    for kb in range(nk):
-      lo, hi = (int(x) for x in spec.query_block_range(kb * bk, kb * bk + bk - 1, bq, nq,
-                                                       q_offset))
-      ran = np.zeros(nq, bool)
-      ran[lo:hi] = True
-      assert lo >= 0 and (hi <= nq or hi == lo), (spec, bq, bk, nq, nk, q_offset, kb, lo, hi)
-      np.testing.assert_array_equal(ran, visible[:, kb], err_msg=(
-          f'query blocks of key block {kb}: {spec}, bq={bq} bk={bk} nq={nq} nk={nk} '
-          f'q_offset={q_offset}'))
-    checked += visible.size
-  assert checked > 1000
+def test_combined_masks_hand_each_part_its_own_arrays():
+  mask = (masks.key_padding(KEY_VALID) & masks.segments(Q_SEG, K_SEG)) | ~masks.prefix_lm(PREFIX)
+  assert [a.shape for a in mask.arrays] == [(B, M), (B, N), (B, M), (B,)]
+  valid, q_seg, k_seg, prefix = KEY_VALID[::-1], Q_SEG[::-1], K_SEG[::-1], np.array([1, 6])
+  replaced = mask.with_arrays(jnp.asarray(x) for x in (valid, q_seg, k_seg, prefix))
+  np.testing.assert_array_equal(_evaluated(replaced), _loop(
+      lambda b, h, i, j: (valid[b, j] and q_seg[b, i] == k_seg[b, j])
+      or not (j <= i or j < prefix[b])))
 
 
-@pytest.mark.parametrize('causal,window,window_causal', [
-    (True, None, False), (False, 5, False), (False, 3, True), (True, 6, False)])
-def test_block_ranges_with_a_traced_offset_equal_the_int(causal, window, window_causal):
-  """Decoding with a cache passes q_offset traced."""
-  spec = MaskSpec(causal=causal, window=window, window_causal=window_causal)
-  bq, bk, nq, nk = 2, 3, 4, 5
-
-  def ranges(off):
-    keys = [spec.key_block_range(off + qb * bq, off + qb * bq + bq - 1, bk, nk)
-            for qb in range(nq)]
-    queries = [spec.query_block_range(kb * bk, kb * bk + bk - 1, bq, nq, off)
-               for kb in range(nk)]
-    return jnp.asarray(keys), jnp.asarray(queries)
-
-  traced = jax.jit(ranges)
-  for off in (0, 1, 4, 9, 20):
-    want_keys, want_queries = ranges(off)
-    got_keys, got_queries = traced(off)
-    np.testing.assert_array_equal(got_keys, want_keys)
-    np.testing.assert_array_equal(got_queries, want_queries)
+def test_a_mask_written_with_its_own_arrays():
+  per_head = RNG.integers(1, 4, H)
+  mask = masks.Mask(lambda b, h, q, k, width: k % width[h] == 0, 'strided', (jnp.asarray(per_head),))
+  np.testing.assert_array_equal(_evaluated(mask & masks.causal()),
+                                _loop(lambda b, h, i, j: j % per_head[h] == 0 and j <= i))
 
 
-# ---- may_hide_rows --------------------------------------------------------------
-
-@pytest.mark.parametrize('causal,window,window_causal', [
-    (False, None, False), (True, None, False), (False, 3, False), (False, 3, True),
-    (True, 2, True)])
-@pytest.mark.parametrize('n,m,q_offset', [(6, 6, 0), (4, 9, 5), (5, 9, 3), (7, 3, 0), (1, 8, 7)])
-def test_may_hide_rows_is_false_only_where_every_row_sees_a_key(causal, window, window_causal,
-                                                              n, m, q_offset):
-  """A False answer lets the chunked kernel skip the empty-row fallback, so
-  it must never be wrong: checked against the numpy rule, every row."""
-  spec = MaskSpec(causal=causal, window=window, window_causal=window_causal)
-  empty_rows = not _numpy_rule(n, m, q_offset, causal, window, window_causal).any(1).all()
-  if not spec.may_hide_rows(n, m, q_offset):
-    assert not empty_rows
-  if window is not None and q_offset + n > m:
-    assert spec.may_hide_rows(n, m, q_offset)
-  # padding, an explicit mask or a traced offset with a window: always maybe
-  ones = jnp.ones((1, m), bool)
-  assert spec.replace(key_valid=ones).may_hide_rows(n, m, q_offset)
-  assert spec.replace(dense=jnp.ones((n, m), bool)).may_hide_rows(n, m, q_offset)
-  assert spec.replace(query_valid=jnp.ones((1, n), bool)).may_hide_rows(n, m, q_offset)
-  if window is not None:
-    assert spec.may_hide_rows(n, m, jnp.int32(q_offset))
+def test_a_mask_that_closes_over_its_data_is_told_apart_from_one_that_takes_it():
+  """A fused kernel takes a mask's data as inputs: masks.closes_over_arrays
+  finds a function that captured an array (so 'auto' keeps the other
+  kernels), and not one that reads its `arrays` or only its indices."""
+  lengths = jnp.asarray([3, 0])
+  captured = masks.Mask(lambda b, h, q, k: (k <= q) | (k < lengths[b]))
+  given = masks.Mask(lambda b, h, q, k, n: (k <= q) | (k < n[b]), arrays=(lengths,))
+  assert masks.closes_over_arrays(captured)
+  assert not masks.closes_over_arrays(given)
+  assert not masks.closes_over_arrays(masks.causal() & masks.key_padding(jnp.ones((2, 5), bool)))
+  assert masks.closes_over_arrays(masks.causal() & captured)

@@ -117,7 +117,7 @@ def test_dense_and_chunked_equal_a_float64_loop_of_the_paper(name, options, caus
   dense = variant.fn(q, k, v, mask=jnp.asarray(dense_mask) if causal else None, bias=None,
                      q_offset=Q_OFFSET, dropout_rate=0.0, dropout_rng=None, deterministic=True,
                      dtype=jnp.float32, return_weights=False, **params, **kwargs)
-  got = variant.chunked(q, k, v, mask=masks.MaskSpec(causal=causal), q_offset=Q_OFFSET,
+  got = variant.chunked(q, k, v, mask=masks.causal() if causal else None, q_offset=Q_OFFSET,
                         chunk_size=4, dtype=jnp.float32, **params, **kwargs)
   for what, x in (('dense', dense), ('chunked', got)):
     np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=2e-5, atol=2e-5,
@@ -142,7 +142,7 @@ def test_xpos_at_a_16k_position_is_finite_and_equals_the_loop():
   dense = variant.fn(q, k, v, mask=mask, bias=None, q_offset=q_offset, dropout_rate=0.0,
                      dropout_rng=None, deterministic=True, dtype=jnp.float32,
                      return_weights=False, **kwargs)
-  spec = masks.MaskSpec(key_valid=jnp.broadcast_to(jnp.asarray(keep), (B, m)), causal=True)
+  spec = masks.key_padding(jnp.broadcast_to(jnp.asarray(keep), (B, m))) & masks.causal()
   got = variant.chunked(q, k, v, mask=spec, q_offset=q_offset, chunk_size=512,
                         dtype=jnp.float32, **kwargs)
   for what, x in (('dense', dense), ('chunked', got)):
@@ -234,7 +234,7 @@ def test_a_linear_values_term_registers_and_runs_on_both_kernels():
     key_valid[1] = False  # row 1 sees no key: uniform weights
     dense = variant.fn(q, k, v, mask=jnp.asarray(key_valid[:, None, None, :]),
                        shift_test=shift)
-    got = variant.chunked(q, k, v, mask=masks.MaskSpec(key_valid=jnp.asarray(key_valid)),
+    got = variant.chunked(q, k, v, mask=masks.key_padding(jnp.asarray(key_valid)),
                           chunk_size=4, shift_test=shift)
     s = np.einsum('bnhd,bmhd->bhnm', q, k) / math.sqrt(D)
     w = np.exp(s - s.max(-1, keepdims=True))

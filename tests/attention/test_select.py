@@ -26,7 +26,7 @@ def device_memory(monkeypatch):
 
 
 # The masks whose select.mask_kind is each kind (None: one splash cannot read).
-MASK_OF_KIND = {'causal': masks.MaskSpec(causal=True), 'full': None, None: masks.causal()}
+MASK_OF_KIND = {'causal': masks.causal(), 'full': None, None: masks.prefix_lm(jnp.zeros(1, int))}
 
 
 def _call(platform, name='dot_product', b=2, n=128, m=None, h=8, g=None, d=64,
@@ -209,7 +209,7 @@ def _cuda_hlo(attention='dot_product', n=16, dtype=jnp.bfloat16, num_kv_heads=No
   params = jax.eval_shape(layer.init, jax.random.key(0), x)
 
   def forward(params, x):
-    return layer.apply(params, x, mask=masks.MaskSpec(causal=True)).astype(jnp.float32).sum()
+    return layer.apply(params, x, mask=masks.causal()).astype(jnp.float32).sum()
   with select.target_platform('gpu'):
     traced = jax.jit(jax.grad(forward) if grad else forward).trace(params, x)
     return traced.lower(lowering_platforms=('cuda',)).as_text()
@@ -295,7 +295,7 @@ def test_a_scored_layer_lowers_to_the_pallas_kernel_for_a_gpu(device_memory):
     valid = jnp.ones((2, 32), bool).at[1, 20:].set(False)
 
     def forward(params, x):
-      mask = masks.MaskSpec(causal=True, key_valid=valid)
+      mask = masks.causal() & masks.key_padding(valid)
       return layer.apply(params, x, mask=mask).astype(jnp.float32).sum()
     with select.target_platform('gpu'):
       traced = jax.jit(jax.grad(forward) if grad else forward).trace(params, x)

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import models
-from flaxformer_lite.attention import registry
-from flaxformer_lite.attention.masks import MaskSpec
+from flaxformer_lite.attention import masks, registry
 from flaxformer_lite.layers import MultiHeadAttention
 
 B, N, F, H = 2, 12, 16, 4
@@ -47,7 +46,7 @@ def test_every_variant_with_g_kv_heads_equals_h_heads_with_copied_projections(
     name, g, implementation, small_options):
   x = jnp.asarray(np.random.default_rng(1).normal(size=(B, N, F)), jnp.float32)
   # Causal, and example 1's last 3 keys padding: each kernel's mask handling is in play.
-  mask = MaskSpec(causal=True, key_valid=jnp.arange(N)[None] < jnp.asarray([[N], [N - 3]]))
+  mask = masks.causal() & masks.key_padding(jnp.arange(N)[None] < jnp.asarray([[N], [N - 3]]))
   grouped = MultiHeadAttention(num_heads=H, num_kv_heads=g, attention=name,
                                attention_kwargs=small_options(name, kernel=implementation,
                                                               chunk_size=5))

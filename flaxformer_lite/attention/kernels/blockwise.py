@@ -1,8 +1,9 @@
 """The blockwise kernel: attention in O(n) memory by an online softmax over
-blocks of queries and keys, for any scheme's Terms (scheme.py). `attend` is
-the entry point (queries already scaled; `dot_product` scales them): it
-checks its arguments, plans the blocks and runs the kernel. A block's scores
-and values are product.py's, shared with the dense kernel.
+blocks of queries and keys, for any scheme's Terms (scheme.py) and any
+masks.Mask. `attend` is the entry point (queries already scaled;
+`dot_product` scales them): it checks its arguments, plans the blocks and
+runs the kernel. A block's scores and values are product.py's, shared with
+the dense kernel.
 
 Queries go in nq blocks of bq rows, keys in nk blocks of bk columns. For
 each query block an online softmax (Milakov & Gimelshein 2018) runs over the
@@ -15,25 +16,17 @@ recomputed from q, k and the saved per-row log-sum-exp, so nothing of size
 [n, m] is stored. With delta_i = dO_i . O_i (the output is linear in the
 probabilities, so this is sum_j p_ij dp_ij), ds = p * (dp - delta).
 
-Blocks that the causal or window parts hide are outside the loops' bounds
-(computed, not masked: causal attention does about half the work, a window
-O(n * window)); blocks that key padding, query padding or segments hide for
-every row of the batch are skipped by a `lax.cond` (packed rows do no
-cross-example work where a whole block is cross-example). Large blocks that
-every pair sees (below the causal diagonal, and where padding leaves them
-whole in every row: a model's calls always carry its PAD mask) run in a loop
-of their own without the mask's select (`unmasked_key_blocks`,
-`unmasked_query_blocks`), and the blocks on the causal diagonal as a
-staircase of row steps (`_staircase`) that leaves out most of their hidden
-half.
-
-A `masks.Mask` (a function of indices, any rule) runs by its blocks' states
-instead, computed once per call (`mask_blocks`: masks.block_mask, for every
-row and head of the call at once): each query block runs the key blocks from
-its first non-empty one to its last (`_state_loop`), skipping the empty ones
-inside that range by a `lax.switch`, running the full ones without the
-select and the partial ones with the mask evaluated on the block's indices;
-the backward the same from the keys' side. No kernel code knows a mask's rule.
+The mask's fast paths come from its block map, computed once per call
+(`mask_blocks`: masks.block_mask over every row and head at once), as
+FlexAttention's BlockMask: per query block the lists of its FULL, PARTIAL
+and DIAGONAL key blocks (and per key block the same by query), each run in
+a loop of its own. EMPTY blocks are in no list (causal attention does about
+half the work, a window O(n * window), packed rows no cross-example block);
+FULL ones run without the mask's select; PARTIAL ones evaluate the mask on
+the block's indices; DIAGONAL ones (nothing visible above the block's
+diagonal: a causal rule's diagonal blocks) run as a staircase of row steps
+(`_forward_staircase`) that leaves out most of their hidden half. No kernel code
+knows a mask's rule.
 
 Attention dropout (FlashAttention's): each block draws its keep bits from
 dropout.py's hash of (row, head, query, key), in the forward and again in
@@ -65,43 +58,37 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import dropout, masks
+from flaxformer_lite.attention import dropout, masks, softmax
 from flaxformer_lite.attention.kernels.product import dot_values, repeat_heads, scores
-from flaxformer_lite.attention.masks import MaskSpec
 from flaxformer_lite.attention.scheme import Terms
 
-# Blocks of at least this many scores (b * h * bq * bk) skip the mask where
-# every pair of the block is visible: a pass of the mask's select over the
-# block saved, forward and backward (most of a long causal call's blocks;
-# benchmarks/chunked_attention.py). Those blocks run in a loop of their own,
-# so the block's math is compiled twice; small blocks, where the select
-# costs little, keep one loop.
+# Blocks of at least this many scores (b * h * bq * bk) run their FULL blocks
+# (every pair visible) without the mask's select, in a loop of their own: a
+# pass of the select over the block saved, forward and backward (most of a
+# long causal call's blocks; benchmarks/chunked_attention.py). The block's
+# math is then compiled once more; small blocks, where the select costs
+# little, run every visible block in one masked loop.
 UNMASKED_MIN_SCORES = 2**17
 
-# The blocks on the causal diagonal have their upper half hidden. Where the
-# diagonal blocks are whole blocks (_staircase), each runs as a staircase:
-# rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's first
-# r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only (in all
-# of them where there is padding): with blocks of 512, (1 + 4) / 8 of the
-# block's pairs, in 4 products 128 rows tall
-# (benchmarks/chunked_attention.py --no_staircase). Without padding they
-# are the loops' only masked blocks; with it, a cond picks the staircase
-# where a masked block is the diagonal.
+# A DIAGONAL block (nothing visible above its diagonal) runs as a staircase
+# (_forward_staircase): rows r0 .. r0 + STAIRCASE_ROWS - 1 against the block's first
+# r0 + STAIRCASE_ROWS keys, masked in their last STAIRCASE_ROWS only: with
+# blocks of 512, (1 + 4) / 8 of the block's pairs, in 4 products 128 rows
+# tall (benchmarks/chunked_attention.py --no_staircase).
 STAIRCASE_ROWS = 128
 
-# None, or a function(pass_name, masked, qb, kb) that a Mask's call reports
-# each block it computes to (jax.debug.callback; pass_name 'forward' or
-# 'backward', masked False for a full block): set while tracing, tests count
+# None, or a function(pass_name, masked, qb, kb) that each block a call
+# computes is reported to (jax.debug.callback; pass_name 'forward' or
+# 'backward', masked False for a FULL block): set while tracing, tests count
 # the blocks visited against block_mask.
 VISIT_HOOK = None
 
 DEFAULT_CHUNK_SIZE = 512
 
-
 def attend(query, key, value, terms: Terms = Terms(), params=None, *,
-           mask: masks.MaskSpec | masks.Mask | None = None, q_offset=0,
-           chunk_size: int = DEFAULT_CHUNK_SIZE, dtype=None, dropout_rate: float = 0.0,
-           dropout_rng=None, return_lse: bool = False, dropout_first_query: int = 0):
+           mask: masks.Mask | None = None, q_offset=0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+           dtype=None, dropout_rate: float = 0.0, dropout_rng=None, return_lse: bool = False,
+           dropout_first_query: int = 0):
   """Attention over blocks, never holding an [n, m] array.
 
   Args:
@@ -111,20 +98,21 @@ def attend(query, key, value, terms: Terms = Terms(), params=None, *,
     terms: the scheme's terms (scheme.Terms), called with h heads.
     params: a pytree of arrays (the scheme's parameters), or None; the
       blocks read what terms.prepare makes of them.
-    mask: a MaskSpec or a Mask (None: every key visible).
+    mask: a masks.Mask (or what masks.as_mask takes; None: every key visible).
     q_offset: int, may be traced (decoding with a cache).
     chunk_size: rows and columns per block; lengths need not divide it.
     dropout_rate, dropout_rng: attention dropout (dropout.py's keep mask);
       off when the rate is 0 or the key None.
-    return_lse: also return each row's log-sum-exp of its scores, so that
-      attention over another set of keys can be merged with this one
-      (`merge`); it is differentiable, and a row that sees no key has -inf.
+    return_lse: return each row's log-sum-exp of its scores too, and no
+      rule for rows that see no key (their lse is -inf), so that attention
+      over another set of keys can be merged with this one (`merge`); it is
+      differentiable.
     dropout_first_query: the index dropout's hash gives query 0, for a call
       on the queries [s, s + n) of a longer sequence that must drop what
       the whole sequence's call drops.
   Returns:
-    [b, n, h, dv] in `dtype` (default: query's dtype); with return_lse,
-    (that, lse float32 [b, h, n]).
+    [b, n, h, dv] in `dtype` (default: query's); with return_lse, (that,
+    lse float32 [b, h, n]).
   """
   dtype = dtype or query.dtype
   query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -139,31 +127,21 @@ def attend(query, key, value, terms: Terms = Terms(), params=None, *,
     raise ValueError(f'dropout_rate={dropout_rate!r}; must be in [0, 1)')
   rate = dropout_rate if dropout_rng is not None else 0.0
   seed = dropout.seed(dropout_rng) if rate else jnp.uint32(0)
-  mask = mask if mask is not None else masks.MaskSpec()
-  # A Mask may hide any row: the uniform rule's output is always made.
-  may_hide_rows = isinstance(mask, masks.Mask) or mask.may_hide_rows(n, m, q_offset)
-  blocks = plan(mask, q_offset, b, h, n, m, chunk_size, rate, dropout_first_query)
+  blocks = plan(b, h, n, m, chunk_size, rate, dropout_first_query)
   n_pad, m_pad = blocks.nq * blocks.bq, blocks.nk * blocks.bk
-  if isinstance(mask, masks.Mask):
-    mask = mask_blocks(mask, q_offset, b, h, blocks)
-  else:
-    mask = mask.padded(n_pad, m_pad)
+  mask = mask_blocks(masks.as_mask(mask, q_offset) or masks.everything(), q_offset, b, h, blocks)
   q_offset = jnp.asarray(q_offset, jnp.int32)
   tables = block_tables(blocks, terms, params, q_offset)
   pad = masks.pad_to
   out, lse = attention(blocks, terms, pad(query, 1, n_pad), pad(key, 1, m_pad),
                        pad(value, 1, m_pad), tables, mask, q_offset, seed)
   out, lse = out[:, :n], lse[:, :, :n]
-  if return_lse:  # merge() weighs a row that sees no key by exp(-inf) = 0
+  if return_lse:
     return out.astype(dtype), lse
-  if not may_hide_rows:
-    return out.astype(dtype)
-  empty = jnp.isneginf(lse).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
-  # A query that sees no key gets the dense path's uniform weights; that
-  # output is cheap (a mean over keys) and differentiated by plain autodiff.
-  # Heads of a group share their keys, so they share this output too.
-  fallback = repeat_heads(terms.uniform(value, tables, q_offset + jnp.arange(n), m), h)
-  return jnp.where(empty, fallback.astype(jnp.float32), out).astype(dtype)
+  # Heads of a group share their keys, so they share the uniform output too.
+  uniform = lambda: repeat_heads(  # noqa: E731
+      terms.uniform(value, tables, q_offset + jnp.arange(n), m), h)
+  return softmax.where_no_key(out, lse, uniform).astype(dtype)
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -184,8 +162,8 @@ def merge(out_a, lse_a, out_b, lse_b):
 def dot_product(query, key, value, terms: Terms = Terms(), params=None, *, mask=None,
                 q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0, dropout_rng=None):
   """`attend` of unscaled queries: dot-product attention under a scheme's
-  `terms` and `params`, the queries scaled by 1/sqrt(d) here, once; mask a
-  masks.MaskSpec or masks.Mask. O(n) memory, the dense path's dropout."""
+  `terms` and `params`, the queries scaled by 1/sqrt(d) here, once; mask
+  a masks.Mask. O(n) memory, the dense path's dropout."""
   dtype = dtype or query.dtype
   scaled = query.astype(dtype) / jnp.sqrt(query.shape[-1]).astype(dtype)
   return attend(scaled, key, value, terms, params, mask=mask, q_offset=q_offset,
@@ -197,8 +175,9 @@ def dot_product(query, key, value, terms: Terms = Terms(), params=None, *, mask=
 class Blocks:
   """A call's static settings: n queries and m keys (before padding) in nq
   blocks of bq rows and nk blocks of bk columns; the dropout rate (0: none);
-  rise, the staircase's rows a step (_staircase) or None; first_query, the
-  index dropout's hash gives query 0."""
+  split, whether FULL blocks run apart from the masked ones; rise, the
+  staircase's rows a step (_forward_staircase) or None; first_query, the index
+  dropout's hash gives query 0."""
   n: int
   m: int
   bq: int
@@ -206,28 +185,35 @@ class Blocks:
   nq: int
   nk: int
   rate: float
+  split: bool
   rise: int | None
   first_query: int = 0
+
+  @property
+  def visited(self) -> tuple[int, ...]:
+    """The block states that run, each in a loop of its own (MaskBlocks)."""
+    return ((masks.FULL,) if self.split else ()) + (masks.PARTIAL,) + (
+        (masks.DIAGONAL,) if self.rise else ())
 
 
 class Call(NamedTuple):
   """A call's arrays that every block reads."""
   tables: Any  # what terms.prepare made of the parameters (a pytree), or None
-  mask: MaskSpec | MaskBlocks  # a MaskSpec padded to nq * bq queries and nk * bk keys
+  mask: MaskBlocks
   q_offset: Any  # int32 []: query i sits at q_offset + i
   seed: Any  # uint32 []: dropout's hash seed
 
 
-def plan(mask: MaskSpec | masks.Mask, q_offset, b: int, h: int, n: int, m: int, chunk_size: int,
-         rate: float, first_query: int = 0) -> Blocks:
+def plan(b: int, h: int, n: int, m: int, chunk_size: int, rate: float,
+         first_query: int = 0) -> Blocks:
   """The Blocks of a call: b rows, h query heads, n queries and m keys in
-  blocks of chunk_size (fewer where a length is shorter); mask unpadded and
-  q_offset as the caller gave them (the staircase needs a Python 0)."""
+  blocks of chunk_size (fewer where a length is shorter)."""
   bq, bk = min(chunk_size, n), min(chunk_size, m)
   nq, nk = -(-n // bq), -(-m // bk)
-  rise = (_staircase(mask, q_offset, n, m, bq, bk, b * h * bq * bk)
-          if isinstance(mask, MaskSpec) else None)
-  return Blocks(n, m, bq, bk, nq, nk, rate, rise, first_query)
+  split = b * h * bq * bk >= UNMASKED_MIN_SCORES
+  rise = STAIRCASE_ROWS
+  rise = rise if split and bq == bk and bq > rise and not bq % rise else None
+  return Blocks(n, m, bq, bk, nq, nk, rate, split, rise, first_query)
 
 
 def block_tables(blocks: Blocks, terms, params, q_offset):
@@ -283,7 +269,7 @@ def _dropped(blocks: Blocks, x, seed, q_idx, k_idx):
 
 
 # ---------------------------------------------------------------------------
-# Forward: query blocks outside (lax.map), key blocks inside (_loops).
+# Forward: query blocks outside (lax.map), key blocks inside (_each_listed).
 
 
 class _Source(NamedTuple):
@@ -314,35 +300,19 @@ def forward(blocks: Blocks, terms, q, k, v, tables, mask, q_offset, seed, heads_
     k, v = _heads_first(k), _heads_first(v)
   # else under a gradient, or one query block (a decode step: no cache copy)
   src = _Source(q, k, v, heads_first)
-  step = mask_query_block if isinstance(mask, MaskBlocks) else query_block
-  one = functools.partial(step, blocks, terms, Call(tables, mask, q_offset, seed), src)
+  one = functools.partial(query_block, blocks, terms, Call(tables, mask, q_offset, seed), src)
   out, lse = jax.lax.map(one, jnp.arange(blocks.nq))  # [nq, b, bq, h, dv], [nq, b, h, bq]
   return _unblock(out, 1), _unblock(lse, 2)
 
 
 def query_block(blocks: Blocks, terms, call: Call, src: _Source, qb):
-  """The online softmax of query block qb over every key block it sees ->
-  (out float32 [b, bq, h, dv], lse float32 [b, h, bq]). A decoding step's
-  queries are one block: this is the whole of its work."""
-  b, _, h, _ = src.q.shape
-  bq, bk = blocks.bq, blocks.bk
+  """The online softmax of query block qb over every key block it sees, by
+  the mask's lists (_each_listed) -> (out float32 [b, bq, h, dv], lse
+  float32 [b, h, bq]). A decoding step's queries are one block: this is the
+  whole of its work."""
   rows = _query_rows(blocks, src, qb)
-  qs = rows.qs
-  lo, hi = call.mask.key_block_range(call.q_offset + qs, call.q_offset + qs + bq - 1, bk,
-                                     blocks.nk)
-  init = _no_key_yet(src, bq)
-  unmasked = unmasked_key_blocks(call.mask, qs, bq, bk, lo, hi, call.q_offset, blocks.n,
-                                 blocks.m, b * h * bq * bk)
   body = functools.partial(_forward_key_block, blocks, terms, call, src, rows)
-  return _normalised(*_loops(lo, hi, unmasked, body, init))
-
-
-def mask_query_block(blocks: Blocks, terms, call: Call, src: _Source, qb):
-  """query_block for a Mask (call.mask a MaskBlocks): key blocks by their
-  states (_state_loop) -> (out float32 [b, bq, h, dv], lse float32 [b, h, bq])."""
-  rows = _query_rows(blocks, src, qb)
-  body = functools.partial(_forward_visit, blocks, terms, call, src, rows)
-  return _normalised(*_state_loop(call.mask.states[qb], body, _no_key_yet(src, blocks.bq)))
+  return _normalised(*_each_listed(blocks, call.mask.by_query, qb, body, _no_key_yet(src, blocks.bq)))
 
 
 def _query_rows(blocks: Blocks, src: _Source, qb) -> _QueryRows:
@@ -393,41 +363,26 @@ def _update(blocks: Blocks, terms, call: Call, carry, s, v_blk, q_idx, k_idx, vi
 
 
 def _forward_key_block(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, kb,
-                       carry, masked):
-  """_loops' body. Under the staircase the masked blocks are the diagonal
-  and, where there is padding, the blocks it hides."""
-  if not (masked and blocks.rise):
-    return _forward_whole(blocks, terms, call, src, rows, kb, carry, masked)
-  diagonal = functools.partial(_forward_diagonal, blocks, terms, call, src, rows)
-  if not call.mask.has_arrays():
-    return diagonal(carry, kb * blocks.bk)
-  return jax.lax.cond(kb == rows.qb, lambda c: diagonal(c, kb * blocks.bk),
-                      lambda c: _forward_whole(blocks, terms, call, src, rows, kb, c, True), carry)
-
-
-def _forward_whole(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, kb, carry,
-                   masked):
-  """Key block kb against the whole query block, its mask applied if masked."""
+                       carry, state: int):
+  """_each_listed's body: key block kb, in `state` (masks.FULL, PARTIAL or
+  DIAGONAL), against the query block."""
+  _report('forward', state, rows.qb, kb)
   ks = kb * blocks.bk
-  k_idx = ks + jnp.arange(blocks.bk)
-  visible = _visible(call.mask, rows.qs, ks, blocks.bq, blocks.bk, call.q_offset, blocks.n,
-                     blocks.m)
-
-  def compute(carry):
-    k_blk, v_blk = _key_rows(src, ks, blocks.bk)
-    s = _block_scores(terms, rows.q, k_blk, call.tables, rows.idx, k_idx, call.q_offset,
-                      src.heads_first)
-    return _update(blocks, terms, call, carry, s, v_blk, rows.idx, k_idx,
-                   visible if masked else None)
-  return _unless_hidden(call.mask, visible, compute, carry) if masked else compute(carry)
-
-
-def _forward_diagonal(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, carry,
-                      ks):
-  """The block on the causal diagonal (ks = qs, _staircase): its rows
-  r0 .. r0 + rise - 1 against its first r0 + rise keys, step by step."""
-  rise = blocks.rise
   k_blk, v_blk = _key_rows(src, ks, blocks.bk)
+  visible = None if state == masks.FULL else _visible(blocks, call, rows.qs, ks)
+  if state == masks.DIAGONAL:
+    return _forward_staircase(blocks, terms, call, src, rows, carry, ks, k_blk, v_blk, visible)
+  k_idx = ks + jnp.arange(blocks.bk)
+  s = _block_scores(terms, rows.q, k_blk, call.tables, rows.idx, k_idx, call.q_offset,
+                    src.heads_first)
+  return _update(blocks, terms, call, carry, s, v_blk, rows.idx, k_idx, visible)
+
+
+def _forward_staircase(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows,
+                       carry, ks, k_blk, v_blk, visible):
+  """A DIAGONAL block as a staircase: its rows r0 .. r0 + rise - 1 against its
+  first r0 + rise keys, step by step."""
+  rise = blocks.rise
   steps = []
   for r0 in range(0, blocks.bq, rise):
     r1 = r0 + rise
@@ -435,12 +390,12 @@ def _forward_diagonal(blocks: Blocks, terms, call: Call, src: _Source, rows: _Qu
     s = _block_scores(terms, rows.q[:, r0:r1], k_blk[:, :r1], call.tables, i_idx, j_idx,
                       call.q_offset, src.heads_first)
     steps.append(_update(blocks, terms, call, tuple(x[:, :, r0:r1] for x in carry), s,
-                         v_blk[:, :r1], i_idx, j_idx, _step_mask(call.mask, ks, r0, rise)))
+                         v_blk[:, :r1], i_idx, j_idx, visible[..., r0:r1, :r1]))
   return tuple(jnp.concatenate(parts, axis=2) for parts in zip(*steps))
 
 
 # ---------------------------------------------------------------------------
-# Backward: key blocks outside (fori_loop), query blocks inside (_loops).
+# Backward: key blocks outside (fori_loop), query blocks inside (_each_listed).
 
 
 class _Grads(NamedTuple):
@@ -483,8 +438,7 @@ def backward(blocks: Blocks, terms, res, cotangents):
   s = d_out[0, 0, 0, 0]
   zero = jnp.where(jnp.isfinite(s), s * 0.0, 0.0)
   init = (jnp.full(q.shape, zero), k, v, jax.tree.map(_zeros, tables))
-  step = mask_key_block_grads if isinstance(mask, MaskBlocks) else key_block_grads
-  body = functools.partial(step, blocks, terms, Call(tables, mask, q_offset, seed),
+  body = functools.partial(key_block_grads, blocks, terms, Call(tables, mask, q_offset, seed),
                            _Grads(q, lse, d_out, delta))
   dq, dk, dv, dtables = jax.lax.fori_loop(0, blocks.nk, body, init)
   dtables = jax.tree.map(lambda g, t: g.astype(t.dtype), dtables, tables)
@@ -496,32 +450,16 @@ attention.defvjp(_attention_fwd, backward)
 
 def key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry):
   """The fori_loop's body: carry (dq, k_dk, v_dv, dtables) with key block kb's
-  gradients added. Key block kb is read only in step kb, so its dk and dv
+  gradients added, over the query blocks that see it (the mask's lists by
+  key, _each_listed). Key block kb is read only in step kb, so its dk and dv
   are written over it: the loop carries k and v and returns dk and dv in
   their buffers (XLA updates them in place), two [b, m, g, d] arrays fewer
   at the backward's peak."""
   dq, k_dk, v_dv, dtables = carry
-  bq, bk = blocks.bq, blocks.bk
   keys = _key_block(blocks, k_dk, v_dv, kb)
-  ks = keys.ks
-  lo, hi = call.mask.query_block_range(ks, ks + bk - 1, bq, blocks.nq, call.q_offset)
-  q = grads.q
-  unmasked = unmasked_query_blocks(call.mask, ks, bq, bk, lo, hi, call.q_offset, blocks.n,
-                                   blocks.m, q.shape[0] * q.shape[2] * bq * bk)
   body = functools.partial(_backward_query_block, blocks, terms, call, grads, keys)
-  dq, dk_blk, dv_blk, dtables = _loops(lo, hi, unmasked, body,
-                                       (dq, _zeros(keys.k), _zeros(keys.v), dtables))
-  return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, ks), dtables)
-
-
-def mask_key_block_grads(blocks: Blocks, terms, call: Call, grads: _Grads, kb, carry):
-  """key_block_grads for a Mask (call.mask a MaskBlocks): query blocks by
-  their states (_state_loop)."""
-  dq, k_dk, v_dv, dtables = carry
-  keys = _key_block(blocks, k_dk, v_dv, kb)
-  body = functools.partial(_backward_visit, blocks, terms, call, grads, keys)
-  dq, dk_blk, dv_blk, dtables = _state_loop(call.mask.states[:, kb], body,
-                                            (dq, _zeros(keys.k), _zeros(keys.v), dtables))
+  dq, dk_blk, dv_blk, dtables = _each_listed(blocks, call.mask.by_key, kb, body,
+                                             (dq, _zeros(keys.k), _zeros(keys.v), dtables))
   return (dq, *_written(k_dk, v_dv, dk_blk, dv_blk, keys.ks), dtables)
 
 
@@ -539,38 +477,25 @@ def _written(k_dk, v_dv, dk_blk, dv_blk, ks):
 
 
 def _backward_query_block(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, qb,
-                          carry, masked):
-  """_loops' body (_forward_key_block's rule, from the keys' side)."""
-  if not (masked and blocks.rise):
-    return _backward_whole(blocks, terms, call, grads, keys, qb, carry, masked)
-  diagonal = functools.partial(_backward_diagonal, blocks, terms, call, grads, keys)
-  if not call.mask.has_arrays():
-    return diagonal(carry)
-  return jax.lax.cond(qb == keys.kb, diagonal,
-                      lambda c: _backward_whole(blocks, terms, call, grads, keys, qb, c, True),
-                      carry)
-
-
-def _backward_whole(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, qb, carry,
-                    masked):
-  """Query block qb against the whole key block, its mask applied if masked."""
+                          carry, state: int):
+  """_each_listed's body (_forward_key_block's rule, from the keys' side)."""
+  _report('backward', state, qb, keys.kb)
   qs = qb * blocks.bq
-  visible = _visible(call.mask, qs, keys.ks, blocks.bq, blocks.bk, call.q_offset, blocks.n,
-                     blocks.m)
-
-  def compute(carry):
-    return _pair_grads(blocks, terms, call, grads, carry, qs, blocks.bq, keys.k, keys.v,
-                       keys.ks + jnp.arange(blocks.bk), visible if masked else None)
-  return _unless_hidden(call.mask, visible, compute, carry) if masked else compute(carry)
+  visible = None if state == masks.FULL else _visible(blocks, call, qs, keys.ks)
+  if state == masks.DIAGONAL:
+    return _backward_staircase(blocks, terms, call, grads, keys, carry, qs, visible)
+  return _pair_grads(blocks, terms, call, grads, carry, qs, blocks.bq, keys.k, keys.v,
+                     keys.ks + jnp.arange(blocks.bk), visible)
 
 
-def _backward_diagonal(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, carry):
-  """The block on the causal diagonal (query block kb), _staircase."""
-  rise, ks = blocks.rise, keys.ks
+def _backward_staircase(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, carry,
+                        qs, visible):
+  """A DIAGONAL block's gradients (_forward_staircase's steps)."""
+  rise = blocks.rise
   for r0 in range(0, blocks.bq, rise):
     r1 = r0 + rise
-    carry = _pair_grads(blocks, terms, call, grads, carry, ks + r0, rise, keys.k[:, :r1],
-                        keys.v[:, :r1], ks + jnp.arange(r1), _step_mask(call.mask, ks, r0, rise))
+    carry = _pair_grads(blocks, terms, call, grads, carry, qs + r0, rise, keys.k[:, :r1],
+                        keys.v[:, :r1], keys.ks + jnp.arange(r1), visible[..., r0:r1, :r1])
   return carry
 
 
@@ -605,158 +530,33 @@ def _pair_grads(blocks: Blocks, terms, call: Call, grads: _Grads, carry, qs, row
 
 
 # ---------------------------------------------------------------------------
-# The mask's block plan: which blocks are hidden, whole or on the diagonal.
+# The mask's block map: which blocks each block row and column visits.
 
 
-def _visible(mask: MaskSpec | MaskBlocks, qs, ks, bq, bk, q_offset, n, m):
-  """bool [b | 1, h | 1, bq, bk]: the block's pairs that may attend, real
-  keys (< m) and real queries (< n) only."""
-  real = ((qs + jnp.arange(bq))[:, None] < n) & ((ks + jnp.arange(bk))[None, :] < m)
-  ok = mask.block(qs, ks, bq, bk, q_offset)
-  return real[None, None] if ok is None else ok & real[None, None]
-
-
-def _unless_hidden(mask: MaskSpec | MaskBlocks, visible, compute, carry):
-  """compute(carry), or carry itself when no pair of the block is visible
-  (`visible` bool [..., bq, bk]) and the mask has arrays (padding, segments:
-  the causal and window parts are already in the loop bounds; a Mask's
-  hidden blocks are skipped by their states)."""
-  if isinstance(mask, MaskBlocks) or not mask.has_arrays():
-    return compute(carry)
-  return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
-
-
-def _may_skip_mask(mask: MaskSpec, scores: int) -> bool:
-  """Whether some blocks may need no mask: none of segments, an explicit mask
-  or a window, and blocks of at least UNMASKED_MIN_SCORES scores. Padding
-  may leave whole blocks visible (a model's calls always carry its PAD
-  mask): which ones is read from the arrays at run time (_first_partial)."""
-  return (mask.query_segments is None and mask.dense is None and mask.window is None
-          and scores >= UNMASKED_MIN_SCORES)
-
-
-def _first_partial(valid, size: int, start):
-  """The first block of `size` tokens at or after block `start` (int32
-  scalar) where some row of the batch has a padding token: valid bool [b, L]
-  (L a multiple of size; None: no padding) -> int32 scalar, L // size if
-  none."""
-  if valid is None:
-    return jnp.int32(2**30)
-  count = valid.shape[1] // size
-  whole = valid.reshape(valid.shape[0], count, size).all((0, 2))
-  index = jnp.arange(count, dtype=jnp.int32)
-  return jnp.min(jnp.where(~whole & (index >= start), index, count))
-
-
-def _all_valid(valid, start, size: int):
-  """Whether tokens start .. start + size - 1 are valid in every row: valid
-  bool [b, L] or None (no padding) -> bool scalar."""
-  if valid is None:
-    return jnp.bool_(True)
-  return jax.lax.dynamic_slice_in_dim(valid, start, size, axis=1).all()
-
-
-def unmasked_key_blocks(mask: MaskSpec, qs, bq, bk, lo, hi, q_offset, n, m, scores: int):
-  """(first, last): the key blocks [first, last) of [lo, hi) that every
-  query of the block at qs sees whole (below the causal diagonal, real
-  queries < n and keys < m, no padding token in any row of the batch up to
-  the last one): a prefix of [lo, hi), int32 scalars; None where
-  _may_skip_mask says no."""
-  if not _may_skip_mask(mask, scores):
-    return None
-  last = jnp.minimum(m // bk, _first_partial(mask.key_valid, bk, lo))
-  if mask.causal:  # key block kb ends at or before the block's first query
-    last = jnp.minimum(last, (q_offset + qs + 1) // bk)
-  whole = (qs + bq <= n) & _all_valid(mask.query_valid, qs, bq)
-  return lo, jnp.where(whole, jnp.clip(last, lo, hi), lo)
-
-
-def unmasked_query_blocks(mask: MaskSpec, ks, bq, bk, lo, hi, q_offset, n, m, scores: int):
-  """(first, last): the query blocks [first, last) of [lo, hi) that see the
-  whole key block at ks (unmasked_key_blocks' rule, from the keys' side),
-  int32 scalars; None where _may_skip_mask says no."""
-  if not _may_skip_mask(mask, scores):
-    return None
-  first = lo
-  if mask.causal:  # query block qb starts at or after the key block's last key
-    first = jnp.maximum(lo, -((q_offset - ks - bk + 1) // bq))
-  first = jnp.minimum(first, hi)
-  last = jnp.clip(jnp.minimum(n // bq, _first_partial(mask.query_valid, bq, first)), first, hi)
-  whole = (ks + bk <= m) & _all_valid(mask.key_valid, ks, bk)
-  return jnp.where(whole, first, hi), jnp.where(whole, last, hi)
-
-
-def _loops(lo, hi, unmasked, body, carry):
-  """body(i, carry, masked) for i in [lo, hi): masked=False for i in
-  unmasked = [first, last) (lo <= first <= last <= hi), masked=True for the
-  rest, those first (in order: [lo, first), then [last, hi)). unmasked None:
-  one loop, every block masked."""
-  if unmasked is None:
-    return jax.lax.fori_loop(lo, hi, lambda i, c: body(i, c, True), carry)
-  first, last = unmasked
-  before = first - lo
-
-  def masked(t, carry):
-    return body(jnp.where(t < before, lo + t, last + t - before), carry, True)
-  carry = jax.lax.fori_loop(0, before + hi - last, masked, carry)
-  return jax.lax.fori_loop(first, last, lambda i, c: body(i, c, False), carry)
-
-
-def _staircase(mask: MaskSpec, q_offset, n: int, m: int, bq: int, bk: int, scores: int):
-  """The rows a step of the diagonal blocks' staircase (STAIRCASE_ROWS), or
-  None: the mask causal, with no window or segments (_may_skip_mask;
-  padding may be), q_offset a Python 0 (training, evaluation), bq = bk
-  dividing n <= m, so that the diagonal blocks are whole blocks, and the
-  block more than one step tall."""
-  if not (mask.causal and _may_skip_mask(mask, scores) and type(q_offset) is int
-          and q_offset == 0 and bq == bk and n <= m and not n % bq and not m % bk):
-    return None
-  rise = STAIRCASE_ROWS
-  return rise if bq > rise and not bq % rise else None
-
-
-def _step_visible(r0: int, rise: int):
-  """bool [rise, r0 + rise]: rows r0 .. r0 + rise - 1 of a diagonal block
-  against its keys 0 .. r0 + rise - 1, key j seen by row i where j <= i."""
-  return jnp.arange(r0 + rise)[None, :] <= (r0 + jnp.arange(rise))[:, None]
-
-
-def _step_mask(mask: MaskSpec, start, r0: int, rise: int):
-  """_step_visible with the padding of the diagonal block at `start` (its
-  queries and keys both): bool [rise, r0 + rise], or [b, 1, rise, r0 + rise]
-  where the mask has padding."""
-  visible = _step_visible(r0, rise)
-  if mask.key_valid is not None:
-    keys = jax.lax.dynamic_slice_in_dim(mask.key_valid, start, r0 + rise, axis=1)
-    visible = visible & keys[:, None, None, :]
-  if mask.query_valid is not None:
-    queries = jax.lax.dynamic_slice_in_dim(mask.query_valid, start + r0, rise, axis=1)
-    visible = visible & queries[:, None, :, None]
-  return visible
-
-
-# ---------------------------------------------------------------------------
-# A Mask (a function of indices): its blocks' states, computed once a call.
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=('states', 'consts'),
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=('states', 'by_query', 'by_key', 'consts'),
                    meta_fields=('jaxpr',))
 @dataclasses.dataclass(frozen=True)
 class MaskBlocks:
-  """A Mask as the kernel reads it (mask_blocks). states int8 [nq, nk]:
-  each block EMPTY or FULL where it is so for every row and head of the
-  call, else PARTIAL. jaxpr: the mask on one block's query and key indices;
-  consts: the arrays it reads (the mask's closure), data of the custom_vjp,
-  since a closure over traced arrays would leak out of a scan's or a
-  remat's trace into the backward."""
+  """A Mask as the kernel reads it (mask_blocks). states int8 [nq, nk]: each
+  block's masks.block_mask state for the whole call (EMPTY or FULL where it
+  is so for every row and head, DIAGONAL where it is so for every row and
+  head that sees a pair of it, else PARTIAL). by_query: per state of
+  Blocks.visited, (blocks int32 [nq, nk], count int32 [nq]): each query block's key
+  blocks in that state first, in order, and how many; by_key the same per
+  key block [nk, nq], [nk]. jaxpr: the mask on one block's query and key
+  indices; consts: the arrays it reads, data of the custom_vjp, since a
+  closure over traced arrays would leak out of a scan's or a remat's trace
+  into the backward."""
   states: Any
+  by_query: Any
+  by_key: Any
   consts: Any
   jaxpr: Any
 
   def block(self, q_start, k_start, bq: int, bk: int, q_offset=0):
-    """MaskSpec.block's contract: queries q_start .. q_start + bq - 1 (query
-    i at q_offset + i) and keys k_start .. k_start + bk - 1 -> bool
-    broadcastable to [b, h, bq, bk]."""
+    """Queries q_start .. q_start + bq - 1 (query i at q_offset + i) against
+    keys k_start .. k_start + bk - 1 -> bool broadcastable to [b, h, bq, bk]."""
     q = (q_offset + q_start + jnp.arange(bq)).astype(jnp.int32)
     k = (k_start + jnp.arange(bk)).astype(jnp.int32)
     evaluate = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(self.jaxpr, self.consts))
@@ -766,53 +566,57 @@ class MaskBlocks:
 def mask_blocks(mask: masks.Mask, q_offset, b: int, h: int, blocks: Blocks) -> MaskBlocks:
   """A call's MaskBlocks: b rows and h query heads, query i at q_offset + i
   (may be traced). masks.block_mask classifies the blocks of every row and
-  head; the control flow reads one state a block, for the whole call."""
-  per_row = masks.block_mask(mask, b, h, blocks.n, blocks.m, blocks.bq, blocks.bk, q_offset)
+  head; the control flow reads one state a block, for the whole call.
+  Without blocks.split, FULL blocks are PARTIAL ones; without blocks.rise,
+  so are DIAGONAL ones."""
+  per_row = masks.block_mask(mask, b, h, blocks.n, blocks.m, blocks.bq, blocks.bk, q_offset,
+                             diagonal=blocks.rise is not None)
+  empty = jnp.all(per_row == masks.EMPTY, axis=(0, 1))
   full = jnp.all(per_row == masks.FULL, axis=(0, 1))
-  seen = jnp.any(per_row != masks.EMPTY, axis=(0, 1))
-  states = jnp.where(full, masks.FULL, jnp.where(seen, masks.PARTIAL, masks.EMPTY))
+  diagonal = jnp.all((per_row == masks.DIAGONAL) | (per_row == masks.EMPTY), axis=(0, 1))
+  states = jnp.where(empty, masks.EMPTY, jnp.where(
+      full & blocks.split, masks.FULL, jnp.where(diagonal, masks.DIAGONAL, masks.PARTIAL)))
+  states = states.astype(jnp.int8)
   indices = (jax.ShapeDtypeStruct((blocks.bq,), jnp.int32),
              jax.ShapeDtypeStruct((blocks.bk,), jnp.int32))
   traced = jax.make_jaxpr(functools.partial(masks.at, mask, b, h))(*indices)
-  return MaskBlocks(states.astype(jnp.int8), traced.consts, traced.jaxpr)
+  return MaskBlocks(states, _listed(blocks, states), _listed(blocks, states.T), traced.consts,
+                    traced.jaxpr)
 
 
-def _state_loop(states, body, carry):
-  """body(i, carry, masked) for i from the first non-EMPTY entry of states
-  int8 [count] to the last: EMPTY ones skipped, FULL ones with masked=False
-  (no select), PARTIAL ones with masked=True."""
-  count = states.shape[0]
-  index = jnp.arange(count, dtype=jnp.int32)
-  occupied = states != masks.EMPTY
-  lo = jnp.min(jnp.where(occupied, index, count))
-  hi = jnp.maximum(lo, jnp.max(jnp.where(occupied, index + 1, 0)))
-
-  def step(i, carry):
-    branches = {masks.EMPTY: lambda c: c,
-                masks.PARTIAL: functools.partial(body, i, masked=True),
-                masks.FULL: functools.partial(body, i, masked=False)}
-    return jax.lax.switch(states[i].astype(jnp.int32), [branches[s] for s in sorted(branches)],
-                          carry)
-  return jax.lax.fori_loop(lo, hi, step, carry)
+def _listed(blocks: Blocks, states):
+  """states int8 [rows, cols] -> per state of blocks.visited, (int32 [rows, cols]:
+  each row's columns in that state first, in order; int32 [rows]: how many)."""
+  columns = jnp.arange(states.shape[1], dtype=jnp.int32)
+  out = []
+  for state in blocks.visited:
+    chosen = states == state
+    order = jnp.argsort(jnp.where(chosen, columns, columns + states.shape[1]), axis=1)
+    out.append((order.astype(jnp.int32), chosen.sum(1, dtype=jnp.int32)))
+  return tuple(out)
 
 
-def _forward_visit(blocks: Blocks, terms, call: Call, src: _Source, rows: _QueryRows, kb, carry,
-                   masked):
-  """_forward_key_block, reported to VISIT_HOOK."""
-  _report('forward', masked, rows.qb, kb)
-  return _forward_key_block(blocks, terms, call, src, rows, kb, carry, masked)
+def _each_listed(blocks: Blocks, lists, row, body, carry):
+  """body(col, carry, state) for every column of block row `row` in each
+  state of blocks.visited (lists: MaskBlocks.by_query or by_key), a loop per
+  state."""
+  for state, (cols, count) in zip(blocks.visited, lists):
+    carry = jax.lax.fori_loop(0, count[row], lambda t, c, s=state: body(cols[row, t], c, s),
+                              carry)
+  return carry
 
 
-def _backward_visit(blocks: Blocks, terms, call: Call, grads: _Grads, keys: _KeyRows, qb, carry,
-                    masked):
-  """_backward_query_block, reported to VISIT_HOOK."""
-  _report('backward', masked, qb, keys.kb)
-  return _backward_query_block(blocks, terms, call, grads, keys, qb, carry, masked)
+def _visible(blocks: Blocks, call: Call, qs, ks):
+  """bool [b | 1, h | 1, bq, bk]: the pairs of the block at (qs, ks) that may
+  attend, real keys (< m) and real queries (< n) only."""
+  bq, bk = blocks.bq, blocks.bk
+  real = ((qs + jnp.arange(bq))[:, None] < blocks.n) & ((ks + jnp.arange(bk))[None, :] < blocks.m)
+  return call.mask.block(qs, ks, bq, bk, call.q_offset) & real[None, None]
 
 
-def _report(pass_name: str, masked: bool, qb, kb):
+def _report(pass_name: str, state: int, qb, kb):
   if VISIT_HOOK is not None:
-    jax.debug.callback(functools.partial(VISIT_HOOK, pass_name, masked), qb, kb)
+    jax.debug.callback(functools.partial(VISIT_HOOK, pass_name, state != masks.FULL), qb, kb)
 
 
 # ---------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def dot_product_attention_weights(query, key, *, mask=None, bias=None,
     query: [b, n, h, d].
     key: [b, m, g, d], g dividing h: query head i reads key head i // (h / g).
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
-      masks.Mask or MaskSpec (query i at index i), evaluated here.
+      masks.Mask (query i at index i), evaluated here.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
   Returns:
     weights [b, h, n, m], rows summing to 1 (before dropout).
@@ -98,7 +98,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None,
     key, value: [b, m, g, d], g dividing h (grouped-query attention: query
       head i reads head i // (h / g), in place).
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
-      masks.Mask or MaskSpec (query i at index i), evaluated here.
+      masks.Mask (query i at index i), evaluated here.
     bias: broadcastable to [b, h, n, m]; added to the scaled logits.
     implementation: None or 'dense' (the default path: explicit
       weights; of these three, the one with dropout), or 'xla'/'cudnn' for
@@ -157,7 +157,7 @@ def dense_attention(query, key, value, terms: scheme.Terms, params=None, *, mask
     positions: None, or int [n] (n = m, self-attention): the positions of
       the queries and of the keys, in place of q_offset + i and j.
     mask: boolean, broadcastable to [b, h, n, m]; True = may attend. Or a
-      masks.Mask or MaskSpec (query i at index q_offset + i), evaluated here.
+      masks.Mask (query i at index q_offset + i), evaluated here.
     bias: broadcastable to [b, h, n, m]; added to the terms' scores.
     elementwise: the scheme's elementwise `score` where it has one (the
       reference); False: its `block_score` where it has one (one lookup per

@@ -35,7 +35,7 @@ class Call:
   query_shape: tuple[int, ...]  # [b, n, h, d]
   key_shape: tuple[int, ...]  # [b, m, g, d]
   dtype: Any  # the computation's
-  mask: Any  # None, a masks.Mask, a masks.MaskSpec or a boolean array
+  mask: masks.Mask | None  # None: every key visible
   mask_kind: str | None  # select.mask_kind: 'causal', 'full' or None
   q_offset: Any
   positions: Any  # int [n] where the variant reads positions as data, else None
@@ -120,10 +120,7 @@ def _blockwise_supports(call: Call) -> str | None:
 
 
 def _run_blockwise(call: Call, query, key, value):
-  mask = call.mask
-  if not isinstance(mask, (masks.MaskSpec, masks.Mask)):
-    mask = masks.MaskSpec(dense=mask)
-  return call.variant.chunked(query, key, value, mask=mask, q_offset=call.q_offset,
+  return call.variant.chunked(query, key, value, mask=call.mask, q_offset=call.q_offset,
                               chunk_size=call.chunk_size, dtype=call.dtype,
                               dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng,
                               **call.params, **call.kwargs)
@@ -158,7 +155,7 @@ def _pallas_takes(variant) -> str | None:
 def _pallas_supports(call: Call) -> str | None:
   if call.bias is not None or call.dropout:
     return 'it takes no explicit bias and no attention dropout'
-  if isinstance(call.mask, masks.Mask) and masks.closes_over_arrays(call.mask):
+  if call.mask is not None and masks.closes_over_arrays(call.mask):
     return (f'mask {call.mask.name!r} reads an array its function closed over; the fused '
             'kernel takes a mask\'s data as inputs: give them as masks.Mask(fn, name, '
             'arrays=(...)), fn(b, h, q, k, *arrays)')
@@ -179,15 +176,10 @@ def _run_pallas(call: Call, query, key, value):
   m = call.key_shape[1]
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   query, key, tables, q_pos, k_pos = _mapped(call, query, key)
-  mask = call.mask
-  spec = mask if isinstance(mask, masks.MaskSpec) else None
-  causal = spec is not None and spec.causal and spec.window is None and not spec.has_arrays()
-  if causal or mask is None:
-    rule = None
-  elif isinstance(mask, masks.Mask):
-    rule = mask
-  else:
-    rule = (spec or masks.MaskSpec(dense=mask)).to_mask()
+  # A causal rule alone runs as the kernel's own causal bounds, no mask evaluated.
+  rules = masks.rules_of(call.mask)
+  causal = rules is not None and rules.causal and not rules.has_more()
+  rule = None if causal else call.mask
   out = pallas_gpu.flash_attention(
       query, key, value, score=terms.score, tables=tables, mask=rule, causal=causal,
       q_positions=q_pos, k_positions=k_pos, q_offset=call.q_offset,
@@ -308,10 +300,10 @@ def _run_splash(call: Call, query, key, value):
   mask's causal rule and padding."""
   dtype = call.dtype
   query, key, _, _, _ = _mapped(call, query, key)
-  spec = call.mask if isinstance(call.mask, masks.MaskSpec) else masks.MaskSpec()
+  rules = masks.rules_of(call.mask)
   return splash.splash_attention(
       query.astype(dtype), key.astype(dtype), value.astype(dtype),
-      causal=call.mask_kind == 'causal', query_valid=spec.query_valid, key_valid=spec.key_valid)
+      causal=call.mask_kind == 'causal', query_valid=rules.query_valid, key_valid=rules.key_valid)
 
 
 SPLASH = Kernel('splash', _plain_takes, splash_fits, _run_splash,

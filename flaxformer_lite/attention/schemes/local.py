@@ -159,11 +159,8 @@ def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask
   O(n * window). Blocks are at most max(32, 4 * window) wide: wider ones
   mostly compute pairs outside the window."""
   chunk_size = min(chunk_size or blockwise.DEFAULT_CHUNK_SIZE, max(32, 4 * window))
-  if isinstance(mask, masks.Mask):  # the kernel skips the blocks outside the window
-    mask = mask & masks.sliding_window(window, causal)
-  else:
-    mask = (mask if mask is not None else masks.MaskSpec()).replace(
-        window=window, window_causal=causal)
+  window_mask = masks.sliding_window(window, causal)  # the kernel skips the blocks outside it
+  mask = window_mask if mask is None else masks.as_mask(mask, q_offset) & window_mask
   terms = scheme.Terms(uniform=functools.partial(_window_mean, window, causal))
   return blockwise.dot_product(query, key, value, terms, mask=mask, q_offset=q_offset,
                                chunk_size=chunk_size, dtype=dtype, **dropout)

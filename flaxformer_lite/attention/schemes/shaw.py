@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks, registry, scheme
+from flaxformer_lite.attention import masks, registry, scheme, softmax
 from flaxformer_lite.attention.kernels import blockwise, product
 from flaxformer_lite.attention import dropout as dropout_lib
 from flaxformer_lite.attention.kernels.specialised.causal_band import causal_band
@@ -303,8 +303,13 @@ def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_ra
   # Query i + k in row i: the kernel's causal diagonal is then lag k. The
   # last k rows are zeros whose outputs are dropped.
   moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
-  far_mask = masks.MaskSpec(causal=True, key_valid=mask.key_valid, query_valid=None if (
-      mask.query_valid is None) else jnp.pad(mask.query_valid[:, k:], [(0, 0), (0, k)]))
+  rules = masks.rules_of(mask)
+  far_mask = masks.causal()
+  if rules.key_valid is not None:
+    far_mask = far_mask & masks.key_padding(rules.key_valid)
+  if rules.query_valid is not None:
+    far_mask = far_mask & masks.query_padding(
+        jnp.pad(rules.query_valid[:, k:], [(0, 0), (0, k)]))
   far, far_lse = blockwise.attend(moved, key, far_value, mask=far_mask, chunk_size=chunk_size,
                                   dtype=dtype, return_lse=True, dropout_first_query=k,
                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng)
@@ -320,23 +325,21 @@ def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_ra
   rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
   near, near_lse = causal_band(
       q, product.repeat_heads(key, h), product.repeat_heads(value, h), k, rows(key_table),
-      rows(value_table), key_valid=mask.key_valid, query_valid=mask.query_valid,
+      rows(value_table), key_valid=rules.key_valid, query_valid=rules.query_valid,
       seed=dropout_lib.seed(dropout_rng) if rate else None, rate=rate)
   out = blockwise.merge(far, far_lse, near, near_lse)
-  if mask.has_arrays():  # a row that sees no key (padding): the dense path's uniform weights
-    empty = (jnp.isneginf(far_lse) & jnp.isneginf(near_lse)).transpose(0, 2, 1)[..., None]
-    uniform = product.repeat_heads(_uniform(k, value, tables, jnp.arange(n), n), h)
-    out = jnp.where(empty, uniform.astype(jnp.float32), out)
-  return out.astype(dtype)
+  uniform = lambda: product.repeat_heads(_uniform(k, value, tables, jnp.arange(n), n), h)  # noqa: E731
+  return softmax.where_no_key(out, jnp.logaddexp(far_lse, near_lse), uniform).astype(dtype)
 
 
 def _splits_by_lag(mask, q_offset, k: int, n: int, m: int) -> bool:
   """Whether shaw_chunked splits the call by lag: causal self-attention (n =
   m, the queries at 0..n-1, padding allowed, no segments or window), with
   keys beyond lag k."""
-  return (isinstance(mask, masks.MaskSpec) and mask.causal and mask.window is None
-          and mask.query_segments is None and mask.dense is None
-          and type(q_offset) is int and q_offset == 0 and n == m and 0 < k < n)
+  rules = masks.rules_of(mask)
+  return (rules is not None and rules.causal and rules.window is None
+          and rules.segments is None and type(q_offset) is int and q_offset == 0 and n == m
+          and 0 < k < n)
 
 
 def _shaw_params(num_heads, head_dim, kwargs):

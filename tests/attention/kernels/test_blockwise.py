@@ -2,14 +2,14 @@
 against the dense path (the reference for every fast path) and float64 loops.
 
 Every variant in the live registry that has a chunked form is called as
-MultiHeadAttention calls it: the dense form with the MaskSpec made dense
-(`to_dense`), the chunked form with the MaskSpec itself. Two static mask
+MultiHeadAttention calls it: the dense form with the Mask evaluated
+(masks.evaluate), the chunked form with the Mask itself. Two mask
 configurations, each with a chunk size (8) that divides neither length:
   causal:        n=19 queries at positions 3..21, m=27 keys, causal, key and
                  query padding;
   bidirectional: n=27 queries at positions 5..31, m=19 keys (queries past
-                 the last key: local's windows run empty), padding and an
-                 explicit `dense` part (what the layer passes for a boolean mask).
+                 the last key: local's windows run empty), padding and a
+                 boolean array (what a user may pass the layer).
 Example 0 has random key and query padding, example 1 no key at all (every
 row fully masked: the dense path's uniform rule), example 2 none.
 
@@ -21,7 +21,9 @@ compilation per case at full optimisation (XLA's HLO passes still run).
 The two skew helpers the relative forms use per block (rel_shift, by_offset)
 are checked index by index against their formulas.
 """
+import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -29,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import registry, scheme
+from flaxformer_lite.attention import masks, registry, scheme
 from flaxformer_lite.attention.kernels.reference import dot_product_attention
 from flaxformer_lite.attention.kernels import blockwise, product
-from flaxformer_lite.attention.masks import MaskSpec
 from tests.xla_options import BLOCK_KERNEL_COMPILE
 
 B, H, D, CHUNK = 3, 2, 4, 8
@@ -66,7 +67,7 @@ def _compile(fn, *args):
 
 def _inputs(config, dtype=np.float32):
   """q [b, n, h, d], k, v [b, m, h, d], cotangent [b, n, h, d] and the
-  MaskSpec's arrays, for a configuration."""
+  mask's arrays, for a configuration."""
   c = CONFIGS[config]
   n, m = c['n'], c['m']
   rng = np.random.default_rng(len(config))
@@ -86,8 +87,16 @@ def _inputs(config, dtype=np.float32):
 
 
 def _spec(config, arrays):
-  return MaskSpec(key_valid=arrays['key_valid'], query_valid=arrays['query_valid'],
-                  dense=arrays.get('dense'), causal=CONFIGS[config]['causal'])
+  c = CONFIGS[config]
+  mask = masks.key_padding(arrays['key_valid']) & masks.query_padding(arrays['query_valid'])
+  if 'dense' in arrays:
+    mask = mask & masks.as_mask(arrays['dense'], c['q_offset'])
+  return masks.causal() & mask if c['causal'] else mask
+
+
+def _dense_mask(spec, n, m, q_offset):
+  """The mask as the dense form takes it: a boolean array, or None."""
+  return None if spec is None else masks.evaluate(spec, B, H, n, m, q_offset)
 
 
 def _params(index, dtype=np.float32):
@@ -113,7 +122,7 @@ def _dense_fn(index, spec, n, m, q_offset, dtype=jnp.float32):
     kwargs['implementation'] = 'dense'
 
   def fn(q, k, v, params):
-    return variant.fn(q, k, v, mask=spec.to_dense(n, m, q_offset), bias=None, dropout_rate=0.0,
+    return variant.fn(q, k, v, mask=_dense_mask(spec, n, m, q_offset), bias=None, dropout_rate=0.0,
                       dropout_rng=None, deterministic=True, dtype=dtype, return_weights=False,
                       **params, **kwargs)
   return fn
@@ -238,8 +247,8 @@ def test_bfloat16_backward_multiplies_in_bfloat16_as_accurately_as_dense():
   n, chunk = 64, 16
   rng = np.random.default_rng(11)
   q, k, v, g = (rng.normal(size=(2, n, H, 8)).astype(np.float32) for _ in range(4))
-  spec = MaskSpec(causal=True)
-  fns = {'dense': lambda q, k, v: dot_product_attention(q, k, v, mask=spec.to_dense(n, n)),
+  spec = masks.causal()
+  fns = {'dense': lambda q, k, v: dot_product_attention(q, k, v, mask=_dense_mask(spec, n, n, 0)),
          'chunked': lambda q, k, v: registry.get('dot_product').chunked(
              q, k, v, mask=spec, chunk_size=chunk)}
 
@@ -316,10 +325,10 @@ def _poisoned_terms(structural):
 
 
 SKIP_MASKS = {
-    'causal': MaskSpec(causal=True),
-    'window': MaskSpec(window=3),
-    'window_causal': MaskSpec(window=5, window_causal=True),
-    'causal_and_window': MaskSpec(causal=True, window=6),
+    'causal': masks.causal(),
+    'window': masks.sliding_window(3),
+    'window_causal': masks.sliding_window(5, True),
+    'causal_and_window': masks.causal() & masks.sliding_window(6),
 }
 # (mask, q_offset); offset 7 is traced
 SKIP_CASES = [('causal', 7), ('window', 0), ('window', 7), ('window_causal', 7),
@@ -340,14 +349,14 @@ def test_hidden_blocks_are_skipped_forward_and_backward():
     for name, q_offset in SKIP_CASES:
       spec = SKIP_MASKS[name]
       offset = traced_offset if q_offset == 7 else q_offset
-      terms = _poisoned_terms(spec.structural)
+      terms = _poisoned_terms(lambda q_pos, k_pos, spec=spec: spec(0, 0, q_pos, k_pos))
       fn = functools.partial(blockwise.attend, terms=terms, mask=spec, q_offset=offset,
                              chunk_size=chunk)
       scale = 1 / math.sqrt(D)
       got = _out_and_grads(lambda q, k, v, p: fn(q * scale, k, v), q, k, v, {}, g)
 
       def dense(q, k, v, p, spec=spec, q_offset=q_offset):
-        return dot_product_attention(q, k, v, mask=spec.to_dense(n, m, q_offset))
+        return dot_product_attention(q, k, v, mask=_dense_mask(spec, n, m, q_offset))
       out[name, q_offset] = got, _out_and_grads(dense, q, k, v, {}, g)
     return out
 
@@ -367,56 +376,55 @@ def _paddings(rng, rows: int, length: int):
 
 
 @pytest.mark.parametrize('causal', [True, False], ids=['causal', 'bidirectional'])
-def test_the_unmasked_blocks_are_exactly_those_the_dense_mask_fills(causal):
-  """unmasked_key_blocks (per query block) and unmasked_query_blocks (per
-  key block), within the loops' bounds, against the dense mask: blocks of
-  real queries and keys whose every pair it allows in every row of the
-  batch. Without padding, or with PAD tails, exactly those; with PAD
-  tokens anywhere, a contiguous run of them (the loops take a range). None
-  where the mask has segments or a window, or the blocks are small."""
-  big = blockwise.UNMASKED_MIN_SCORES
+def test_each_block_row_lists_exactly_the_blocks_of_each_state(causal):
+  """mask_blocks' lists against the dense mask, block by block: per query
+  block, its FULL key blocks (every pair of real queries and keys seen, in
+  every row of the batch, keys all real), its DIAGONAL ones (with the
+  staircase on: some pair seen, none above the block's diagonal, in every
+  row that sees one) and PARTIAL ones (the others with a pair seen), each
+  list in order; per key block the same by query block. No padding, PAD
+  tails, PAD tokens anywhere; decoding offsets; small blocks (one list)."""
   rng = np.random.default_rng(4)
   configs = [(21, 29, 0, 4), (21, 29, 5, 8), (24, 24, 0, 8), (24, 24, 0, 5), (7, 30, 23, 4)]
-  for n, m, q_offset, chunk in configs + [(9, 30, offset, 4) for offset in range(4, 8)]:
-    nq, nk = -(-n // chunk), -(-m // chunk)
+  for n, m, q_offset, chunk in configs:
     key_paddings, query_paddings = _paddings(rng, 2, m), _paddings(rng, 2, n)
     for padding in key_paddings:
-      spec = MaskSpec(causal=causal, key_valid=key_paddings[padding],
-                      query_valid=query_paddings[padding])
-      dense = np.asarray(spec.to_dense(n, m, q_offset)).all(axis=(0, 1))  # [n, m]
-      padded = spec.padded(nq * chunk, nk * chunk)  # as the kernel gets it
+      spec = masks.key_padding(key_paddings[padding]) & masks.query_padding(
+          query_paddings[padding])
+      spec = masks.causal() & spec if causal else spec
+      for split, rise in ((True, chunk // 2 if chunk % 2 == 0 else None), (False, None)):
+        blocks = blockwise.plan(2, 1, n, m, chunk, 0.0)
+        blocks = dataclasses.replace(blocks, split=split, rise=rise)
+        got = blockwise.mask_blocks(spec, q_offset, 2, 1, blocks)
+        want = _states_by_hand(np.asarray(masks.evaluate(spec, 2, 1, n, m, q_offset))[:, 0],
+                               chunk, split, rise is not None)
+        for lists, states in ((got.by_query, want), (got.by_key, want.T)):
+          for state, (cols, count) in zip(blocks.visited, lists):
+            for row in range(states.shape[0]):
+              listed = list(np.asarray(cols[row, :int(count[row])]))
+              assert listed == list(np.flatnonzero(states[row] == state)), (
+                  n, m, q_offset, chunk, padding, split, state, row)
 
-      def filled(qb, kb):
-        qs, ks = qb * chunk, kb * chunk
-        return qs + chunk <= n and ks + chunk <= m and dense[qs:qs + chunk, ks:ks + chunk].all()
 
-      def check(first, last, lo, hi, want, where):
-        got = set(range(int(first), int(last)))
-        if padding == 'anywhere':
-          assert int(lo) <= int(first) <= int(last) <= int(hi) and got <= want, where
-        else:
-          assert got == want, where
-      for qb in range(nq):
-        qs = jnp.int32(qb * chunk)
-        lo, hi = spec.key_block_range(q_offset + qs, q_offset + qs + chunk - 1, chunk, nk)
-        first, last = blockwise.unmasked_key_blocks(padded, qs, chunk, chunk, lo, hi, q_offset, n,
-                                                  m, big)
-        check(first, last, lo, hi, {kb for kb in range(int(lo), int(hi)) if filled(qb, kb)},
-              (n, m, q_offset, chunk, padding, 'query block', qb))
-      for kb in range(nk):
-        ks = jnp.int32(kb * chunk)
-        lo, hi = spec.query_block_range(ks, ks + chunk - 1, chunk, nq, q_offset)
-        first, last = blockwise.unmasked_query_blocks(padded, ks, chunk, chunk, lo, hi, q_offset,
-                                                    n, m, big)
-        check(first, last, lo, hi, {qb for qb in range(int(lo), int(hi)) if filled(qb, kb)},
-              (n, m, q_offset, chunk, padding, 'key block', kb))
-  segments = np.ones((1, 8), np.int32)
-  for masked, scores in ((MaskSpec(causal=causal, query_segments=segments,
-                                   key_segments=segments), big),
-                         (MaskSpec(causal=causal, window=3), big), (MaskSpec(causal=causal),
-                                                                     big - 1)):
-    assert blockwise.unmasked_key_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
-    assert blockwise.unmasked_query_blocks(masked, 0, 4, 4, 0, 2, 0, 8, 8, scores) is None
+def _states_by_hand(dense, chunk, split, diagonal):
+  """dense bool [b, n, m] -> int8 [nq, nk], mask_blocks' states for the call."""
+  b, n, m = dense.shape
+  nq, nk = -(-n // chunk), -(-m // chunk)
+  out = np.zeros((nq, nk), np.int8)
+  above = np.arange(chunk)[None, :] > np.arange(chunk)[:, None]
+  for qb, kb in itertools.product(range(nq), range(nk)):
+    cells = dense[:, qb * chunk:(qb + 1) * chunk, kb * chunk:(kb + 1) * chunk]
+    rows_seeing = [c for c in cells if c.any()]
+    if not rows_seeing:
+      state = masks.EMPTY
+    elif split and cells.shape[2] == chunk and cells.all():
+      state = masks.FULL
+    elif diagonal and not any((c & above[:c.shape[0], :c.shape[1]]).any() for c in rows_seeing):
+      state = masks.DIAGONAL
+    else:
+      state = masks.PARTIAL
+    out[qb, kb] = state
+  return out
 
 
 def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
@@ -432,7 +440,7 @@ def test_unmasked_blocks_equal_the_dense_form_forward_and_backward(monkeypatch):
   index = [i for i, (v, _) in enumerate(VARIANTS) if v == 'dot_product'][0]
   params = _params(index)
   rng = np.random.default_rng(3)
-  shapes = {'causal': (19, 27, MaskSpec(causal=True)), 'bidirectional': (21, 21, MaskSpec())}
+  shapes = {'causal': (19, 27, masks.causal()), 'bidirectional': (21, 21, None)}
   inputs = {c: [rng.normal(size=(2, length, H, D)).astype(np.float32) for length in (n, m, m, n)]
             for c, (n, m, _) in shapes.items()}
 
@@ -465,12 +473,13 @@ def _hooks(name, extra):
 
 
 def test_diagonal_staircase_equals_the_dense_form_for_each_kind_of_variant(monkeypatch):
-  """The blocks on the causal diagonal as a staircase (blockwise._staircase),
-  turned on for small blocks: causal, q_offset 0, n = m = 24 in blocks of 8,
-  steps of 4 rows (against 4, then 8 keys), under a padding mask whose
-  PAD tokens in row 1 (17, 18 and a tail from 22) fall in the last diagonal
-  block: block (1, 0) runs unmasked, blocks (2, 0) and (2, 1) masked, the
-  steps hide the PAD keys (from the queries after them) and queries. The
+  """The DIAGONAL blocks as a staircase (blockwise._forward_staircase and
+  _backward_staircase), turned on for small blocks: causal, q_offset 0,
+  n = m = 24 in blocks of 8, steps of 4 rows (against 4, then 8 keys), under
+  a padding mask whose PAD tokens in row 1 (17, 18 and a tail from 22) fall
+  in the last diagonal block: block (1, 0) runs unmasked, blocks (2, 0) and
+  (2, 1) masked, the steps hide the PAD keys (from the queries after them)
+  and queries. The
   chunked output, its q, k, v and table gradients equal the dense
   form's (the first of its FORMS: the steps call the same block terms as
   whole blocks do, which test_output_and_every_gradient_equal_the_dense_form
@@ -481,18 +490,18 @@ def test_diagonal_staircase_equals_the_dense_form_for_each_kind_of_variant(monke
   the forward reads keys heads first and maps them by Terms.transform_k
   once, each from its block's first key: that output is checked on the
   variants with and without one (rotary, xpos, dot_product). Each variant's
-  trace must have built the steps. (A window, as `local` has, leaves every
+  trace must have built the staircase, forward and backward. (A window, as `local` has, leaves every
   block masked: no staircase to test.)"""
   monkeypatch.setattr(blockwise, 'UNMASKED_MIN_SCORES', 0)
   monkeypatch.setattr(blockwise, 'STAIRCASE_ROWS', 4)
   steps = []
-  step_visible = blockwise._step_visible
-  monkeypatch.setattr(blockwise, '_step_visible', lambda r0, rise: steps.append(r0) or
-                      step_visible(r0, rise))
-  n, chunk, spec = 24, 8, MaskSpec(causal=True)
+  for name in ('_forward_staircase', '_backward_staircase'):
+    monkeypatch.setattr(blockwise, name, functools.partial(
+        lambda name, fn, *a: steps.append(name) or fn(*a), name, getattr(blockwise, name)))
+  n, chunk, spec = 24, 8, masks.causal()
   valid = np.ones((B, n), bool)
   valid[1, 17:19] = valid[1, 22:] = False
-  padded = MaskSpec(causal=True, key_valid=valid, query_valid=valid)
+  padded = masks.causal() & masks.padding(valid)
   rng = np.random.default_rng(11)
   q, k, v, g = (rng.normal(size=(B, n, H, D)).astype(np.float32) for _ in range(4))
   drop_rng = jax.random.PRNGKey(5)
@@ -523,12 +532,13 @@ def test_diagonal_staircase_equals_the_dense_form_for_each_kind_of_variant(monke
             q * scale, k, v, mask=spec, chunk_size=chunk, dropout_rate=0.3,
             dropout_rng=drop_rng), q, k, v, {}, g),
         _out_and_grads(lambda q, k, v, p: dot_product_attention(
-            q, k, v, mask=spec.to_dense(n, n), dropout_rate=0.3, dropout_rng=drop_rng,
+            q, k, v, mask=_dense_mask(spec, n, n, 0), dropout_rate=0.3, dropout_rng=drop_rng,
             deterministic=False), q, k, v, {}, g))
     return out
 
   results = _compile(run)()
-  assert built and all(r0s == [0, 4] for r0s in built.values()), built
+  assert built and all(names == ['_backward_staircase', '_forward_staircase']
+                       for names in built.values()), built
   for what, (got, want) in results.items():
     for part in ('out', 'dq', 'dk', 'dv', 'out without a gradient'):
       if part in want:
@@ -545,7 +555,7 @@ def test_blocks_hidden_by_padding_or_segments_are_skipped_forward_and_backward()
   n = m = 24
   segments = jnp.asarray(np.repeat([[1, 2, 3]], 2, axis=0).repeat(8, axis=1))  # [2, 24]
   key_valid = jnp.arange(m)[None].repeat(2, axis=0) < m - 4
-  spec = MaskSpec(query_segments=segments, key_segments=segments, key_valid=key_valid)
+  spec = masks.segments(segments, segments) & masks.key_padding(key_valid)
   rng = np.random.default_rng(8)
   q, k, v, g = (rng.normal(size=(2, n, H, D)).astype(np.float32) for _ in range(4))
 
@@ -558,7 +568,7 @@ def test_blocks_hidden_by_padding_or_segments_are_skipped_forward_and_backward()
     got = _out_and_grads(lambda q, k, v, p: blockwise.attend(q * scale, k, v, terms, mask=spec,
                                                            chunk_size=4), q, k, v, {}, g)
     want = _out_and_grads(lambda q, k, v, p: dot_product_attention(
-        q, k, v, mask=spec.to_dense(n, m)), q, k, v, {}, g)
+        q, k, v, mask=masks.evaluate(spec, 2, 1, n, m)), q, k, v, {}, g)
     return got, want
 
   got, want = _compile(run)()
@@ -633,7 +643,7 @@ def test_table_gradients_equal_central_differences_of_a_float64_loop(name, t5_re
   key_valid = np.ones((2, m), bool)
   key_valid[0, [1, 5]] = False
   key_valid[1] = False
-  spec = MaskSpec(key_valid=jnp.asarray(key_valid))
+  spec = masks.key_padding(jnp.asarray(key_valid))
   visible = key_valid[:, None, None, :]
   if name == 'shaw':
     r = 2

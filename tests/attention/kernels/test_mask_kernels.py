@@ -215,6 +215,7 @@ def test_blockwise_output_and_gradients_equal_the_dense_path(results, name, case
 def test_the_kernel_computes_exactly_the_non_empty_blocks_once_each(case, monkeypatch):
   mask, dense_mask, n, q_offset = CASES[case]
   visits = collections.Counter()
+  monkeypatch.setattr(blockwise, 'UNMASKED_MIN_SCORES', 0)  # full blocks apart at any size
   monkeypatch.setattr(blockwise, 'VISIT_HOOK', lambda pass_name, masked, qb, kb: visits.update(
       [(pass_name, int(qb), int(kb), masked)]))
   q, k, v, g = _inputs(n, 0)
@@ -269,6 +270,10 @@ def test_a_new_mask_runs_on_both_kernels_through_the_layer():
         out[what][1], out['reference'][1])
 
 
-def test_auto_never_reads_a_mask_function_as_a_fused_kernels_structure():
-  assert select.mask_kind(masks.causal()) is None
-  assert select.mask_kind(masks.causal() & masks.key_padding(KEY_VALID)) is None
+def test_auto_reads_a_rule_only_from_the_rule_constructors():
+  """splash takes rules (causal, padding), not functions: a mask made of
+  the constructors is read as its rules; any other function, even one that
+  computes the causal rule, is not (select.mask_kind None: splash refuses)."""
+  assert select.mask_kind(masks.causal() & masks.key_padding(KEY_VALID)) == 'causal'
+  assert select.mask_kind(masks.Mask(lambda b, h, q, k: k <= q, 'causal')) is None
+  assert select.mask_kind(masks.causal() | masks.causal()) is None

@@ -3,7 +3,7 @@ attention written out in float64 numpy loops: outputs, and the gradients of
 q, k, v and of the score's tables by central differences of that reference,
 with and without a score, under `causal` and under masks.Mask (key padding,
 a causal sliding window, packed documents, prefix-LM at a decoding offset,
-a combination, a per-head rule, a dense MaskSpec, rows that see no key),
+a combination, a per-head rule, a boolean array, rows that see no key),
 with grouped-query heads and lengths that do not divide the blocks of 16.
 Also: the blocks each kernel visits are exactly the non-empty ones (FULL
 ones without the mask), and the kernels lower to Triton for a CUDA GPU."""
@@ -106,7 +106,7 @@ MASKS = {
                     lambda b, h, i, j: (j <= i and KEY_VALID[b, j]) or (i < j < PREFIX[b])),
     'per head': (masks.Mask(lambda b, h, q, k: (k + h) % 3 != 0, 'heads'),
                  lambda b, h, i, j: (j + h) % 3 != 0),
-    'dense spec': (masks.MaskSpec(dense=DENSE).to_mask(), lambda b, h, i, j: DENSE[0, h, i, j]),
+    'dense spec': (masks.as_mask(DENSE), lambda b, h, i, j: DENSE[0, h, i, j]),
     'no key': (masks.key_padding(NO_KEY), lambda b, h, i, j: NO_KEY[b, j]),
 }
 
@@ -125,7 +125,7 @@ CASES = {
     'prefix-LM, decoding offset': dict(score='alibi', mask='prefix-LM', q_offset=10, n=9, m=30),
     'combination, both tables': dict(score='both', mask='combination', n=21, m=33),
     'per-head mask, GQA': dict(mask='per head', g=2, n=18, m=20),
-    'dense MaskSpec': dict(score='alibi', mask='dense spec', n=17, m=17),
+    'boolean array': dict(score='alibi', mask='dense spec', n=17, m=17),
     'rows that see no key': dict(score='alibi', mask='no key', causal=True, n=24, m=24),
 }
 

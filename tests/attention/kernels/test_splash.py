@@ -29,8 +29,9 @@ def test_splash_matches_the_dense_path_forward_and_gradients(causal):
   mask, rows that see no key included (uniform weights), never NaN."""
   qkv, query_valid, key_valid = _inputs()
   n = qkv[0].shape[1]
-  spec = masks.MaskSpec(causal=causal, query_valid=query_valid, key_valid=key_valid)
-  dense_mask = spec.to_dense(n, n)
+  dense_mask = query_valid[:, None, :, None] & key_valid[:, None, None, :]
+  if causal:
+    dense_mask = dense_mask & jnp.tril(jnp.ones((n, n), bool))
   cotangent = jax.random.normal(jax.random.key(9), qkv[0].shape)
 
   def ours(q, k, v):
@@ -55,7 +56,7 @@ def _fits(platform='tpu', n=256, m=None, d=128, dtype='bfloat16', mask_kind='cau
   """Whether kernels.splash_fits takes attend's call on these shapes."""
   query = jax.ShapeDtypeStruct((2, n, 8, d), dtype)
   key = jax.ShapeDtypeStruct((2, n if m is None else m, 2, d), dtype)
-  mask = {'causal': masks.MaskSpec(causal=True), 'full': None, None: masks.causal()}[mask_kind]
+  mask = {'causal': masks.causal(), 'full': None, None: masks.prefix_lm(jnp.zeros(1, int))}[mask_kind]
   with select.target_platform(platform):
     call, _, _ = entry.describe_call(
         query, key, mask=mask, dtype=dtype, dropout_rate=0.1 if dropout else 0.0,
@@ -76,12 +77,12 @@ def test_splash_fits_on_tpu_for_causal_or_full_masks_in_whole_blocks():
 def test_mask_kind_reads_causal_or_full_with_padding_only():
   valid = jnp.ones((2, 8), bool)
   assert select.mask_kind(None) == 'full'
-  assert select.mask_kind(masks.MaskSpec(key_valid=valid, query_valid=valid)) == 'full'
-  assert select.mask_kind(masks.MaskSpec(causal=True, key_valid=valid)) == 'causal'
-  assert select.mask_kind(masks.MaskSpec(causal=True), q_offset=jnp.int32(3)) is None
-  assert select.mask_kind(masks.MaskSpec(causal=True, window=4)) is None
-  assert select.mask_kind(masks.MaskSpec(query_segments=valid, key_segments=valid)) is None
-  assert select.mask_kind(masks.MaskSpec(dense=valid[:, None, None])) is None
+  assert select.mask_kind(masks.padding(valid)) == 'full'
+  assert select.mask_kind(masks.causal() & masks.key_padding(valid)) == 'causal'
+  assert select.mask_kind(masks.causal(), q_offset=jnp.int32(3)) is None
+  assert select.mask_kind(masks.causal() & masks.sliding_window(4)) is None
+  assert select.mask_kind(masks.segments(valid, valid)) is None
+  assert select.mask_kind(masks.as_mask(valid[:, None, None])) is None
   assert select.mask_kind(valid[:, None, None]) is None
 
 
@@ -95,7 +96,7 @@ def _tpu_hlo(attention='dot_product', n=128, dropout=False, grad=False, mask=Non
   x = jax.ShapeDtypeStruct((2, n, 256), jnp.float32)
   params = jax.eval_shape(layer.init, jax.random.key(0), x)
   if mask is None:
-    mask = masks.MaskSpec(causal=True, key_valid=jnp.arange(n)[None] < jnp.array([[n], [n - 9]]))
+    mask = masks.causal() & masks.key_padding(jnp.arange(n)[None] < jnp.array([[n], [n - 9]]))
 
   def forward(params, x):
     return layer.apply(params, x, mask=mask, deterministic=not dropout,
@@ -111,5 +112,5 @@ def test_dot_product_and_rotary_lower_to_splash_for_a_tpu_where_it_fits():
   assert 'tpu_custom_call' in _tpu_hlo('rotary', n=256)
   assert 'tpu_custom_call' not in _tpu_hlo(n=100)
   assert 'tpu_custom_call' not in _tpu_hlo(dropout=True)
-  assert 'tpu_custom_call' not in _tpu_hlo(mask=masks.MaskSpec(causal=True, window=16))
+  assert 'tpu_custom_call' not in _tpu_hlo(mask=masks.causal() & masks.sliding_window(16))
   assert 'tpu_custom_call' not in _tpu_hlo('alibi')

@@ -214,6 +214,6 @@ def test_scaled_rope_on_the_chunked_kernel_equals_dense():
               rope_original_max_len=16, rotary_fraction=0.75)
   causal = jnp.tril(jnp.ones((9, 9), bool))[None, None]
   dense = rotary.rotary_attention(q, k, v, mask=causal, q_offset=0, **rope)
-  blocks = registry.get('rotary').chunked(q, k, v, mask=masks.MaskSpec(causal=True),
+  blocks = registry.get('rotary').chunked(q, k, v, mask=masks.causal(),
                                            chunk_size=4, **rope)
   np.testing.assert_allclose(np.asarray(blocks), np.asarray(dense), atol=1e-5)

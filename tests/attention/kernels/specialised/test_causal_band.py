@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxformer_lite.attention import masks
 from flaxformer_lite.attention.kernels import blockwise, product
 from flaxformer_lite.attention.kernels.specialised import causal_band
 from flaxformer_lite.attention.schemes import shaw
-from flaxformer_lite.attention.masks import MaskSpec
 
 
 def _band_loop(q, key, value, k, key_rows, value_rows):
@@ -83,8 +83,7 @@ def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate, padded):
   if padded:
     valid[0, n - 5:] = False  # a PAD tail
     valid[1, [3, 4, 9]] = False  # PAD keys inside later queries' band, PAD queries
-  spec = (MaskSpec(causal=True, key_valid=jnp.asarray(valid), query_valid=jnp.asarray(valid))
-          if padded else MaskSpec(causal=True))
+  spec = masks.causal() & masks.padding(jnp.asarray(valid)) if padded else masks.causal()
   dense_mask = np.tril(np.ones((n, n), bool))[None, None] & valid[:, None, None, :] & (
       valid[:, None, :, None])
   assert shaw._splits_by_lag(spec, 0, k, n, n) == (k < n)
