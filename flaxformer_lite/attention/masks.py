@@ -176,8 +176,8 @@ def from_array(allowed, q_offset=0) -> Mask:
 
   def fn(b, h, q, k, arr, offset):
     at = lambda i, axis: i if arr.shape[axis] > 1 else 0 * i  # noqa: E731 (broadcast axis)
-    return arr[at(b, 0), at(h, 1), at(q - offset, 2), at(k, 3)]
-  return Mask(fn, 'array', (allowed, jnp.asarray(q_offset, jnp.int32)))
+    return arr[at(b, 0), at(h, 1), at(q - offset[0], 2), at(k, 3)]
+  return Mask(fn, 'array', (allowed, jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))))
 
 
 def as_mask(mask, q_offset=0) -> Mask | None:

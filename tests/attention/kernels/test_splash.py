@@ -83,7 +83,6 @@ def test_mask_kind_reads_causal_or_full_with_padding_only():
   assert select.mask_kind(masks.causal() & masks.sliding_window(4)) is None
   assert select.mask_kind(masks.segments(valid, valid)) is None
   assert select.mask_kind(masks.as_mask(valid[:, None, None])) is None
-  assert select.mask_kind(valid[:, None, None]) is None
 
 
 def _tpu_hlo(attention='dot_product', n=128, dropout=False, grad=False, mask=None):
