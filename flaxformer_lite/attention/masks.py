@@ -234,6 +234,14 @@ def rules_of(mask: Mask | None) -> Rules | None:
   return out
 
 
+def hides_no_row(mask: Mask | None) -> bool:
+  """Whether every query surely sees a key, read from the rules: no mask, or
+  the causal rule alone (query index q >= 0 sees key 0). False is "may
+  hide": a kernel then applies the no-key rule (softmax.where_no_key)."""
+  rules = rules_of(mask)
+  return rules is not None and not rules.has_more()
+
+
 def _and_rule(old, new, field: str):
   """Two masks' arrays for one rule -> the rule both say, or None."""
   if field == 'segments':

@@ -95,9 +95,9 @@ def where_no_key(out, lse, uniform):
   keys (the mean value for plain attention). That is the dense softmax's
   answer (all its logits equal), jax.nn.dot_product_attention's and
   flax's: finite where a -inf row would give NaN, and the same on every
-  kernel. uniform() runs only where some row needs it -> float32 [b, n, h, dv]."""
+  kernel. uniform None: the mask hides no row (masks.hides_no_row), and out
+  is returned as it is -> float32 [b, n, h, dv]."""
+  if uniform is None:
+    return out.astype(jnp.float32)
   empty = jnp.isneginf(lse).transpose(0, 2, 1)[..., None]  # [b, n, h, 1]
-  out = out.astype(jnp.float32)
-  return jax.lax.cond(jnp.any(empty),
-                      lambda: jnp.where(empty, uniform().astype(jnp.float32), out),
-                      lambda: out)
+  return jnp.where(empty, uniform().astype(jnp.float32), out.astype(jnp.float32))

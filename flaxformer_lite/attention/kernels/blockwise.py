@@ -129,7 +129,9 @@ def attend(query, key, value, terms: Terms = Terms(), params=None, *,
   seed = dropout.seed(dropout_rng) if rate else jnp.uint32(0)
   blocks = plan(b, h, n, m, chunk_size, rate, dropout_first_query)
   n_pad, m_pad = blocks.nq * blocks.bq, blocks.nk * blocks.bk
-  mask = mask_blocks(masks.as_mask(mask, q_offset) or masks.everything(), q_offset, b, h, blocks)
+  mask = masks.as_mask(mask, q_offset)
+  hides_no_row = masks.hides_no_row(mask)
+  mask = mask_blocks(mask or masks.everything(), q_offset, b, h, blocks)
   q_offset = jnp.asarray(q_offset, jnp.int32)
   tables = block_tables(blocks, terms, params, q_offset)
   pad = masks.pad_to
@@ -139,7 +141,7 @@ def attend(query, key, value, terms: Terms = Terms(), params=None, *,
   if return_lse:
     return out.astype(dtype), lse
   # Heads of a group share their keys, so they share the uniform output too.
-  uniform = lambda: repeat_heads(  # noqa: E731
+  uniform = None if hides_no_row else lambda: repeat_heads(
       terms.uniform(value, tables, q_offset + jnp.arange(n), m), h)
   return softmax.where_no_key(out, lse, uniform).astype(dtype)
 

@@ -328,7 +328,8 @@ def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_ra
       rows(value_table), key_valid=rules.key_valid, query_valid=rules.query_valid,
       seed=dropout_lib.seed(dropout_rng) if rate else None, rate=rate)
   out = blockwise.merge(far, far_lse, near, near_lse)
-  uniform = lambda: product.repeat_heads(_uniform(k, value, tables, jnp.arange(n), n), h)  # noqa: E731
+  uniform = None if masks.hides_no_row(mask) else lambda: product.repeat_heads(
+      _uniform(k, value, tables, jnp.arange(n), n), h)
   return softmax.where_no_key(out, jnp.logaddexp(far_lse, near_lse), uniform).astype(dtype)
 
 
