@@ -276,23 +276,6 @@ def as_dense(mask, batch: int, heads: int, n: int, m: int, q_offset=0):
   return evaluate(mask, batch, heads, n, m, q_offset) if isinstance(mask, Mask) else mask
 
 
-def rows_seeing_a_key(mask: Mask, batch: int, heads: int, n: int, m: int, q_offset=0,
-                      rows: int = 128):
-  """Whether each query (query i at index q_offset + i) sees any of the m
-  keys -> bool [batch | 1, heads | 1, n]; `rows` queries at a time, so the
-  memory is rows * m, not n * m."""
-  rows = min(rows, n)
-  k = jnp.arange(m)
-
-  def block(i):
-    seen = at(mask, batch, heads, q_offset + i * rows + jnp.arange(rows), k)
-    seen = jnp.broadcast_to(seen, jnp.broadcast_shapes(seen.shape, (1, 1, rows, m)))
-    return jnp.any(seen, axis=-1)  # [b | 1, h | 1, rows]
-
-  out = jax.lax.map(block, jnp.arange(-(-n // rows)))  # [blocks, b | 1, h | 1, rows]
-  return jnp.moveaxis(out, 0, 2).reshape(out.shape[1:3] + (-1,))[..., :n]
-
-
 def block_mask(mask: Mask, batch: int, heads: int, n: int, m: int, bq: int, bk: int,
                q_offset=0, diagonal: bool = False):
   """Each block's state, computed once per call -> int8 [batch | 1, heads | 1,

@@ -506,7 +506,16 @@ def _dq(st: Settings, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: Settings, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks):
-  return _forward(st, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks)[0]
+  """-> (out [b, n_pad, h, dv], lse float32 [b, h, n_pad], -inf where a query
+  sees no key)."""
+  out, lse = _forward(st, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks)
+  return out, _public_lse(lse)
+
+
+def _public_lse(lse):
+  """The kernel's lse (-NEG_INF, far above any score, where a row sees no
+  key: its p = exp(s - lse) is 0 in the backward) with -inf there."""
+  return jnp.where(lse == -NEG_INF, -jnp.inf, lse)
 
 
 def _attention_fwd(st: Settings, *primals):
@@ -517,11 +526,12 @@ def _attention_fwd(st: Settings, *primals):
   wanted = {name: None for name, p in tables.items()
             if p.perturbed and jnp.issubdtype(p.value.dtype, jnp.inexact)}
   out, lse = _forward(st, *args)
-  return out, (args, out, lse, wanted)
+  return (out, _public_lse(lse)), (args, out, lse, wanted)
 
 
-def _backward(st: Settings, res, d_out):
+def _backward(st: Settings, res, cotangents):
   args, out, lse, wanted = res
+  d_out, d_lse = cotangents
   q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks = args
   if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
     d_out = jnp.zeros(out.shape, out.dtype)
@@ -529,6 +539,9 @@ def _backward(st: Settings, res, d_out):
   b, m_pad, g = k.shape[0], k.shape[1], k.shape[2]
   h = q.shape[2]
   delta = jnp.einsum('bnhd,bnhd->bhn', out.astype(jnp.float32), d_out.astype(jnp.float32))
+  if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
+    # d lse_i / d s_ij = p_ij, so ds_ij = p_ij (dp_ij - delta_i + dlse_i): dlse joins delta.
+    delta = delta - d_lse.astype(jnp.float32)
   dk, dv = _dkdv(st, *args, d_out, lse, delta)
   dq, *drows = _dq(st, *args, d_out, lse, delta)
   group = lambda x, like: x.reshape(b, m_pad, g, h // g, x.shape[3]).sum(axis=3).astype(like.dtype)
@@ -590,7 +603,7 @@ def _per_head_tables(tables: dict | None, h: int) -> dict:
 def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
                     mask: masks.Mask | None = None, q_positions=None, k_positions=None,
                     causal: bool = False, q_offset=0, block_q: int = 64, block_k: int = 64,
-                    interpret: bool = False):
+                    interpret: bool = False, return_lse: bool = False):
   """Attention with a score function and a mask in one fused kernel (module
   docstring).
 
@@ -610,8 +623,11 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
     causal: query i (index q_offset + i) sees the keys j <= q_offset + i.
     block_q, block_k: the tiles; the lengths are padded to them.
     interpret: run in Pallas's interpreter (any backend).
+    return_lse: return each row's log-sum-exp of its scores too
+      (differentiable; -inf for a query that sees no key).
   Returns:
-    [b, n, h, dv] in q's dtype; 0 for a query that sees no key.
+    [b, n, h, dv] in q's dtype, 0 for a query that sees no key; with
+    return_lse, (that, lse float32 [b, h, n]).
   """
   b, n, h, d = q.shape
   m, g = k.shape[1], k.shape[2]
@@ -628,11 +644,11 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
   blocks = None if mask is None else block_states(st, mask, b, h, offset[0])
   q_positions = (offset[0] + jnp.arange(n) if q_positions is None else q_positions)
   k_positions = jnp.arange(m) if k_positions is None else k_positions
-  out = _attention(st, _pad(q, 1, block_q), _pad(k, 1, block_k), _pad(v, 1, block_k),
-                   _pad(jnp.asarray(q_positions, jnp.int32), 0, block_q),
-                   _pad(jnp.asarray(k_positions, jnp.int32), 0, block_k), offset, tables,
-                   tuple(jnp.asarray(a) for a in (mask.arrays if mask else ())), blocks)
-  return out[:, :n]
+  out, lse = _attention(st, _pad(q, 1, block_q), _pad(k, 1, block_k), _pad(v, 1, block_k),
+                        _pad(jnp.asarray(q_positions, jnp.int32), 0, block_q),
+                        _pad(jnp.asarray(k_positions, jnp.int32), 0, block_k), offset, tables,
+                        tuple(jnp.asarray(a) for a in (mask.arrays if mask else ())), blocks)
+  return (out[:, :n], lse[:, :, :n]) if return_lse else out[:, :n]
 
 
 def _round_up(x: int) -> int:

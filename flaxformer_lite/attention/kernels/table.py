@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks
+from flaxformer_lite.attention import masks, softmax
 from flaxformer_lite.attention.kernels import pallas_gpu, product, splash
 from flaxformer_lite.attention.scheme import Terms, call_tables, query_key_positions
 
@@ -170,25 +170,22 @@ def _run_pallas(call: Call, query, key, value):
   """A scheme's terms on the fused Pallas kernel (kernels/pallas_gpu.py;
   interpreted off a GPU): its tables made once, its q and k maps applied
   before the kernel, its elementwise score inside it. A row that sees no key
-  gets the uniform weights of the other kernels (the mean value)."""
+  gets the uniform weights of the other kernels (softmax.where_no_key)."""
   terms, dtype = call.terms, call.dtype
-  b, n, h, _ = call.query_shape
-  m = call.key_shape[1]
+  h, m = call.query_shape[2], call.key_shape[1]
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   query, key, tables, q_pos, k_pos = _mapped(call, query, key)
   # A causal rule alone runs as the kernel's own causal bounds, no mask evaluated.
   rules = masks.rules_of(call.mask)
   causal = rules is not None and rules.causal and not rules.has_more()
   rule = None if causal else call.mask
-  out = pallas_gpu.flash_attention(
+  out, lse = pallas_gpu.flash_attention(
       query, key, value, score=terms.score, tables=tables, mask=rule, causal=causal,
       q_positions=q_pos, k_positions=k_pos, q_offset=call.q_offset,
-      interpret=call.platform != 'gpu')
-  if rule is None:
-    return out
-  seen = masks.rows_seeing_a_key(rule, b, h, n, m, call.q_offset)  # [b | 1, h | 1, n]
-  mean = product.repeat_heads(terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
-  return jnp.where(jnp.moveaxis(seen, 1, 2)[..., None], out, mean.astype(out.dtype))
+      interpret=call.platform != 'gpu', return_lse=True)
+  uniform = None if masks.hides_no_row(call.mask) else lambda: product.repeat_heads(
+      terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
+  return softmax.where_no_key(out, lse, uniform).astype(out.dtype)
 
 
 def _mapped(call: Call, query, key):

@@ -198,6 +198,33 @@ def test_rows_that_see_no_key_give_zero_and_zero_gradients():
   np.testing.assert_array_equal(np.asarray(dq)[1, :20], 0.0)
 
 
+def test_the_log_sum_exp_and_its_gradient_equal_logsumexp_of_the_scores():
+  """return_lse: each row's log-sum-exp of its visible scores (ALiBi, key
+  padding with rows that see no key: -inf there), and the gradient of a
+  loss on it and on the output equals jax.nn.logsumexp's on whole arrays."""
+  q, k, v, kwargs, ref, tables = _case('rows that see no key')
+  visible = ref['visible']  # [b, h, n, m], the causal rule included
+  w = jnp.asarray(RNG.normal(size=(q.shape[0], H, q.shape[1])), jnp.float32)
+
+  def dense(q):
+    kk = jnp.repeat(jnp.asarray(k), H // k.shape[2], axis=2)
+    s = jnp.einsum('bnhd,bmhd->bhnm', q, kk) / np.sqrt(q.shape[3])
+    s = kwargs['score'](s, None, jnp.arange(H)[:, None, None], jnp.arange(q.shape[1])[:, None],
+                        jnp.arange(k.shape[1])[None, :], tables)
+    return jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), axis=-1)
+
+  def fused(q):
+    return pallas_gpu.flash_attention(q, k, v, tables=tables, return_lse=True, **kwargs)[1]
+
+  want, got = dense(jnp.asarray(q)), fused(jnp.asarray(q))
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  seen = np.isfinite(np.asarray(want))
+  np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(want)[seen], rtol=1e-5, atol=1e-5)
+  loss = lambda fn: lambda q: jnp.sum(jnp.where(seen, fn(q), 0.0) * w)  # noqa: E731
+  np.testing.assert_allclose(jax.grad(loss(fused))(jnp.asarray(q)),
+                             jax.grad(loss(dense))(jnp.asarray(q)), rtol=1e-4, atol=1e-5)
+
+
 def _dense(q, k, v, score, tables, visible, q_pos, k_pos):
   """The same attention in plain JAX on whole arrays, with the scores'
   contract there: b = arange(b)[:, None, None, None], head = arange(h)[:,
