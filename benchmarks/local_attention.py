@@ -15,7 +15,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import dot_product_attention
+from flaxformer_lite.attention import dot_product_attention, entry
 from flaxformer_lite.attention.schemes import local
 from timing import interleaved_times, median, memory
 
@@ -41,11 +41,10 @@ def main():
   print(f'{"n":>5} {"variant":<14}{"ms":>10}{"x dot":>8}{"temp MiB":>11}{"x dot":>8}')
   variants = {
       'dot_product': lambda q, k, v: dot_product_attention(q, k, v),
-      # The automatic choice: blocked where m >= 2x its context, else plain.
-      'local': lambda q, k, v: local.local_attention(q, k, v, window=w),
-      # An array q_offset (what a decoding cache passes) takes the plain masked form.
-      'local/plain': lambda q, k, v: local.local_attention(q, k, v, window=w,
-                                                           q_offset=jnp.int32(0)),
+      # The blocked kernel, and local's dense form (what a decoding cache runs).
+      'local': lambda q, k, v: entry.attend(q, k, v, scheme='local', kernel='local_blocked',
+                                            options={'window': w}),
+      'local/plain': lambda q, k, v: local.local_attention(q, k, v, window=w),
   }
   for n in a.lengths:
     keys = jax.random.split(jax.random.key(0), 3)

@@ -30,8 +30,8 @@ from timing import interleaved_times, median, memory, page_faults
 
 def variants(k):
   out = {'dot_product': ('dot_product', {})}
-  for form in ('naive', 'matmul', 'banded'):
-    out[f'shaw/{form}'] = ('shaw', {'max_distance': k, 'form': form})
+  for kernel in ('dense', 'shaw_banded'):
+    out[f'shaw/{kernel}'] = ('shaw', {'max_distance': k, 'kernel': kernel})
   if 't5_bias' in registry.names():
     out['t5_bias'] = ('t5_bias', {})
   return out
@@ -52,7 +52,7 @@ def main():
   p.add_argument('--max_distance', type=int, default=16)
   p.add_argument('--repeats', type=int, default=10)
   p.add_argument('--variants', nargs='+', default=None,
-                 help='subset of: dot_product shaw/naive shaw/matmul shaw/banded t5_bias')
+                 help='subset of: dot_product shaw/dense shaw/shaw_banded t5_bias')
   p.add_argument('--trials', type=int, default=1,
                  help='run the measurement in this many fresh processes and print the '
                       'median ratio and its range: on a shared CPU a whole process can '

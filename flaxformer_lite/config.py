@@ -257,17 +257,22 @@ def parent_of(config, path: str):
   return node, leaf
 
 
-# Keys that were renamed: the old one is refused naming the new.
-RENAMED = {'model.attention_kwargs.implementation': 'model.attention_kwargs.kernel'}
+# Keys that were renamed: the old one is refused naming the new (and, where
+# its values changed too, how).
+RENAMED = {'model.attention_kwargs.implementation': ('model.attention_kwargs.kernel', ''),
+           'model.attention_kwargs.form': (
+               'model.attention_kwargs.kernel', " (Shaw's forms are kernels: 'banded' is "
+               "'shaw_banded', 'naive' and 'matmul' are 'dense')")}
 
 
 def unknown_key_message(config, path: str) -> str | None:
   """None when `path` ('model.d_model') names a key of `config`; else the
   message naming the first part that does not exist, the nearest valid key
   and the valid keys beside it."""
-  for old, new in RENAMED.items():
+  for old, (new, note) in RENAMED.items():
     if path == old or path.startswith(old + '.'):
-      return f'config key {old!r} is {new!r} now: did you mean {path.replace(old, new, 1)!r}?'
+      return (f'config key {old!r} is {new!r} now{note}: did you mean '
+              f'{path.replace(old, new, 1)!r}?')
   node, walked = config, []
   for key in path.split('.'):
     if not isinstance(node, ml_collections.ConfigDict) or key not in node:

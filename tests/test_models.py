@@ -92,7 +92,7 @@ _WINDOW, _SHAW_CLIP, _T5_BUCKETS, _T5_RANGE, _COPE_POSITIONS = 2, 2, 8, 5, 4
 _DEBERTA = {'position_buckets': 4, 'max_relative_positions': 6}
 # Options that pick a code path or a convention, each run.
 FORMS = {'local': ({'causal': False}, {'causal': True}),
-         'shaw': tuple({'form': f} for f in ('naive', 'matmul', 'banded')),
+         'shaw': tuple({'kernel': k} for k in ('dense', 'shaw_banded')),
          't5_bias': ({'bidirectional': True}, {'bidirectional': False})}
 
 
@@ -240,7 +240,7 @@ def test_no_position_sees_the_future_gradient(model_type, positions, pre_ln, att
   rng = np.random.default_rng(0)
   zeros = jnp.zeros((2, L, BASE['d_model']))
   # One compilation each: the derivatives along every direction at once (vmap).
-  if dict(options).get('form') == 'banded':  # custom VJPs, no forward mode: a cotangent per row t
+  if dict(options).get('kernel') == 'shaw_banded':  # custom VJPs, no forward mode: a cotangent per row t
     vocab = jax.eval_shape(logits, zeros).shape[-1]
     directions = np.zeros((L, 2, L, vocab), np.float32)
     for t in range(L):

@@ -143,7 +143,12 @@ SHARED_OPTIONS: dict[str, str] = {
 KERNELS = ('auto', *kernels.TABLE)
 KERNEL_OPTIONS = {'kernel': 'auto', 'chunk_size': None, 'dense_max_mib': None}
 # The names kernel options had before, refused naming the new one.
-RENAMED_OPTIONS = {'implementation': 'kernel'}
+# Options that are gone, with the one that says the same now and its value
+# for each old one: kernels are chosen by `kernel` alone (Shaw's forms are
+# kernels of the table).
+RENAMED_OPTIONS = {'implementation': ('kernel', {}),
+                   'form': ('kernel', {'banded': 'shaw_banded', 'naive': 'dense',
+                                       'matmul': 'dense'})}
 
 
 class KernelOptions(NamedTuple):
@@ -366,10 +371,11 @@ def resolve_options(name: str | AttentionVariant, given: Mapping[str, Any] | Non
   """
   variant = _variant(name)
   given = {k: v for k, v in dict(given or {}).items() if v is not None}
-  for old, new in RENAMED_OPTIONS.items():
+  for old, (new, values) in RENAMED_OPTIONS.items():
     if old in given:
+      value = values.get(given[old], given[old])
       raise ValueError(f'attention_kwargs.{old}={given[old]!r}: the option is {new!r} now; '
-                       f'did you mean attention_kwargs.{new}={given[old]!r}?')
+                       f'did you mean attention_kwargs.{new}={value!r}?')
   unknown = sorted(set(given) - set(variant.kwargs) - set(KERNEL_OPTIONS))
   if unknown:
     valid = ', '.join(f'{k}={v!r}' for k, v in {**variant.kwargs, **KERNEL_OPTIONS}.items())
@@ -396,6 +402,12 @@ def resolve_kernel(name: str | AttentionVariant,
   kernel = KernelOptions(**{k: given.get(k, default) for k, default in KERNEL_OPTIONS.items()})
   _validate_kernel(variant, kernel)
   return kernel
+
+
+def runs_on(name: str, kernel: str) -> bool:
+  """Whether the kernel named `kernel` ('auto', or one of kernels.TABLE) can
+  run the scheme `name` at all."""
+  return kernel == 'auto' or kernels.TABLE[kernel].takes(_variant(name)) is None
 
 
 def position_array_names() -> list[str]:

@@ -78,6 +78,15 @@ OTHER = 'tpu'
 # gives it (powers of two for Triton's tiles; the sizes it is built for).
 PALLAS_DTYPES = (jnp.bfloat16, jnp.float16)
 PALLAS_HEAD_DIMS = (64, 128)
+# Where 'auto' runs a scheme densely, the kernels written for it instead:
+# Shaw's banded kernel once gathered [n, m, d] tables would hold this many
+# elements (n = m = 64 at d = 64: below it the paper's trick on them is the
+# faster; benchmarks/relative_attention.py --lengths 32 64 128), and local's
+# blocked kernel where m is at least this many times a block's context (2 or
+# 3 windows: with fewer keys it saves too little of the [n, m] work to pay
+# for the blocking; benchmarks/local_attention.py).
+SHAW_BANDED_MIN_ELEMENTS = 2**18
+LOCAL_BLOCKED_MIN_RATIO = 2
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar('target', default=None)
 
@@ -218,11 +227,31 @@ def _auto(call: kernels.Call, dense_max_mib: int | None) -> Choice:
     return Choice(kernels.BLOCKWISE, f'auto: a per-pair bias table over {n}x{m} pairs')
   score_bytes = b * h * n * m * jnp.dtype(call.dtype).itemsize
   limit = dense_max_bytes(dense_max_mib)
+  sizes = f'{call.platform}, scores {score_bytes / 2**20:.3g} MiB'
   if score_bytes <= limit:
-    return Choice(kernels.DENSE, f'auto: {call.platform}, scores {score_bytes / 2**20:.3g} MiB '
-                                 f'<= {limit / 2**20:.3g}')
-  return Choice(kernels.BLOCKWISE, f'auto: {call.platform}, scores {score_bytes / 2**20:.3g} '
-                                   f'MiB > {limit / 2**20:.3g}')
+    return _written_for(call, Choice(kernels.DENSE, f'auto: {sizes} <= {limit / 2**20:.3g}'))
+  return _written_for(call, Choice(kernels.BLOCKWISE, f'auto: {sizes} > {limit / 2**20:.3g}'))
+
+
+def _written_for(call: kernels.Call, choice: Choice) -> Choice:
+  """`choice` (dense or blockwise), or the kernel written for the scheme in
+  its place where it supports the call and pays: Shaw's banded kernel for
+  its dense form past SHAW_BANDED_MIN_ELEMENTS, local's blocked kernel past
+  LOCAL_BLOCKED_MIN_RATIO, Shaw's split by lag for the blockwise kernel."""
+  (b, n, h, d), m = call.query_shape, call.key_shape[1]
+  if choice.kernel is kernels.DENSE:
+    options = [(kernels.SHAW_BANDED, n * m * d >= SHAW_BANDED_MIN_ELEMENTS,
+                f'its [n, m, d] tables {n}x{m}x{d} >= {SHAW_BANDED_MIN_ELEMENTS}')]
+    if call.variant.name == 'local':
+      context = (2 if call.kwargs['causal'] else 3) * call.kwargs['window']
+      options.append((kernels.LOCAL_BLOCKED, LOCAL_BLOCKED_MIN_RATIO * context <= m,
+                      f'{m} keys >= {LOCAL_BLOCKED_MIN_RATIO} x its context of {context}'))
+  else:
+    options = [(kernels.SHAW_BY_LAG, True, 'causal self-attention')]
+  for kernel, pays, why in options:
+    if pays and kernel.supports(call) is None:
+      return Choice(kernel, f'{choice.why}; {why}')
+  return choice
 
 
 def _pair_table(variant, heads: int, head_dim: int) -> bool:

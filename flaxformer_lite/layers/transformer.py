@@ -179,11 +179,14 @@ def _attention(cfg: TransformerConfig, name: str, num_layers: int, decode: bool 
   """Self-attention uses the configured variant. Cross-attention does too,
   unless the variant is about positions: decoder and encoder positions are
   not on one axis, so relative schemes there fall back to dot_product (on
-  the configured kernel)."""
+  the configured kernel, or 'auto' where that kernel is written for the
+  configured scheme alone)."""
   attention, kwargs = cfg.attention, cfg.attention_kwargs
   if cross and registry.get(attention).uses_positions:
     kernel = {k: v for k, v in dict(kwargs or {}).items()
               if k in registry.KERNEL_OPTIONS and v is not None}
+    if not registry.runs_on('dot_product', kernel.get('kernel', 'auto')):
+      del kernel['kernel']
     attention, kwargs = 'dot_product', kernel or None
   return MultiHeadAttention(
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads or None, attention=attention,

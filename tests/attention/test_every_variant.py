@@ -31,8 +31,7 @@ Q_OFFSET = 4  # queries at absolute positions 4..19, keys at 0..19
 PADDED = 15  # example 1 has keys 0..14
 
 # Every variant, and every form of those whose option picks a code path.
-FORMS = {'local': [{'causal': False}, {'causal': True}],
-         'shaw': [{'form': f} for f in ('naive', 'matmul', 'banded')]}
+FORMS = {'local': [{'causal': False}, {'causal': True}]}
 CASES = [(name, extra) for name in registry.names() for extra in FORMS.get(name, [{}])]
 CASE_IDS = [name + ''.join(f'-{k}={v}' for k, v in extra.items()) for name, extra in CASES]
 # Documented to sum to less than 1 (a Gaussian factor after the softmax).

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import masks, softmax
 from flaxformer_lite.attention.kernels import pallas_gpu, product, splash
+from flaxformer_lite.attention.kernels.specialised import (causal_band, local_blocked,
+                                                           relative_banded)
 from flaxformer_lite.attention.scheme import Terms, call_tables, query_key_positions
 
 
@@ -78,9 +80,8 @@ def _run_dense(call: Call, query, key, value, *, implementation=None):
   variant = call.variant
   b, n, h, _ = call.query_shape
   m, g = call.key_shape[1:3]
-  if g != h and not variant.grouped_kv:
-    # contiguous groups: heads [0, h/g) read key/value head 0, and so on
-    key, value = (jnp.repeat(x, h // g, axis=2) for x in (key, value))  # [b, m, h, d]
+  if not variant.grouped_kv:
+    key, value = _every_head(call, key, value)
   extra = {}
   if variant.uses_positions:
     extra['q_offset'] = call.q_offset
@@ -98,6 +99,13 @@ def _run_dense(call: Call, query, key, value, *, implementation=None):
                     dropout_rng=call.dropout_rng, deterministic=not call.dropout,
                     dtype=call.dtype, return_weights=call.return_weights, **call.params,
                     **call.kwargs, **extra)
+
+
+def _every_head(call: Call, key, value):
+  """key, value [b, m, g, d] -> [b, m, h, d] for h query heads: contiguous
+  groups, heads [0, h/g) read key/value head 0, and so on."""
+  h, g = call.query_shape[2], call.key_shape[2]
+  return (key, value) if g == h else (jnp.repeat(x, h // g, axis=2) for x in (key, value))
 
 
 DENSE = Kernel('dense', _always, _always, _run_dense,
@@ -307,4 +315,77 @@ SPLASH = Kernel('splash', _plain_takes, splash_fits, _run_splash,
                 "JAX's Pallas splash kernel (TPU): causal or full masks with padding")
 
 
-TABLE: dict[str, Kernel] = {k.name: k for k in (DENSE, BLOCKWISE, PALLAS, CUDNN, SPLASH, XLA)}
+# ------------------------------------------------ written for one scheme
+
+
+def _only(name: str):
+  """takes(variant) of a kernel written for the scheme `name` alone."""
+  def takes(variant) -> str | None:
+    return None if variant.name == name else f'it is written for {name} alone'
+  return takes
+
+
+def _shaw_banded_supports(call: Call) -> str | None:
+  if call.positions is not None:
+    return 'it reads positions as ranges, not as data'
+  return _only('shaw')(call.variant)
+
+
+def _run_shaw_banded(call: Call, query, key, value):
+  """Shaw's attention without [n, m, d] tables (relative_banded.py)."""
+  (b, n, h, d), m, dtype = call.query_shape, call.key_shape[1], call.dtype
+  key, value = _every_head(call, key.astype(dtype), value.astype(dtype))
+  out, weights = relative_banded.banded_attention(
+      query.astype(dtype) / jnp.sqrt(d).astype(dtype), key, value,
+      call.params.get('rel_key_table'), call.params.get('rel_value_table'),
+      mask=masks.as_dense(call.mask, b, h, n, m, call.q_offset), bias=call.bias,
+      q_offset=call.q_offset, dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng,
+      deterministic=not call.dropout, dtype=dtype)
+  return (out, weights) if call.return_weights else out
+
+
+def _shaw_by_lag_supports(call: Call) -> str | None:
+  if call.bias is not None or call.return_weights or call.positions is not None:
+    return 'it takes no bias or positions as data and returns no weights'
+  return _only('shaw')(call.variant) or causal_band.fits(
+      call.mask, call.q_offset, call.query_shape[1], call.key_shape[1], call.params)
+
+
+def _run_shaw_by_lag(call: Call, query, key, value):
+  return causal_band.by_lag(query, key, value, dict(call.params), mask=call.mask,
+                            uniform=call.terms.uniform, chunk_size=call.chunk_size,
+                            dtype=call.dtype, dropout_rate=call.dropout_rate,
+                            dropout_rng=call.dropout_rng)
+
+
+def _local_blocked_supports(call: Call) -> str | None:
+  if call.return_weights:
+    return 'it returns no [n, m] weights'
+  return _only('local')(call.variant) or local_blocked.fits(
+      call.query_shape[1], call.key_shape[1], call.kwargs['window'], call.q_offset)
+
+
+def _run_local_blocked(call: Call, query, key, value):
+  (b, n, h, _), m = call.query_shape, call.key_shape[1]
+  key, value = _every_head(call, key, value)
+  return local_blocked.blocked_attention(
+      query, key, value, window=call.kwargs['window'], causal=call.kwargs['causal'],
+      mask=masks.as_dense(call.mask, b, h, n, m, call.q_offset), bias=call.bias, dtype=call.dtype,
+      dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng,
+      deterministic=not call.dropout)
+
+
+SHAW_BANDED = Kernel('shaw_banded', _only('shaw'), _shaw_banded_supports, _run_shaw_banded,
+                     "Shaw's attention with no [n, m, d] table: the 2k+1 rows met once, "
+                     'spread by distance (kernels/specialised/relative_banded.py)')
+SHAW_BY_LAG = Kernel('shaw_by_lag', _only('shaw'), _shaw_by_lag_supports, _run_shaw_by_lag,
+                     "Shaw's causal self-attention split by lag: an O(n k) band and blockwise "
+                     'plain attention (kernels/specialised/causal_band.py)')
+LOCAL_BLOCKED = Kernel('local_blocked', _only('local'), _local_blocked_supports,
+                       _run_local_blocked,
+                       'local attention in blocks of its window: O(n * window) '
+                       '(kernels/specialised/local_blocked.py)')
+
+
+TABLE: dict[str, Kernel] = {k.name: k for k in (DENSE, BLOCKWISE, PALLAS, CUDNN, SPLASH, XLA,
+                                                SHAW_BANDED, SHAW_BY_LAG, LOCAL_BLOCKED)}

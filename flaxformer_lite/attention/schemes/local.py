@@ -8,17 +8,10 @@ The mask is and-ed with the window, so causal=False (the default) is right in ev
 (decoders pass their causal mask); causal=True also makes an encoder causal,
 and saves the blocked form a third of its work in decoders.
 
-Two forms give the same numbers (attention dropout included: dropout.py's
-keep mask is a function of the query and key indices):
-  blocked: queries in blocks of `window`; each block attends to its own key
-    block and the previous one (and the next one if not causal): logits
-    [b, h, n/w, w, 2w or 3w], so time and memory grow with n * window.
-    Needs q_offset == 0 (a python int), n == m, n % window == 0; taken when
-    that context is at most half of m: with more, it saves too little of the
-    [n, m] work to pay for the blocking (benchmarks/local_attention.py).
-  plain: [b, h, n, m] logits under an explicit band mask; for decoding with
-    a cache (traced q_offset), ragged lengths, and return_weights (whose
-    [b, h, n, m] result costs O(nm) anyway).
+Its dense form here is [b, h, n, m] logits under the band; the kernel
+`local_blocked` (kernels/specialised/local_blocked.py) gives the same numbers
+in O(n * window), and the blockwise kernel skips the blocks outside the
+window (local_chunked); select.py picks among them.
 """
 from __future__ import annotations
 
@@ -31,11 +24,6 @@ import jax.numpy as jnp
 from flaxformer_lite.attention import masks, registry, scheme
 from flaxformer_lite.attention.kernels import blockwise
 from flaxformer_lite.attention.softmax import window_softmax
-
-
-# The blocked form is taken when m is at least this many times its context
-# (2 or 3 windows; the module docstring says why).
-_BLOCKED_MIN_RATIO = 2
 
 
 band = masks.band  # the window's rule, one definition for every kernel
@@ -54,56 +42,6 @@ def _plain(query, key, value, *, window, causal, q_offset, mask, bias, dtype, **
   return jnp.einsum('bhnm,bmhd->bnhd', weights, value.astype(dtype)), weights
 
 
-def _key_blocks(x, num_blocks, w, ctx):
-  """[b, n, ...] -> [b, n/w, ctx*w, ...]: for query block c, keys (c-1)w .. (c-1+ctx)w - 1.
-
-  Zero rows stand in for keys before 0 and after n - 1.
-  """
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (w, (ctx - 2) * w)  # one block before, ctx-2 blocks after
-  blocks = jnp.pad(x, pad).reshape((x.shape[0], num_blocks + ctx - 1, w) + x.shape[2:])
-  return jnp.concatenate([blocks[:, s:s + num_blocks] for s in range(ctx)], axis=2)
-
-
-def _gather_blocks(x, num_blocks, w, ctx, fill):
-  """A mask or bias broadcastable to [b, h, n, m] (n = m) -> [B, H, n/w | 1, w | 1, ctx*w].
-
-  Row c*w + r, columns (c-1)w .. (c-1+ctx)w - 1 (`fill` outside 0..m-1):
-  O(n * ctx * w) elements, whatever the input's size.
-  """
-  x = jnp.asarray(x)
-  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-  m = num_blocks * w
-  x = jnp.broadcast_to(x, x.shape[:3] + (m,))  # [B, H, n|1, m]
-  x = jnp.pad(x, [(0, 0)] * 3 + [(w, (ctx - 2) * w)], constant_values=fill)  # key j at j + w
-  rows = (x.reshape(x.shape[:2] + (num_blocks, w, -1)) if x.shape[2] > 1
-          else x[:, :, None])  # [B, H, nb|1, w|1, m + (ctx-1)w]
-  cols = jnp.arange(num_blocks)[:, None, None] * w + jnp.arange(ctx * w)  # [nb, 1, ctx*w]
-  return jnp.take_along_axis(rows, cols[None, None], axis=-1)
-
-
-def _blocked(query, key, value, *, window, causal, mask, bias, dtype, **drop):
-  b, n, h, d = query.shape
-  w, nb, ctx = window, n // window, 2 if causal else 3
-  q = (query.astype(dtype) / jnp.sqrt(d).astype(dtype)).reshape(b, nb, w, h, d)
-  k = _key_blocks(key.astype(dtype), nb, w, ctx)  # [b, nb, ctx*w, h, d]
-  v = _key_blocks(value.astype(dtype), nb, w, ctx)  # [b, nb, ctx*w, h, d]
-  logits = jnp.einsum('bcqhd,bckhd->bhcqk', q, k,
-                      preferred_element_type=jnp.float32)  # [b, h, nb, w, ctx*w]
-  if bias is not None:
-    logits = logits + _gather_blocks(bias, nb, w, ctx, 0).astype(jnp.float32)
-  q_pos = jnp.arange(nb)[:, None, None] * w + jnp.arange(w)[:, None]  # [nb, w, 1]
-  k_pos = (jnp.arange(nb)[:, None, None] - 1) * w + jnp.arange(ctx * w)  # [nb, 1, ctx*w]
-  # The zero blocks before key 0 and after key n-1 are not keys.
-  in_window = band(q_pos, k_pos, w, causal) & (k_pos >= 0) & (k_pos < n)  # [nb, w, ctx*w]
-  if mask is not None:
-    mask = _gather_blocks(mask.astype(bool), nb, w, ctx, False)
-  weights = window_softmax(logits, in_window, mask, dtype=dtype, q_idx=q_pos, k_idx=k_pos,
-                           **drop)
-  out = jnp.einsum('bhcqk,bckhd->bcqhd', weights, v)  # [b, nb, w, h, d]
-  return out.reshape(b, n, h, d)
-
-
 def local_attention(query, key, value, *, window=8, causal=False, q_offset=0,
                     mask=None, bias=None, dropout_rate=0.0, dropout_rng=None,
                     deterministic=True, dtype=None, return_weights=False):
@@ -120,15 +58,9 @@ def local_attention(query, key, value, *, window=8, causal=False, q_offset=0,
     (that, weights [b, h, n, m]).
   """
   dtype = dtype or query.dtype
-  n, m = query.shape[1], key.shape[1]
-  common = dict(window=window, causal=causal, mask=mask, bias=bias, dtype=dtype,
-                dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                deterministic=deterministic)
-  blocked = (isinstance(q_offset, int) and q_offset == 0 and n == m and n % window == 0
-             and _BLOCKED_MIN_RATIO * (2 if causal else 3) * window <= m)
-  if blocked and not return_weights:
-    return _blocked(query, key, value, **common)
-  out, weights = _plain(query, key, value, q_offset=q_offset, **common)
+  out, weights = _plain(query, key, value, window=window, causal=causal, q_offset=q_offset,
+                        mask=mask, bias=bias, dtype=dtype, dropout_rate=dropout_rate,
+                        dropout_rng=dropout_rng, deterministic=deterministic)
   return (out, weights) if return_weights else out
 
 
@@ -190,4 +122,4 @@ registry.register(registry.AttentionVariant(
     options=LocalOptions,
     uses_positions=True,
     doc='sliding-window softmax(q.k/sqrt(d)): causal=True sees the window keys '
-        'p-window < j <= p, causal=False |j-p| < window; blocked O(n*window) form'))
+        'p-window < j <= p, causal=False |j-p| < window'))

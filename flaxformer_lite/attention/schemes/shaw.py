@@ -5,13 +5,14 @@ vectors a^K_ij, a^V_ij = table[clip(j - (i + q_offset), -k, k) + k], tables
 [2k+1, d] shared across heads (eq. 3-5 of the paper):
   e_ij = (q_i . k_j + q_i . a^K_ij) / sqrt(d),   z_i = sum_j alpha_ij (v_j + a^V_ij).
 
-Three forms compute the same numbers (`form=` in attention_kwargs):
-  'naive'  gathers the [n, m, d] tables and uses plain einsums;
-  'matmul' gathers them and uses the paper's reshape-and-matmul trick (sec. 3.3);
-  'banded' never builds [n, m, d] (relative_banded.py): queries meet the 2k+1
-           table rows once and the result is spread onto the keys by
-           clipped distance; memory O(b h n m) instead of O(n m d).
-'auto' picks 'matmul' while the [n, m, d] tables are small and 'banded' after.
+Here: the formula by the paper's reshape-and-matmul trick (sec. 3.3) over
+gathered [n, m, d] tables (the dense kernel), and its terms (scheme.py) for
+the blockwise kernel. Two kernels of its own give the same numbers
+(kernels/specialised/): `shaw_banded` never builds [n, m, d] (queries meet
+the 2k+1 table rows once, spread onto the keys by clipped distance: memory
+O(b h n m)), and `shaw_by_lag` splits causal self-attention by lag (the k
+nearest keys as a band, the rest as plain attention with one table row:
+O(n k) beyond the plain kernel). select.py picks among them.
 """
 from __future__ import annotations
 
@@ -21,20 +22,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import masks, registry, scheme, softmax
-from flaxformer_lite.attention.kernels import blockwise, product
-from flaxformer_lite.attention import dropout as dropout_lib
-from flaxformer_lite.attention.kernels.specialised.causal_band import causal_band
-from flaxformer_lite.attention.kernels.specialised.relative_banded import (_banded_attention, band_indices,
-                                                       bucket_spread, bucket_sum)
+from flaxformer_lite.attention import registry, scheme
+from flaxformer_lite.attention.kernels import product
+from flaxformer_lite.attention.kernels.specialised.relative_banded import (band_indices,
+                                                                           bucket_spread,
+                                                                           bucket_sum)
 from flaxformer_lite.attention.softmax import softmax_weights
-
-FORMS = ('auto', 'naive', 'matmul', 'banded')
-# 'auto' picks 'banded' once a materialised [n, m, d] table would have this many
-# elements (n = m = 64 at d = 64): below it the matmul form is the faster,
-# above it the banded one (benchmarks/relative_attention.py --lengths 32 64 128
-# --variants shaw/matmul shaw/banded).
-_AUTO_TABLE_ELEMENTS = 2 ** 18
 
 
 def relative_positions(q_len: int, k_len: int, max_distance: int, q_offset=0):
@@ -68,16 +61,8 @@ def shaw_relative_values(weights, rel_value):
   return out.reshape(n, b, h, d).transpose(1, 0, 2, 3)  # [b, n, h, d]
 
 
-def choose_form(form: str, n: int, m: int, d: int) -> str:
-  if form not in FORMS:
-    raise ValueError(f'shaw form={form!r}; valid: {", ".join(FORMS)}')
-  if form != 'auto':
-    return form
-  return 'matmul' if n * m * d < _AUTO_TABLE_ELEMENTS else 'banded'
-
-
 def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, *,
-                   mask=None, bias=None, q_offset=0, positions=None, form='auto',
+                   mask=None, bias=None, q_offset=0, positions=None,
                    dropout_rate=0.0, dropout_rng=None, deterministic=True, dtype=None,
                    return_weights=False):
   """Self-attention with relative position representations (eq. 3-5).
@@ -88,10 +73,7 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
     rel_key_table, rel_value_table: [2k+1, d] or None (the paper's keys-only
       or values-only ablations).
     mask: boolean, broadcastable to [b, h, n, m]; bias: added to the scaled logits.
-    positions: None, or int [n] (n = m): query and key i at positions[i];
-      the banded form reads positions as ranges, so 'banded' and 'auto'
-      take the matmul form then.
-    form: 'auto' | 'naive' | 'matmul' | 'banded' (module docstring).
+    positions: None, or int [n] (n = m): query and key i at positions[i].
   Returns:
     [b, n, h, d]; with return_weights, (that, weights [b, h, n, m]).
   """
@@ -101,18 +83,8 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
   m = key.shape[1]
   tables = [t for t in (rel_key_table, rel_value_table) if t is not None]
   k = (tables[0].shape[0] - 1) // 2 if tables else 0
-  form = choose_form(form, n, m, d)
-  if positions is not None and form == 'banded':
-    form = 'matmul'
   # (q.k + q.a) / sqrt(d) with the scale applied once to q ([b, n, h, d], not [b, h, n, m]).
   scaled = query / jnp.sqrt(d).astype(dtype)
-  if form == 'banded' and tables:
-    out, weights = _banded_attention(
-        scaled, key, value, rel_key_table, rel_value_table, mask=mask, bias=bias,
-        q_offset=q_offset, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        deterministic=deterministic, dtype=dtype)
-    return (out, weights) if return_weights else out
-
   if positions is None:
     idx = relative_positions(n, m, k, q_offset)  # [n, m]
   else:
@@ -120,12 +92,7 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
     idx = jnp.clip(p[None, :] - p[:, None], -k, k) + k
   logits = jnp.einsum('bnhd,bmhd->bhnm', scaled, key, preferred_element_type=jnp.float32)
   if rel_key_table is not None:
-    table = rel_key_table.astype(dtype)
-    if form == 'matmul':
-      logits += shaw_relative_logits(scaled, table[idx]).astype(jnp.float32)
-    else:
-      logits += jnp.einsum('bnhd,nmd->bhnm', scaled, table[idx],
-                           preferred_element_type=jnp.float32)
+    logits += shaw_relative_logits(scaled, rel_key_table.astype(dtype)[idx]).astype(jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   weights = softmax_weights(logits, mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
@@ -133,11 +100,7 @@ def shaw_attention(query, key, value, rel_key_table=None, rel_value_table=None, 
 
   out = jnp.einsum('bhnm,bmhd->bnhd', weights, value)
   if rel_value_table is not None:
-    table = rel_value_table.astype(dtype)
-    if form == 'matmul':
-      out += shaw_relative_values(weights, table[idx])
-    else:
-      out += jnp.einsum('bhnm,nmd->bnhd', weights, table[idx])
+    out += shaw_relative_values(weights, rel_value_table.astype(dtype)[idx])
   return (out, weights) if return_weights else out
 
 
@@ -257,92 +220,6 @@ def _uniform(k, value, tables, q_pos, m):
   return out + rel[None, :, None, :]
 
 
-def shaw_chunked(query, key, value, rel_key_table=None, rel_value_table=None, *,
-                 mask=None, q_offset=0, chunk_size=None, dtype=None, dropout_rate=0.0,
-                 dropout_rng=None, max_distance=None, relative_keys=True, relative_values=True,
-                 form='auto'):
-  """shaw_attention in O(n) memory (blockwise.attend), keys and values terms
-  both; both tables' gradients are summed over the blocks. Causal
-  self-attention (training and evaluation of a decoder, padding included)
-  runs split by lag (_by_lag); other calls (packed segments, no mask,
-  decoding) run the block terms (_shaw_terms), which place the table rows in
-  each block by bucket_spread / bucket_sum."""
-  del max_distance, relative_keys, relative_values, form  # carried by the tables
-  tables = {name: t for name, t in (('rel_key_table', rel_key_table),
-                                    ('rel_value_table', rel_value_table)) if t is not None}
-  k = (next(iter(tables.values())).shape[0] - 1) // 2
-  dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  if _splits_by_lag(mask, q_offset, k, query.shape[1], key.shape[1]):
-    return _by_lag(query, key, value, tables, k, mask=mask, chunk_size=chunk_size,
-                   dtype=dtype or query.dtype, **dropout)
-  terms = _shaw_terms(query.shape[2], max_distance=k, relative_keys=True, relative_values=True,
-                      form='banded')
-  return blockwise.dot_product(query, key, value, terms, tables, mask=mask, q_offset=q_offset,
-                               chunk_size=chunk_size, dtype=dtype, **dropout)
-
-
-def _by_lag(query, key, value, tables, k, *, mask, chunk_size, dtype, dropout_rate,
-            dropout_rng):
-  """Causal self-attention with the pairs split by lag i - j. At lag >= k
-  every pair has table row 0: those run as dot_product's kernel, with the
-  queries moved k rows up so that its causal diagonal is lag k, and row 0
-  added to its rows' log-sum-exps and outputs. The k nearest keys of each
-  query run as causal_band.py's O(n k) band. The two are merged by their
-  log-sum-exps (blockwise.merge)."""
-  b, n, h, d = query.shape
-  key_table, value_table = tables.get('rel_key_table'), tables.get('rel_value_table')
-  q = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
-  key, value = key.astype(dtype), value.astype(dtype)
-  rate = dropout_rate if dropout_rng is not None else 0.0
-  # Row 0 on every far pair. q_i . a^K_0 is the same for all of a row's far
-  # keys: it moves their log-sum-exp only. Their weights sum to one, so
-  # they add a^V_0, except under dropout, where the kept weights' sum is
-  # the kernel's to take: then a^V_0 rides on the values.
-  v_row0 = value_table is not None and bool(rate)
-  far_value = value + value_table[0].astype(dtype) if v_row0 else value
-  # Query i + k in row i: the kernel's causal diagonal is then lag k. The
-  # last k rows are zeros whose outputs are dropped.
-  moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
-  rules = masks.rules_of(mask)
-  far_mask = masks.causal()
-  if rules.key_valid is not None:
-    far_mask = far_mask & masks.key_padding(rules.key_valid)
-  if rules.query_valid is not None:
-    far_mask = far_mask & masks.query_padding(
-        jnp.pad(rules.query_valid[:, k:], [(0, 0), (0, k)]))
-  far, far_lse = blockwise.attend(moved, key, far_value, mask=far_mask, chunk_size=chunk_size,
-                                  dtype=dtype, return_lse=True, dropout_first_query=k,
-                                  dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  far = far.astype(jnp.float32)
-  if value_table is not None and not v_row0:
-    far = far + value_table[0].astype(jnp.float32)
-  if key_table is not None:
-    far_lse = far_lse + jnp.einsum('bnhd,d->bhn', moved.astype(jnp.float32),
-                                   key_table[0].astype(jnp.float32))
-  far = jnp.concatenate([jnp.zeros_like(far[:, :k]), far[:, :n - k]], axis=1)
-  far_lse = jnp.concatenate([jnp.full_like(far_lse[:, :, :k], -jnp.inf), far_lse[:, :, :n - k]],
-                            axis=2)
-  rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
-  near, near_lse = causal_band(
-      q, product.repeat_heads(key, h), product.repeat_heads(value, h), k, rows(key_table),
-      rows(value_table), key_valid=rules.key_valid, query_valid=rules.query_valid,
-      seed=dropout_lib.seed(dropout_rng) if rate else None, rate=rate)
-  out = blockwise.merge(far, far_lse, near, near_lse)
-  uniform = None if masks.hides_no_row(mask) else lambda: product.repeat_heads(
-      _uniform(k, value, tables, jnp.arange(n), n), h)
-  return softmax.where_no_key(out, jnp.logaddexp(far_lse, near_lse), uniform).astype(dtype)
-
-
-def _splits_by_lag(mask, q_offset, k: int, n: int, m: int) -> bool:
-  """Whether shaw_chunked splits the call by lag: causal self-attention (n =
-  m, the queries at 0..n-1, padding allowed, no segments or window), with
-  keys beyond lag k."""
-  rules = masks.rules_of(mask)
-  return (rules is not None and rules.causal and rules.window is None
-          and rules.segments is None and type(q_offset) is int and q_offset == 0 and n == m
-          and 0 < k < n)
-
-
 def _shaw_params(num_heads, head_dim, kwargs):
   del num_heads  # the tables are shared across heads, as in the paper
   shape = (2 * kwargs['max_distance'] + 1, head_dim)
@@ -360,13 +237,10 @@ class ShawOptions:
     tables' end rows (the paper uses 2..64); >= 0.
   relative_keys: learn the keys' table a^K.
   relative_values: learn the values' table a^V; one of the two at least.
-  form: how the dense path computes them (FORMS, module docstring): 'auto',
-    'naive', 'matmul' or 'banded'.
   """
   max_distance: int = 16
   relative_keys: bool = True
   relative_values: bool = True
-  form: str = 'auto'
 
   def __post_init__(self):
     registry.check_int(self, 'max_distance', why='the clipping distance k')
@@ -378,7 +252,6 @@ class ShawOptions:
     if not (self.relative_keys or self.relative_values):
       raise ValueError('attention_kwargs.relative_keys and relative_values are both False; '
                        'use attention=dot_product for no relative positions')
-    registry.check_choice(self, 'form', FORMS)
 
 
 def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **rest):
@@ -386,10 +259,10 @@ def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **
   return shaw_attention(query, key, value, **rest)
 
 
-def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values, form):
-  """The block terms (scheme.py): the chunked kernel's, and the
-  reference for shaw_attention's forms."""
-  del num_heads, relative_keys, relative_values, form  # the tables present; the dense forms
+def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values):
+  """The block terms (scheme.py): the blockwise kernel's, and the reference
+  for every kernel's."""
+  del num_heads, relative_keys, relative_values  # the tables present
   k = max_distance
   return scheme.Terms(block_score=functools.partial(_score, k), transform_k=_with_row0,
                             values=functools.partial(_block_values, k),
@@ -401,10 +274,9 @@ registry.register(registry.AttentionVariant(
     models=registry.TRANSFORMER_MODELS,
     fn=_shaw,
     terms=_shaw_terms,
-    chunked=shaw_chunked,
     options=ShawOptions,
     params=_shaw_params,
     uses_positions=True,
     position_arrays=True,
-    doc='Shaw et al. 2018 relative positions (tables [2k+1, d] for keys and values); '
-        "form: naive | matmul (the paper's trick) | banded (no [n, m, d] table)"))
+    doc='Shaw et al. 2018 relative positions (tables [2k+1, d] for keys and values), '
+        "the paper's reshape-and-matmul trick"))

@@ -1,9 +1,11 @@
-"""Sliding-window attention: the window by hand, both forms against a python loop and each other.
+"""Sliding-window attention: the window by hand; the dense kernel and the
+blocked one (local_blocked) against a python loop and each other.
 
 `_loop` lists each query's window from its absolute position with python
 ints, then softmax(q.k/sqrt(d) + bias) over the window's visible keys in
 python floats (uniform over the window when none is visible).
 """
+import functools
 import math
 
 import jax
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import entry, registry
 from flaxformer_lite.attention.schemes import local
 from flaxformer_lite.layers import MultiHeadAttention
 
@@ -78,34 +80,33 @@ _plain = jax.jit(lambda *a, **kw: local.local_attention(*a, return_weights=True,
                  static_argnames=('window', 'causal'))
 
 
-@pytest.fixture(autouse=True)
-def blocked_on_tiny_shapes(monkeypatch):
-  """The real rule takes the blocked form only when m >= 2x its context; these
-  tests use tiny shapes, so let it take the blocked form whenever it fits."""
-  monkeypatch.setattr(local, '_BLOCKED_MIN_RATIO', 1)
+def _on(kernel, q, k, v, *, window, causal, mask=None, bias=None):
+  """local through attend on `kernel` ('dense', 'local_blocked')."""
+  return entry.attend(q, k, v, scheme='local', kernel=kernel, mask=mask, bias=bias,
+                      options={'window': window, 'causal': causal})
 
 
-def test_blocked_form_only_where_it_pays(monkeypatch):
-  monkeypatch.setattr(local, '_BLOCKED_MIN_RATIO', 2)
-  q, k, v = _qkv(0, n=8, m=8)
-  monkeypatch.setattr(local, '_blocked', None)  # context 6 > 8 / 2: must not be called
-  local.local_attention(q, k, v, window=2, causal=False)
-  monkeypatch.undo()
-  monkeypatch.setattr(local, '_plain', None)  # context 4 <= 8 / 2: must not be called
-  local.local_attention(q, k, v, window=2, causal=True)
+def test_auto_takes_the_blocked_kernel_only_where_it_pays():
+  """select.LOCAL_BLOCKED_MIN_RATIO: m = 8 keys against a context of 2 or
+  3 windows of 2 (4 or 6 keys): blocked where m >= 2x the context (causal),
+  dense where not, and dense where the lengths do not fit the blocks."""
+  def plan(n, causal):
+    x = jax.ShapeDtypeStruct((2, n, 2, 4), jnp.float32)
+    return entry.plan(x, x, scheme='local', options={'window': 2, 'causal': causal}).kernel.name
+  assert plan(8, causal=True) == 'local_blocked'
+  assert plan(8, causal=False) == 'dense'
+  assert plan(9, causal=True) == 'dense'
 
 
 @pytest.mark.parametrize('causal', [True, False])
 @pytest.mark.parametrize('mask_name', ['keys', 'full', 'heads', 'rank2'])
-def test_blocked_equals_plain_equals_loop(causal, mask_name, monkeypatch):
+def test_blocked_equals_plain_equals_loop(causal, mask_name):
   q, k, v = _qkv(0, n=8, m=8)
   mask = jnp.asarray(_masks(2, 2, 8, 8)[mask_name])
   bias = np.random.default_rng(1).normal(size=(1, 2, 8, 8)).astype(np.float32)
   plain = _plain(q, k, v, window=2, causal=causal, mask=mask, bias=bias)
-  # n = m = 8 = 4 blocks of 2, context 4 or 6 < 8: the blocked form, never the plain one.
-  monkeypatch.setattr(local, '_plain', None)
-  blocked = jax.jit(local.local_attention, static_argnames=('window', 'causal'))(
-      q, k, v, window=2, causal=causal, mask=mask, bias=bias)
+  blocked = jax.jit(functools.partial(_on, 'local_blocked', window=2, causal=causal))(
+      q, k, v, mask=mask, bias=bias)
   want, _ = _loop(q, k, v, 2, causal, mask=mask, bias=bias)
   np.testing.assert_allclose(np.asarray(plain), want, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(blocked), np.asarray(plain), atol=1e-6)
@@ -115,7 +116,8 @@ def test_blocked_equals_plain_equals_loop(causal, mask_name, monkeypatch):
 def test_blocked_without_mask_with_key_padding_bias(causal):
   q, k, v = _qkv(2, n=8, m=8)
   bias = np.random.default_rng(3).normal(size=(2, 1, 1, 8)).astype(np.float32)
-  got = _attention(q, k, v, window=2, causal=causal, bias=bias)
+  got = jax.jit(functools.partial(_on, 'local_blocked', window=2, causal=causal))(
+      q, k, v, bias=bias)
   want, _ = _loop(q, k, v, 2, causal, bias=bias)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 

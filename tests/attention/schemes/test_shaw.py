@@ -1,4 +1,6 @@
-"""Shaw et al. 2018 relative attention against loop formulas, across forms."""
+"""Shaw et al. 2018 relative attention against loop formulas, on the dense
+kernel (the paper's reshape-and-matmul trick) and on shaw_banded (no
+[n, m, d] table), each reached through attend(kernel=...)."""
 import math
 
 import flax.linen as nn
@@ -10,12 +12,27 @@ import pytest
 from flaxformer_lite import config as config_lib
 from flaxformer_lite import main
 from flaxformer_lite import models
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import entry, masks, registry
 from flaxformer_lite.attention.kernels.specialised import relative_banded
 from flaxformer_lite.attention.schemes import shaw
 from flaxformer_lite.layers import MultiHeadAttention
 
-FORMS = ('naive', 'matmul', 'banded')
+def _on(kernel):
+  """shaw_attention's signature, run by attend on `kernel`."""
+  def run(q, kk, v, tk, tv, *, mask=None, bias=None, q_offset=0, dropout_rate=0.0,
+          dropout_rng=None, deterministic=True, dtype=None):
+    k = ((tk if tk is not None else tv).shape[0] - 1) // 2
+    params = {n: t for n, t in (('rel_key_table', tk), ('rel_value_table', tv)) if t is not None}
+    options = {'max_distance': k, 'relative_keys': tk is not None,
+               'relative_values': tv is not None}
+    return entry.attend(q, kk, v, scheme='shaw', kernel=kernel, mask=mask, bias=bias,
+                        q_offset=q_offset, options=options, params=params,
+                        dropout_rate=0.0 if deterministic else dropout_rate,
+                        dropout_rng=None if deterministic else dropout_rng, dtype=dtype)
+  return run
+
+
+FORMS = {'dense': _on('dense'), 'shaw_banded': _on('shaw_banded')}
 
 
 def _rel_index(i, j, k, q_offset):
@@ -95,7 +112,7 @@ def test_trick_functions_match_loops():
                                             (1, 8, 3, 5), (5, 5, 0, 0), (4, 6, 9, 1)])
 def test_shaw_attention_matches_loop(form, n, m, k, q_offset):
   q, kk, v, tk, tv = _arrays(n * 10 + m, n=n, m=m, k=k)
-  got = shaw.shaw_attention(q, kk, v, tk, tv, q_offset=q_offset, form=form)
+  got = FORMS[form](q, kk, v, tk, tv, q_offset=q_offset)
   want = _reference(q, kk, v, tk, tv, k, q_offset)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
@@ -109,23 +126,9 @@ def test_masks_bias_and_ablations_match_loop(form):
   bias = rng.normal(size=(2, 2, 5, 6)).astype(np.float32)
   for keys, values in ((True, True), (True, False), (False, True)):
     a, b = (tk if keys else None), (tv if values else None)
-    got = shaw.shaw_attention(q, kk, v, a, b, mask=jnp.asarray(mask), bias=bias, form=form)
+    got = FORMS[form](q, kk, v, a, b, mask=jnp.asarray(mask), bias=bias)
     want = _reference(q, kk, v, a, b, 2, mask=mask, bias=bias)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
-
-
-def test_forms_have_the_same_gradients():
-  q, kk, v, tk, tv = (jnp.asarray(x) for x in _arrays(3, n=6, m=6, k=2))
-  causal = jnp.tril(jnp.ones((6, 6), bool))[None, None]
-
-  def loss(form):
-    def f(*args):
-      return jnp.sum(jnp.sin(shaw.shaw_attention(*args, mask=causal, form=form)))
-    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(q, kk, v, tk, tv)
-  ref = loss('naive')
-  for form in ('matmul', 'banded'):
-    for g, r in zip(loss(form), ref):
-      np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5)
 
 
 def _loop_spread(x, k, q_offset, m):
@@ -172,10 +175,10 @@ def test_bucket_spread_and_sum_match_loops_and_are_transposes(n, m, k, q_offset)
 @pytest.mark.parametrize('n,m,k,q_offset,tables', [
     (6, 6, 2, 0, 'both'), (20, 45, 3, 10, 'both'), (5, 9, 0, 2, 'both'), (3, 70, 4, 66, 'both'),
     (20, 45, 3, 10, 'keys'), (20, 45, 3, 10, 'values')])
-def test_banded_gradients_equal_naive_with_mask_bias_and_offset(n, m, k, q_offset, tables):
-  # The banded form's VJPs are written by hand (bucket_spread/bucket_sum and
+def test_banded_gradients_equal_dense_with_mask_bias_and_offset(n, m, k, q_offset, tables):
+  # The banded kernel's VJPs are written by hand (bucket_spread/bucket_sum and
   # the fused _relative_softmax when both tables are used): compare with the
-  # naive form's autodiff, on a random mask with a fully masked row.
+  # dense kernel's autodiff, on a random mask with a fully masked row.
   q, kk, v, tk, tv = (jnp.asarray(x) for x in _arrays(n + m, n=n, m=m, k=k))
   tk = tk if tables in ('both', 'keys') else None
   tv = tv if tables in ('both', 'values') else None
@@ -187,38 +190,55 @@ def test_banded_gradients_equal_naive_with_mask_bias_and_offset(n, m, k, q_offse
 
   def grads(form):
     def f(q, kk, v, tk, tv, bias):
-      out = shaw.shaw_attention(q, kk, v, tk, tv, mask=jnp.asarray(mask), bias=bias,
-                                    q_offset=q_offset, form=form)
+      out = FORMS[form](q, kk, v, tk, tv, mask=jnp.asarray(mask), bias=bias, q_offset=q_offset)
       return jnp.sum(out * r)
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))(q, kk, v, tk, tv, bias)
-  for name, got, want in zip('q k v tk tv bias'.split(), grads('banded'), grads('naive')):
+  for name, got, want in zip('q k v tk tv bias'.split(), grads('shaw_banded'), grads('dense')):
     if want is None:
       continue
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-5, rtol=1e-4,
                                err_msg=name)
 
 
-def test_banded_dropout_equals_naive_with_the_same_keep_mask():
+def test_banded_dropout_equals_dense_with_the_same_keep_mask():
   q, kk, v, tk, tv = (jnp.asarray(x) for x in _arrays(5, n=8, m=40, k=3))
   causal = jnp.tril(jnp.ones((8, 40), bool), 32)[None, None]
 
   def run(form):
     def f(q, tk, tv):
-      out = shaw.shaw_attention(q, kk, v, tk, tv, mask=causal, form=form, dropout_rate=0.3,
-                                    dropout_rng=jax.random.key(7), deterministic=False)
+      out = FORMS[form](q, kk, v, tk, tv, mask=causal, dropout_rate=0.3,
+                        dropout_rng=jax.random.key(7), deterministic=False)
       return jnp.sum(jnp.sin(out)), out
     return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, tk, tv)
-  (g_banded, out_banded), (g_naive, out_naive) = run('banded'), run('naive')
+  (g_banded, out_banded), (g_naive, out_naive) = run('shaw_banded'), run('dense')
   np.testing.assert_allclose(np.asarray(out_banded), np.asarray(out_naive), atol=2e-5)
   for a, b in zip(g_banded, g_naive):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-5)
 
 
-def test_auto_form_switches_by_size():
-  assert shaw.choose_form('auto', 8, 8, 64) == 'matmul'
-  assert shaw.choose_form('auto', 1024, 1024, 64) == 'banded'
-  with pytest.raises(ValueError, match="form='fast'"):
-    shaw.choose_form('fast', 1, 1, 1)
+def test_auto_takes_the_banded_kernel_past_its_table_size_and_by_lag_for_long_causal_calls():
+  """select.SHAW_BANDED_MIN_ELEMENTS: gathered [n, m, d] tables below it run
+  dense, above it on shaw_banded; past the dense limit a causal call runs
+  split by lag, a bidirectional one blockwise."""
+  def plan(n, mask=None, dense_max_mib=None):
+    x = jax.ShapeDtypeStruct((1, n, 2, 64), jnp.float32)
+    table = jax.ShapeDtypeStruct((33, 64), jnp.float32)
+    return entry.plan(x, x, scheme='shaw', mask=mask, options={'dense_max_mib': dense_max_mib},
+                      params={'rel_key_table': table, 'rel_value_table': table}).kernel.name
+  assert plan(8) == 'dense' and plan(64) == 'shaw_banded'
+  assert plan(64, masks.causal(), dense_max_mib=0) == 'shaw_by_lag'
+  assert plan(64, dense_max_mib=0) == 'chunked'
+  assert plan(64, masks.causal() & masks.sliding_window(4), dense_max_mib=0) == 'chunked'
+
+
+def test_the_old_form_option_names_the_kernel_that_replaces_it():
+  c = config_lib.base_config()
+  c.model.attention = 'shaw'
+  c.model.attention_kwargs.form = 'banded'
+  with pytest.raises(config_lib.ConfigError, match="'banded' is 'shaw_banded'"):
+    main.validate(c)
+  with pytest.raises(ValueError, match="attention_kwargs.kernel='shaw_banded'"):
+    registry.resolve_kwargs('shaw', {'form': 'banded'})
 
 
 def test_the_decoder_has_shaw_tables_in_self_attention_not_cross_attention():
@@ -226,7 +246,7 @@ def test_the_decoder_has_shaw_tables_in_self_attention_not_cross_attention():
   cfg = dict(type='encoder_decoder', vocab_size=11, d_model=16, num_heads=2,
              num_encoder_layers=1, num_decoder_layers=1, mlp_dim=32, dropout_rate=0.0,
              attention_dropout_rate=0.0, attention='shaw',
-             attention_kwargs={'max_distance': 3, 'form': 'banded'}, positions='none',
+             attention_kwargs={'max_distance': 3, 'kernel': 'shaw_banded'}, positions='none',
              max_len=16, pre_ln=True, activation='relu', dtype='float32')
   inputs, targets = jnp.ones((1, 5), jnp.int32), jnp.ones((1, 6), jnp.int32)
   params = jax.eval_shape(models.build(cfg).init, jax.random.key(0), inputs, targets)['params']
@@ -237,8 +257,7 @@ def test_the_decoder_has_shaw_tables_in_self_attention_not_cross_attention():
 
 def test_registry_entry_and_config_validation():
   v = registry.get('shaw')
-  assert v.kwargs == {'max_distance': 16, 'relative_keys': True, 'relative_values': True,
-                      'form': 'auto'}
+  assert v.kwargs == {'max_distance': 16, 'relative_keys': True, 'relative_values': True}
   c = config_lib.base_config()
   c.model.attention = 'shaw'
   c.model.attention_kwargs.max_distance = 8
@@ -247,8 +266,8 @@ def test_registry_entry_and_config_validation():
   with pytest.raises(config_lib.ConfigError, match='max_distance=-1'):
     main.validate(c)
   c.model.attention_kwargs.max_distance = 2
-  c.model.attention_kwargs.form = 'fast'
-  with pytest.raises(config_lib.ConfigError, match="form='fast'"):
+  c.model.attention_kwargs.kernel = 'fast'
+  with pytest.raises(config_lib.ConfigError, match="kernel='fast'"):
     main.validate(c)
 
 
@@ -265,8 +284,8 @@ def test_banded_bfloat16_close_to_float32_forward_and_gradient():
 
   def run(dtype):
     def f(q, tk, tv):
-      out = shaw.shaw_attention(*(jnp.asarray(x, dtype) for x in (q, kk, v)), tk, tv,
-                                    mask=causal, form='banded', dtype=dtype)
+      out = FORMS['shaw_banded'](*(jnp.asarray(x, dtype) for x in (q, kk, v)), tk, tv,
+                                 mask=causal, dtype=dtype)
       return jnp.sum(out.astype(jnp.float32) ** 2), out
     return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(
         jnp.asarray(q), jnp.asarray(tk), jnp.asarray(tv))

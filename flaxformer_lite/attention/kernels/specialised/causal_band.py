@@ -2,10 +2,10 @@
 
 Query i meets keys i, i-1, .., i-k+1 (lag t = i - j in 0..k-1; keys before 0
 are hidden), in O(n k) time and memory: the scores are k lagged dot
-products, never an [n, m] block. Shaw's relative attention on the chunked
-kernel (relative.shaw_chunked) runs its causal calls as this band, where the
-table rows differ pair by pair, merged (blockwise.merge) with the chunked
-kernel over the keys at lag >= k, where every pair has the same row.
+products, never an [n, m] block. Shaw's relative attention on the kernel
+`shaw_by_lag` (by_lag) runs causal calls as this band, where the table rows
+differ pair by pair, merged (blockwise.merge) with the blockwise kernel over
+the keys at lag >= k, where every pair has the same row.
 
 Both lagged products (scores, and the weighted sum of values) are small
 matmuls over windows of B + k - 1 keys for B queries, and their gradients
@@ -19,8 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.attention import dropout
-from flaxformer_lite.attention.kernels import blockwise
+from flaxformer_lite.attention import dropout, masks, softmax
+from flaxformer_lite.attention.kernels import blockwise, product
 
 
 # Rows per window: queries rB .. rB + B - 1 meet the B + k - 1 keys from
@@ -184,3 +184,80 @@ def causal_band(q, key, value, k: int, key_rows=None, value_rows=None, *, key_va
   if value_rows is not None:
     out = out + jnp.einsum('bnht,td->bnhd', p, value_rows[::-1].astype(jnp.float32))
   return out, lse.transpose(0, 2, 1)
+
+
+def by_lag(query, key, value, tables, *, mask, uniform, chunk_size=None, dtype=None,
+           dropout_rate=0.0, dropout_rng=None):
+  """Shaw et al.'s causal self-attention with the pairs split by lag i - j
+  (`fits`): query [b, n, h, d] (unscaled), key and value [b, n, g, d];
+  tables {'rel_key_table', 'rel_value_table'} [2k+1, d] (one or both);
+  mask a masks.Mask of the causal rule and padding; uniform(value, tables,
+  q_pos, m), the output of a query that sees no key (the scheme's
+  Terms.uniform) -> [b, n, h, d] in `dtype`.
+
+  At lag >= k every pair has table row 0: those run as the blockwise
+  kernel's plain attention, with the queries moved k rows up so that its
+  causal diagonal is lag k, and row 0 added to its rows' log-sum-exps and
+  outputs. The k nearest keys of each query run as causal_band's O(n k)
+  band. The two are merged by their log-sum-exps (blockwise.merge)."""
+  dtype = dtype or query.dtype
+  b, n, h, d = query.shape
+  key_table, value_table = tables.get('rel_key_table'), tables.get('rel_value_table')
+  k = ((key_table if key_table is not None else value_table).shape[0] - 1) // 2
+  q = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
+  key, value = key.astype(dtype), value.astype(dtype)
+  rate = dropout_rate if dropout_rng is not None else 0.0
+  # Row 0 on every far pair. q_i . a^K_0 is the same for all of a row's far
+  # keys: it moves their log-sum-exp only. Their weights sum to one, so
+  # they add a^V_0, except under dropout, where the kept weights' sum is
+  # the kernel's to take: then a^V_0 rides on the values.
+  v_row0 = value_table is not None and bool(rate)
+  far_value = value + value_table[0].astype(dtype) if v_row0 else value
+  # Query i + k in row i: the kernel's causal diagonal is then lag k. The
+  # last k rows are zeros whose outputs are dropped.
+  moved = jnp.concatenate([q[:, k:], jnp.zeros_like(q[:, :k])], axis=1)
+  rules = masks.rules_of(mask)
+  far_mask = masks.causal()
+  if rules.key_valid is not None:
+    far_mask = far_mask & masks.key_padding(rules.key_valid)
+  if rules.query_valid is not None:
+    far_mask = far_mask & masks.query_padding(
+        jnp.pad(rules.query_valid[:, k:], [(0, 0), (0, k)]))
+  far, far_lse = blockwise.attend(moved, key, far_value, mask=far_mask, chunk_size=chunk_size,
+                                  dtype=dtype, return_lse=True, dropout_first_query=k,
+                                  dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  far = far.astype(jnp.float32)
+  if value_table is not None and not v_row0:
+    far = far + value_table[0].astype(jnp.float32)
+  if key_table is not None:
+    far_lse = far_lse + jnp.einsum('bnhd,d->bhn', moved.astype(jnp.float32),
+                                   key_table[0].astype(jnp.float32))
+  far = jnp.concatenate([jnp.zeros_like(far[:, :k]), far[:, :n - k]], axis=1)
+  far_lse = jnp.concatenate([jnp.full_like(far_lse[:, :, :k], -jnp.inf), far_lse[:, :, :n - k]],
+                            axis=2)
+  rows = lambda t: None if t is None else t[1:k + 1]  # noqa: E731  (lags k-1 .. 0)
+  near, near_lse = causal_band(
+      q, product.repeat_heads(key, h), product.repeat_heads(value, h), k, rows(key_table),
+      rows(value_table), key_valid=rules.key_valid, query_valid=rules.query_valid,
+      seed=dropout.seed(dropout_rng) if rate else None, rate=rate)
+  out = blockwise.merge(far, far_lse, near, near_lse)
+  rule = None if masks.hides_no_row(mask) else lambda: product.repeat_heads(
+      uniform(value, tables, jnp.arange(n), n), h)
+  return softmax.where_no_key(out, jnp.logaddexp(far_lse, near_lse), rule).astype(dtype)
+
+
+def fits(mask, q_offset, n: int, m: int, tables) -> str | None:
+  """None where by_lag runs a call: causal self-attention (n = m, the
+  queries at 0..n-1, padding allowed, no segments or window) with keys
+  beyond lag k (0 < k < n); else why not."""
+  rules = masks.rules_of(mask)
+  if rules is None or not rules.causal or rules.window is not None or rules.segments is not None:
+    return 'it takes the causal rule with padding only'
+  if not (type(q_offset) is int and q_offset == 0 and n == m):
+    return 'it takes self-attention with the queries at 0..n-1 (no decoding offset)'
+  table = next((t for t in tables.values() if t is not None), None)
+  k = 0 if table is None else (table.shape[0] - 1) // 2
+  if not 0 < k < n:
+    return f'clipping distance {k}: it needs 0 < k < n = {n}'
+  return None
+

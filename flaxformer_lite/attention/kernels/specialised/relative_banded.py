@@ -6,7 +6,8 @@ places each query's 2k+1 numbers on its keys by clipped distance (a band of
 attention); bucket_sum is its transpose, the weights summed per clipped
 distance, for the values side and for qa's gradient. Each is the other's
 derivative, so no scatter is built. Memory O(b h n m) instead of O(n m d).
-The formula and the other forms are in schemes/shaw.py.
+The formula and its dense form are in schemes/shaw.py; this is the kernel
+`shaw_banded` (kernels/table.py).
 """
 from __future__ import annotations
 
@@ -189,9 +190,12 @@ def _per_head(table, b, h, dtype):
   return jnp.broadcast_to(table.astype(dtype)[None, :, None, :], (b, table.shape[0], h, table.shape[1]))
 
 
-def _banded_attention(query, key, value, rel_key_table, rel_value_table, *, mask, bias,
-                      q_offset, dropout_rate, dropout_rng, deterministic, dtype):
-  """shaw_attention's banded form on scaled queries: -> (out [b, n, h, d], weights)."""
+def banded_attention(query, key, value, rel_key_table, rel_value_table, *, mask, bias,
+                     q_offset, dropout_rate, dropout_rng, deterministic, dtype):
+  """shaw_attention (schemes/shaw.py) without [n, m, d] tables: query
+  [b, n, h, d] already scaled by 1/sqrt(d), key and value [b, m, h, d],
+  tables [2k+1, d] or None, mask a boolean array or None -> (out
+  [b, n, h, d], weights [b, h, n, m])."""
   b, n, h, d = query.shape
   m = key.shape[1]
   k = ((rel_key_table if rel_key_table is not None else rel_value_table).shape[0] - 1) // 2

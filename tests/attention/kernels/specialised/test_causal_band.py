@@ -1,12 +1,12 @@
 """causal_band.py (each query against its k nearest keys) against a loop, and
 Shaw's causal chunked calls, split by lag into the chunked kernel and that
-band (shaw.shaw_chunked), against the dense paper form."""
+band (the kernel shaw_by_lag), against the dense paper form."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import masks
+from flaxformer_lite.attention import entry, masks
 from flaxformer_lite.attention.kernels import blockwise, product
 from flaxformer_lite.attention.kernels.specialised import causal_band
 from flaxformer_lite.attention.schemes import shaw
@@ -65,13 +65,14 @@ def test_lagged_products_gradients_equal_autodiff_of_the_shifted_sums():
 
 @pytest.mark.parametrize('n,k,g,rate,padded', [(24, 3, 4, 0.0, False), (24, 5, 2, 0.3, False),
                                                (24, 4, 4, 0.3, True), (6, 8, 4, 0.0, False)])
-def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate, padded):
-  """Output and every gradient (q, k, v, both tables) of the chunked form
-  equal shaw_attention's naive form under a causal mask: the split by lag
-  (k < n), grouped key/value heads (g < h), attention dropout, whose keep
-  bits must be the dense path's, and padding (a PAD tail, PAD keys inside
-  the band, PAD queries, which see no key: the dense path's uniform
-  weights); k >= n runs the block terms."""
+def test_shaw_by_lag_equals_the_paper_form(n, k, g, rate, padded):
+  """Output and every gradient (q, k, v, both tables) of the kernel
+  shaw_by_lag, through attend, equal shaw_attention's (the dense kernel's
+  paper form) under a causal mask: grouped key/value heads (g < h),
+  attention dropout, whose keep bits must be the dense path's, and padding
+  (a PAD tail, PAD keys inside the band, PAD queries, which see no key: the
+  dense path's uniform weights). k >= n has no far keys: the kernel refuses
+  the call, and the blockwise kernel runs it."""
   rng = np.random.default_rng(n * k + g)
   h, d = 4, 8
   q = jnp.asarray(rng.normal(size=(2, n, h, d)), jnp.float32)
@@ -86,17 +87,23 @@ def test_shaw_causal_chunked_equals_the_paper_form(n, k, g, rate, padded):
   spec = masks.causal() & masks.padding(jnp.asarray(valid)) if padded else masks.causal()
   dense_mask = np.tril(np.ones((n, n), bool))[None, None] & valid[:, None, None, :] & (
       valid[:, None, :, None])
-  assert shaw._splits_by_lag(spec, 0, k, n, n) == (k < n)
+  kernel = 'shaw_by_lag' if k < n else 'chunked'
+  if k >= n:
+    with pytest.raises(ValueError, match='clipping distance'):
+      entry.plan(q, key, scheme='shaw', mask=spec, kernel='shaw_by_lag',
+                 options={'max_distance': k},
+                 params={'rel_key_table': tables[0], 'rel_value_table': tables[1]})
 
   def chunked_fn(q, key, value, tk, tv):
-    return shaw.shaw_chunked(q, key, value, tk, tv, mask=spec,
-                                 chunk_size=8, dropout_rate=rate, dropout_rng=drop)
+    return entry.attend(q, key, value, scheme='shaw', mask=spec, kernel=kernel,
+                        options={'max_distance': k, 'chunk_size': 8},
+                        params={'rel_key_table': tk, 'rel_value_table': tv},
+                        dropout_rate=rate, dropout_rng=drop)
 
   def dense_fn(q, key, value, tk, tv):
     key, value = (product.repeat_heads(x, h) for x in (key, value))
     return shaw.shaw_attention(q, key, value, tk, tv, mask=jnp.asarray(dense_mask),
-                                   form='naive', dropout_rate=rate, dropout_rng=drop,
-                                   deterministic=not rate)
+                               dropout_rate=rate, dropout_rng=drop, deterministic=not rate)
 
   def out_and_grads(fn, *args):
     out, pull = jax.vjp(fn, *args)
