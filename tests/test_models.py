@@ -240,7 +240,8 @@ def test_no_position_sees_the_future_gradient(model_type, positions, pre_ln, att
   rng = np.random.default_rng(0)
   zeros = jnp.zeros((2, L, BASE['d_model']))
   # One compilation each: the derivatives along every direction at once (vmap).
-  if dict(options).get('kernel') == 'shaw_banded':  # custom VJPs, no forward mode: a cotangent per row t
+  # shaw_banded's custom VJPs have no forward mode: a cotangent per row t.
+  if dict(options).get('kernel') == 'shaw_banded':
     vocab = jax.eval_shape(logits, zeros).shape[-1]
     directions = np.zeros((L, 2, L, vocab), np.float32)
     for t in range(L):

@@ -481,8 +481,15 @@ def refusals(width: int = 100) -> str:
       reason = kernel.takes(_REGISTRY[scheme_name])
       if reason is not None:
         by_reason.setdefault(reason, []).append(scheme_name)
-    text = f'{name}: {kernel.doc}; ' + ('runs every scheme' if not by_reason else '; '.join(
-        f'not {", ".join(refused)}: {reason}' for reason, refused in by_reason.items()))
+    runs = [n for n in names() if kernel.takes(_REGISTRY[n]) is None]
+    if not by_reason:
+      told = 'runs every scheme'
+    elif len(runs) == 1:  # written for one scheme
+      told = f'runs {runs[0]} alone'
+    else:
+      told = '; '.join(f'not {", ".join(refused)}: {reason}'
+                       for reason, refused in by_reason.items())
+    text = f'{name}: {kernel.doc}; {told}'
     lines += textwrap.wrap(text, width, initial_indent='  ', subsequent_indent='    ')
   return '\n'.join(lines)
 

@@ -180,8 +180,9 @@ def choose(call: kernels.Call, requested: str, dense_max_mib: int | None = None)
   positions: a block_score may read a block's positions as a range) come
   from the dense kernel where the blockwise one was asked for, and the
   weights too where the Pallas one was.
-  'auto' takes, in order: dense where the weights are asked for or the
-  variant has no blockwise form; the platform's fused kernel for plain q.k
+  'auto' takes, in order (dense and blockwise replaced by a kernel written
+  for the scheme where `_written_for` says): dense where the weights are
+  asked for or the variant has no blockwise form; the platform's fused kernel for plain q.k
   (cuDNN on a GPU, splash on a TPU) where it supports the call; the fused
   Pallas kernel where `_pallas_fits`; dense for positions given as data; the
   blockwise kernel when `decoding` against a cache of over two blocks (its
@@ -293,6 +294,10 @@ def table(width: int = 100) -> str:
   `width`; starts no JAX backend."""
   shared = ('all: dense where weights are asked for or positions given as arrays; '
             'chunked when decoding against a cache of over two blocks; '
+            "a scheme's own kernel in place of dense or chunked where it takes the call: "
+            f'shaw_banded past [n, m, d] = {SHAW_BANDED_MIN_ELEMENTS} elements of gathered '
+            f'tables, local_blocked where m >= {LOCAL_BLOCKED_MIN_RATIO}x its context, '
+            'shaw_by_lag for causal self-attention in place of chunked; '
             "attention_kwargs.dense_max_mib and chunk_size, where set, replace the "
             "platform's.")
   paragraphs = ["kernel 'auto', by platform (jax.default_backend()):",

@@ -314,7 +314,8 @@ def query_block(blocks: Blocks, terms, call: Call, src: _Source, qb):
   whole of its work."""
   rows = _query_rows(blocks, src, qb)
   body = functools.partial(_forward_key_block, blocks, terms, call, src, rows)
-  return _normalised(*_each_listed(blocks, call.mask.by_query, qb, body, _no_key_yet(src, blocks.bq)))
+  carry = _no_key_yet(src, blocks.bq)
+  return _normalised(*_each_listed(blocks, call.mask.by_query, qb, body, carry))
 
 
 def _query_rows(blocks: Blocks, src: _Source, qb) -> _QueryRows:

@@ -56,7 +56,8 @@ def _fits(platform='tpu', n=256, m=None, d=128, dtype='bfloat16', mask_kind='cau
   """Whether kernels.splash_fits takes attend's call on these shapes."""
   query = jax.ShapeDtypeStruct((2, n, 8, d), dtype)
   key = jax.ShapeDtypeStruct((2, n if m is None else m, 2, d), dtype)
-  mask = {'causal': masks.causal(), 'full': None, None: masks.prefix_lm(jnp.zeros(1, int))}[mask_kind]
+  mask = {'causal': masks.causal(), 'full': None,
+          None: masks.prefix_lm(jnp.zeros(1, int))}[mask_kind]
   with select.target_platform(platform):
     call, _, _ = entry.describe_call(
         query, key, mask=mask, dtype=dtype, dropout_rate=0.1 if dropout else 0.0,
