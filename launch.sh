@@ -34,8 +34,9 @@ Flags of an experiment:
   --workdir=DIR          checkpoints, metrics.jsonl, TensorBoard events and
                          config.json; the same command again resumes from the
                          newest checkpoint. Default: workdirs/EXPERIMENT without
-                         --config overrides, else workdirs/EXPERIMENT-HASH, HASH
-                         = 8 hex digits of the sha256 of the sorted overrides
+                         --config overrides, else
+                         workdirs/EXPERIMENT-KEY=VALUE,...-HASH (the overrides,
+                         keys shortened; HASH = 6 hex digits of their sha256)
                          (the run logs its workdir as its first line)
   --devices=N            N simulated CPU devices (appends
                          --xla_force_host_platform_device_count=N to XLA_FLAGS);

@@ -56,7 +56,7 @@ def test_malloc_settings_exported_unless_set_or_disabled():
 
 HELP_NAMES = ('./launch.sh test', './launch.sh run SCRIPT.py', '-m MODULE', './launch.sh sweep',
               '--list_attention', 'experiments/reverse.py', '--config.a.b=value',
-              '--config.model.attention=shaw', '--workdir=DIR', 'workdirs/EXPERIMENT-HASH',
+              '--config.model.attention=shaw', '--workdir=DIR', 'workdirs/EXPERIMENT-KEY=VALUE,...-HASH',
               '--devices=N', 'Exit codes: 0 done; 2 bad flag, config or data',
               '3 non-finite loss', '130 a second SIGINT (143 a second SIGTERM)',
               '--config.data.manual_dir', '../shared/data', 'stdout',
