@@ -378,7 +378,7 @@ def _check_needs(config, needs: dict, kept: dict, limit, held: int = 0, saved: i
   if jax.default_backend() == 'cpu':
     devices = jax.local_device_count()
     needs = {k: v * devices for k, v in needs.items()}
-    kept = {k: v * devices for k, v in kept.items()} if memory.heap_keeps_temps() else None
+    kept = {k: v * devices for k, v in (memory.kept_by_heap(kept) or {}).items()} or None
     rss = memory.process_rss()
     host = None if rss is None else memory.host_terms(rss, held, saved)
   else:

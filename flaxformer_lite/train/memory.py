@@ -125,6 +125,16 @@ def heap_keeps_temps(environ=None) -> bool:
   return value.isdigit() and int(value) > GLIBC_MAX_MMAP_THRESHOLD
 
 
+def kept_by_heap(temps: dict[str, int], environ=None) -> dict[str, int] | None:
+  """{step: bytes} of the steps' temp buffers `temps` {step: bytes} that the
+  heap keeps (heap_keeps_temps): those below MALLOC_MMAP_THRESHOLD_, since
+  glibc maps a larger block and returns it on free. None where it keeps none."""
+  if not heap_keeps_temps(environ):
+    return None
+  threshold = int((os.environ if environ is None else environ)['MALLOC_MMAP_THRESHOLD_'])
+  return {step: n for step, n in temps.items() if n < threshold} or None
+
+
 # XLA:CPU hands chains of operations to a library (YNNPACK, XNNPACK) whose
 # buffers its buffer assignment does not see: a step can use more than
 # memory_analysis() says (tests/train/test_memory.py measures one). Compiled

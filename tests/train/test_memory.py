@@ -126,6 +126,11 @@ def test_the_peak_adds_the_other_steps_kept_temp_buffers():
   assert memory.heap_keeps_temps({'MALLOC_MMAP_THRESHOLD_': str(4 * GiB)})
   for environ in ({}, {'MALLOC_MMAP_THRESHOLD_': str(1 * MiB)}, {'MALLOC_MMAP_THRESHOLD_': 'x'}):
     assert not memory.heap_keeps_temps(environ)
+    assert memory.kept_by_heap(kept, environ) is None
+  # A buffer at or above the threshold is mapped and returned: kept, the one below.
+  environ = {'MALLOC_MMAP_THRESHOLD_': str(64 * MiB)}
+  assert memory.kept_by_heap({'a': 64 * MiB, 'b': 63 * MiB}, environ) == {'b': 63 * MiB}
+  assert memory.kept_by_heap({'a': 64 * MiB}, environ) is None
 
 
 def test_the_host_estimate_adds_what_the_process_holds_beside_its_steps(tmp_path):
@@ -198,7 +203,7 @@ def hwm():
   return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
 """
 OTHER_ALLOCATIONS = 16 * MiB  # the runtime's own, beside the steps' buffers
-LAUNCH_MALLOC = dict(MALLOC_ARENA_MAX='1', MALLOC_MMAP_THRESHOLD_=str(4 * GiB),
+LAUNCH_MALLOC = dict(MALLOC_ARENA_MAX='1', MALLOC_MMAP_THRESHOLD_=str(GiB),
                      MALLOC_TRIM_THRESHOLD_=str(8 * GiB))  # launch.sh's settings
 
 
