@@ -44,9 +44,9 @@ def estimate_bytes(log: str) -> float | None:
   return float(match.group(1)) * _UNITS[match.group(2)] if match else None
 
 
-def measure(experiment: str, overrides: list[str], steps: int) -> tuple[float | None, int, float,
-                                                                       int]:
-  """(estimate bytes, peak RSS bytes, wall seconds, exit code) of one short run."""
+def measure(experiment: str, overrides: list[str], steps: int) -> tuple:
+  """(estimate bytes or None, peak RSS bytes, wall seconds, exit code) of
+  one run of `steps` steps, its log read for the estimate."""
   workdir = tempfile.mkdtemp(prefix='host_memory_')
   command = ['./launch.sh', experiment, f'--workdir={workdir}',
              f'--config.train.num_steps={steps}', f'--config.train.eval_every={steps}',
