@@ -34,8 +34,9 @@ Flags of an experiment:
   --workdir=DIR          checkpoints, metrics.jsonl, TensorBoard events and
                          config.json; the same command again resumes from the
                          newest checkpoint. Default: workdirs/EXPERIMENT without
-                         --config overrides, else workdirs/EXPERIMENT-HASH, HASH
-                         = 8 hex digits of the sha256 of the sorted overrides
+                         --config overrides, else
+                         workdirs/EXPERIMENT-KEY=VALUE,...-HASH (the overrides,
+                         keys shortened; HASH = 6 hex digits of their sha256)
                          (the run logs its workdir as its first line)
   --devices=N            N simulated CPU devices (appends
                          --xla_force_host_platform_device_count=N to XLA_FLAGS);
@@ -220,10 +221,13 @@ fi
 # glibc's mmap threshold (32 MiB at most by default) is mapped afresh on every
 # call and faulted in page by page: a Transformer-base train step ran 16% slower
 # (benchmarks/KERNELS.md, "CPU allocator"). One arena with high mmap and trim thresholds keeps
-# such blocks in the heap. Variables already set win; FFL_SYSTEM_MALLOC=1 skips.
+# such blocks in the heap. Blocks of 1 GiB and more are still mapped: kept in
+# the heap, a freed one is split by smaller requests, the next call's buffer no
+# longer fits, and the heap grows by about a buffer at every step.
+# Variables already set win; FFL_SYSTEM_MALLOC=1 skips.
 if [ "$(uname -s)" = Linux ] && [ -z "${FFL_SYSTEM_MALLOC:-}" ]; then
   export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-1}"
-  export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-4294967296}"
+  export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1073741824}"
   export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-8589934592}"
 fi
 

@@ -13,6 +13,7 @@ import gc
 import hashlib
 import logging as std_logging
 import os
+import re
 import runpy
 import shutil
 import sys
@@ -35,9 +36,9 @@ config_flags.DEFINE_config_file('config', None,
 flags.DEFINE_string('workdir', None,
                     'Checkpoints, metrics.jsonl, TensorBoard events, config.json; re-running '
                     'on it resumes. Default: workdirs/<experiment name> without --config '
-                    'overrides, else workdirs/<experiment name>-<first 8 hex digits of the '
-                    'sha256 of the sorted overrides>: the same command finds its own run, and '
-                    'other overrides never share it.')
+                    'overrides, else workdirs/<experiment name>-<key=value of each override, '
+                    'keys shortened>-<6 hex digits of the sha256 of the sorted overrides>: '
+                    'the same command finds its own run, and other overrides never share it.')
 flags.DEFINE_bool('list_attention', False,
                   'Print a table of the attention variants (models, kernels, options, '
                   'description) and exit.')
@@ -103,15 +104,46 @@ def _fail(message: str, code: int = 2):
   sys.exit(code)
 
 
+# Longest readable part of a default workdir's name; the hash keeps longer
+# override lists apart.
+SLUG_CHARS = 60
+
+
+def _short_keys(keys) -> dict[str, str]:
+  """{dotted key: its shortest dotted suffix no other key of `keys` ends with}:
+  'model.attention_kwargs.max_distance' -> 'max_distance', but 'data.max_len'
+  and 'model.max_len' together stay whole."""
+  out = {}
+  for key in keys:
+    parts = key.split('.')
+    for n in range(1, len(parts) + 1):
+      suffix = '.'.join(parts[-n:])
+      if not any(k != key and (k == suffix or k.endswith('.' + suffix)) for k in keys):
+        break
+    out[key] = suffix
+  return out
+
+
+def _slug(value) -> str:
+  """An override's value as file-name characters: '(128, 256)' -> '128_256'."""
+  return re.sub(r'[^A-Za-z0-9._+-]+', '_', str(value)).strip('_') or '_'
+
+
 def default_workdir(experiment: str, overrides: Mapping[str, Any]) -> str:
   """workdirs/NAME for experiment file NAME.py without overrides, else
-  workdirs/NAME-HASH, HASH the first 8 hex digits of the sha256 of the sorted
-  `key=value` overrides: one set of overrides, one workdir, in any order."""
+  workdirs/NAME-KEY=VALUE,...-HASH: the overrides sorted by key, each key
+  shortened to the end that tells it from the others (`_short_keys`), the
+  list cut at SLUG_CHARS; HASH the first 6 hex digits of the sha256 of the
+  sorted `key=value` overrides, which keeps apart names the cut or the
+  shortening would merge. One set of overrides, one workdir, in any order."""
   name = os.path.splitext(os.path.basename(experiment))[0]
   if not overrides:
     return os.path.join('workdirs', name)
   text = '\n'.join(sorted(f'{key}={value!r}' for key, value in overrides.items()))
-  return os.path.join('workdirs', f'{name}-{hashlib.sha256(text.encode()).hexdigest()[:8]}')
+  short = _short_keys(list(overrides))
+  readable = ','.join(f'{short[k]}={_slug(overrides[k])}' for k in sorted(overrides))
+  digest = hashlib.sha256(text.encode()).hexdigest()[:6]
+  return os.path.join('workdirs', f'{name}-{readable[:SLUG_CHARS]}-{digest}')
 
 
 def workdir() -> str:

@@ -150,19 +150,42 @@ def architecture(path: str) -> dict:
   return out
 
 
-def init_params(fresh, path: str, *, evaluate_only: bool = False):
-  """A model's freshly initialised params with the checkpoint's tensors in
-  place (what it lacks keeps its initial value, logged; with
-  `evaluate_only`, PretrainedError: an untrained part would make every
-  number meaningless). The tensors are mapped onto the unrolled layout; a
-  scanned model (model.scan_layers) gets them stacked (layers/scan.py)."""
+def init_params(fresh, path: str, *, init=None, evaluate_only: bool = False):
+  """A model's params `fresh` with the checkpoint's tensors in place (what it
+  lacks keeps its initial value, logged; with `evaluate_only`,
+  PretrainedError: an untrained part would make every number meaningless).
+  `fresh` may be the params' shapes (jax.ShapeDtypeStruct) and `init` the
+  function that initialises them, called only when the checkpoint lacks a
+  tensor: the weights are then held once, as read. The tensors are mapped
+  onto the unrolled layout; a scanned model (model.scan_layers) gets them
+  stacked (layers/scan.py)."""
   _, mapped = _read(path)
   from flax import traverse_util
   from flaxformer_lite.layers import scan
   if scan.is_stacked(fresh):
-    mapped = traverse_util.flatten_dict(
-        scan.stack_layers(traverse_util.unflatten_dict(mapped, sep='/')), sep='/')
+    mapped = _stacked(mapped)
+  if init is not None and set(traverse_util.flatten_dict(fresh, sep='/')) - set(mapped):
+    fresh = init()
   return overlay(fresh, mapped, path=path, evaluate_only=evaluate_only)
+
+
+def _stacked(mapped: dict) -> dict:
+  """{'decoder/layer_<i>/a/b': array [...]} -> {'decoder/layers/a/b': [L, ...]}
+  (layers/scan.py's stack_layers), one leaf at a time: each leaf's layers
+  leave `mapped` as they are stacked, so the weights are held about once."""
+  from flax import traverse_util
+  from flaxformer_lite.layers import scan
+  groups = {}
+  for name in mapped:
+    if match := re.fullmatch(r'((?:.*/)?)layer_\d+/(.*)', name):
+      groups.setdefault(match.groups(), []).append(name)
+  out = {name: array for name, array in mapped.items()
+         if not any(name in names for names in groups.values())}
+  for names in groups.values():
+    one = {name: mapped.pop(name) for name in names}
+    out.update(traverse_util.flatten_dict(
+        scan.stack_layers(traverse_util.unflatten_dict(one, sep='/')), sep='/'))
+  return out
 
 
 def _read(path: str, tensors: bool = True):

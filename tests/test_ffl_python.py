@@ -80,7 +80,7 @@ def test_the_venv_python_runs_as_it_is(tmp_path):
   assert module == os.path.join(REPO, 'flaxformer_lite', '__init__.py')
   assert path.split(os.pathsep) == [REPO, str(tmp_path / 'block')]
   if platform.system() == 'Linux':  # as with the venv (tests/test_launch.py)
-    assert malloc.split() == ['1', '4294967296', '8589934592']
+    assert malloc.split() == ['1', '1073741824', '8589934592']
   listed = launch('--list_attention', tmp_path=tmp_path)
   assert listed.returncode == 0, listed.stderr
   assert listed.stdout.split('\n')[0].split() == ['name', 'models', 'kernels', 'options']

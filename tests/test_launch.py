@@ -47,16 +47,16 @@ def test_malloc_settings_exported_unless_set_or_disabled():
   skip_unless_launch_uses_this_venv()
   r = launch('run', '-c', PRINT_ENV)
   assert r.returncode == 0, r.stderr
-  assert r.stdout.split() == ['1', '4294967296', '8589934592']
+  assert r.stdout.split() == ['1', '1073741824', '8589934592']
   r = launch('run', '-c', PRINT_ENV, env={'MALLOC_ARENA_MAX': '4'})
-  assert r.stdout.split() == ['4', '4294967296', '8589934592']  # a value already set wins
+  assert r.stdout.split() == ['4', '1073741824', '8589934592']  # a value already set wins
   r = launch('run', '-c', PRINT_ENV, env={'FFL_SYSTEM_MALLOC': '1'})
   assert r.stdout.split() == ['-', '-', '-']
 
 
 HELP_NAMES = ('./launch.sh test', './launch.sh run SCRIPT.py', '-m MODULE', './launch.sh sweep',
               '--list_attention', 'experiments/reverse.py', '--config.a.b=value',
-              '--config.model.attention=shaw', '--workdir=DIR', 'workdirs/EXPERIMENT-HASH',
+              '--config.model.attention=shaw', '--workdir=DIR', 'workdirs/EXPERIMENT-KEY=VALUE,...-HASH',
               '--devices=N', 'Exit codes: 0 done; 2 bad flag, config or data',
               '3 non-finite loss', '130 a second SIGINT (143 a second SIGTERM)',
               '--config.data.manual_dir', '../shared/data', 'stdout',

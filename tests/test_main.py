@@ -1,5 +1,6 @@
 """The command line: experiment files, flags, the default workdir, several devices."""
 import glob
+import hashlib
 import json
 import os
 import re
@@ -55,7 +56,8 @@ def test_default_workdir_is_one_per_experiment_and_set_of_overrides(parse):
   assert workdir() == os.path.join('workdirs', 'reverse')
   assert workdir('--config=experiments/reverse_rnn.py') == os.path.join('workdirs', 'reverse_rnn')
   shaw = workdir('--config.model.attention=shaw', '--config.model.attention_kwargs.max_distance=8')
-  assert re.fullmatch(r'workdirs/reverse-[0-9a-f]{8}', shaw.replace(os.sep, '/')), shaw
+  assert re.fullmatch(r'workdirs/reverse-attention=shaw,max_distance=8-[0-9a-f]{6}',
+                      shaw.replace(os.sep, '/')), shaw
   assert workdir('--config.model.attention_kwargs.max_distance=8',
                  '--config.model.attention=shaw') == shaw  # the order does not matter
   assert workdir('--config.model.attention=shaw', '--config.model.attention_kwargs.max_distance=8',
@@ -67,6 +69,19 @@ def test_default_workdir_is_one_per_experiment_and_set_of_overrides(parse):
                     '--config.model.attention_kwargs.max_distance=8')}
   assert len(others) == 4 and shaw not in others
   assert workdir('--workdir=/tmp/mine', '--config.model.attention=shaw') == '/tmp/mine'
+
+
+def test_default_workdir_names_the_overrides_and_hashes_them():
+  digest = hashlib.sha256(b"data.max_len=64\nmodel.max_len=256\nseed=3").hexdigest()[:6]
+  assert main.default_workdir('experiments/reverse.py', {
+      'model.max_len': 256, 'data.max_len': 64, 'seed': 3}) == os.path.join(
+          'workdirs', f'reverse-data.max_len=64,model.max_len=256,seed=3-{digest}')
+  digest = hashlib.sha256(b"data.manual_dir='/d/x'\neval.contexts=(128, 256)").hexdigest()[:6]
+  assert main.default_workdir('e.py', {'eval.contexts': (128, 256), 'data.manual_dir': '/d/x'}) \
+      == os.path.join('workdirs', f'e-manual_dir=d_x,contexts=128_256-{digest}')
+  long = main.default_workdir('e.py', {f'train.option_{i}': 'x' * 20 for i in range(5)})
+  readable = os.path.basename(long).split('-')[1]
+  assert len(readable) == main.SLUG_CHARS and readable.startswith('option_0=' + 'x' * 20 + ',')
 
 
 @pytest.mark.parametrize('arg,says,not_said', [

@@ -8,10 +8,12 @@ import math
 import os
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from flaxformer_lite import models, pretrained
 
@@ -168,6 +170,40 @@ def test_load_zero_fills_unused_parts_and_strict_refuses_what_else_is_missing(tm
   with pytest.raises(pretrained.PretrainedError,
                      match=r'lacks parameters: encoder/layer_1/.*bias$'):
     pretrained.load(str(tmp_path), unused=('mlm_',), strict=True)
+
+
+@pytest.mark.parametrize('scanned', [False, True])
+def test_the_weights_are_initialised_only_where_the_checkpoint_lacks_them(monkeypatch, scanned):
+  """Given the params' shapes, init_params runs the initialisation only for a
+  checkpoint that lacks a tensor; a scanned model's layers leave the tensors
+  read as they are stacked (one copy of the weights at a time). The reader is
+  stubbed with an unrolled model's own tensors (tests/layers/test_scan.py
+  checks the stacked values)."""
+  from flaxformer_lite import config as config_lib
+  from flaxformer_lite.layers import scan
+
+  def build(scan_layers):
+    m = config_lib.base_config().model
+    m.update(type='decoder_only', vocab_size=11, d_model=8, num_heads=2, mlp_dim=12,
+             num_decoder_layers=3, max_len=16, scan_layers=scan_layers)
+    return models.build(m)
+  ids = jnp.ones((1, 4), jnp.int32)
+  tensors = traverse_util.flatten_dict(jax.tree.map(np.asarray, nn.unbox(
+      build(False).init(jax.random.key(0), ids))['params']), sep='/')
+  shapes = nn.unbox(jax.eval_shape(build(scanned).init, jax.random.key(0), ids))['params']
+  calls = []
+  fresh = lambda: calls.append(1) or jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
+  for lacking in ((), ('embed/embedding',)):
+    read = {k: v for k, v in tensors.items() if k not in lacking}
+    monkeypatch.setattr(pretrained, '_read', lambda path, read=read: (None, read))
+    params = traverse_util.flatten_dict(pretrained.init_params(shapes, 'ckpt', init=fresh),
+                                        sep='/')
+    assert len(calls) == len(lacking)
+    # Stacked, only the tensors outside the layers stay in what was read.
+    assert sorted(read) == sorted(k for k in tensors if k not in lacking
+                                  and not (scanned and '/layer_' in k))
+    assert not lacking or not params['embed/embedding'].any()  # the initialisation's zeros
+  assert any(k.startswith(f'decoder/{scan.SCANNED}/') for k in params) == scanned
 
 
 def test_init_from_takes_the_architecture_and_the_weights(tmp_path):

@@ -249,7 +249,49 @@ def _check_memory(config, dataset, parallel, state, lowered_train, compiled_trai
   eval_needs, eval_kept = _eval_needs(config, dataset, evaluate,
                                       parallel.unplace_state(state).params,
                                       _opt_state_bytes(parallel, state), limit[0])
-  _check_needs(config, {**needs, **eval_needs}, {**kept, **eval_kept}, limit)
+  held, saved = _host_bytes(state)
+  _check_needs(config, {**needs, **eval_needs}, {**kept, **eval_kept}, limit, held, saved)
+
+
+def _host_bytes(tree) -> tuple[int, int]:
+  """(bytes of `tree`'s arrays on this process's devices, bytes a checkpoint
+  of it copies to the host: each distinct shard once)."""
+  held = saved = 0
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array):
+      shards = x.addressable_shards
+      held += sum(s.data.nbytes for s in shards)
+      saved += sum({str(s.index): s.data.nbytes for s in shards}.values())
+  return held, saved
+
+
+def _check_before_loading(config, limit) -> None:
+  """On CPU, where the model's vocabulary is known before the data (set, or
+  model.init_from's): ConfigError (exit 2) if the process now, the
+  parameters, the optimizer state, a checkpoint's copy and a pretrained
+  checkpoint's tensors as read (memory.before_loading) would not fit in
+  `limit`, before any data or weights are read. Shapes only: nothing is
+  initialised."""
+  m, rss = config.model, memory.process_rss()
+  if (jax.default_backend() != 'cpu' or not m.vocab_size or rss is None
+      or (steps.OBJECTIVES[m.type] == 'classify' and not m.num_classes)):
+    return
+  example = {k: jax.ShapeDtypeStruct((1, 4), np.int32) for k in ('inputs', 'inputs_b', 'targets')}
+  shapes = nn.unbox(state_lib.abstract_params(models.build(m), config, example))
+  train = config.train.num_steps > 0
+  opt = jax.eval_shape(state_lib.create_optimizer(config.train, m.d_model).init,
+                       shapes) if train else {}
+  copies = jax.local_device_count() if config.train.parallel != 'fsdp' else 1
+  nbytes = lambda tree: copies * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  terms = memory.before_loading(rss, nbytes(shapes), nbytes(opt), bool(m.get('init_from')))
+  if not train:
+    terms.pop("a checkpoint's host copy", None)
+  sizes = ('d_model', 'mlp_dim', 'num_encoder_layers', 'num_decoder_layers')
+  lower = ({'model.init_from': m.init_from} if m.get('init_from') else
+           {f'model.{k}': m[k] for k in sizes})
+  line = memory.check_before_loading(terms, *limit, lower)
+  if line:
+    log.info('%s', line)
 
 
 def _analysis(lowered, compiled, limit_bytes):
@@ -324,15 +366,21 @@ def _compile_programs(config, dataset, evaluate, params, train: compilation.Comp
   return compiled
 
 
-def _check_needs(config, needs: dict, kept: dict, limit) -> None:
+def _check_needs(config, needs: dict, kept: dict, limit, held: int = 0, saved: int = 0) -> None:
   """ConfigError (exit 2) if the run's peak (memory.peak of the steps'
   `needs`, with the temp buffers `kept` where the host's heap keeps them)
   would not fit in `limit`; else logs them. On CPU the local devices share
-  the host's memory, so their peaks add up."""
+  the host's memory, so their peaks add up, and the process holds more
+  beside them (memory.host_terms: what it holds now less the arrays `held`
+  that the steps' peaks count as arguments, and a checkpoint's copy of
+  `saved` bytes)."""
+  host = None
   if jax.default_backend() == 'cpu':
     devices = jax.local_device_count()
     needs = {k: v * devices for k, v in needs.items()}
-    kept = {k: v * devices for k, v in kept.items()} if memory.heap_keeps_temps() else None
+    kept = {k: v * devices for k, v in (memory.kept_by_heap(kept) or {}).items()} or None
+    rss = memory.process_rss()
+    host = None if rss is None else memory.host_terms(rss, held, saved)
   else:
     kept = None
   e = config.eval
@@ -341,7 +389,7 @@ def _check_needs(config, needs: dict, kept: dict, limit) -> None:
               else {'eval.batch_size': e.batch_size}),
            'data.max_len': config.data.max_len}
   limit_bytes, source = limit
-  log.info(memory.check(needs, limit_bytes, source, lower, config.model.remat, kept))
+  log.info(memory.check(needs, limit_bytes, source, lower, config.model.remat, kept, host))
 
 
 def _log_setup(config, parallel, evaluate, num_params, start, row_multiple):
@@ -498,6 +546,7 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
   as a trained run's final evaluation is. No optimizer state, no train step,
   no checkpoint. Returns the metrics by split."""
   limit = memory.available(jax.devices()[0])
+  _check_before_loading(config, limit)
   dataset = _load_dataset(config)
   _prepare_workdir(config, workdir, allow_config_change)
   parallel = partitioning.Partitioner(config.train.parallel, config.train.model_parallel)
@@ -511,7 +560,8 @@ def evaluate_only(config, workdir: str, *, allow_config_change: bool = False) ->
   log.info('Model %s, %s parameters, attention=%s: evaluated without training '
            '(train.num_steps=0)', config.model.type,
            f'{sum(x.size for x in jax.tree.leaves(params)):,}', config.model.attention)
-  _check_needs(config, *_eval_needs(config, dataset, evaluate, params, 0, limit[0]), limit)
+  _check_needs(config, *_eval_needs(config, dataset, evaluate, params, 0, limit[0]), limit,
+               _host_bytes(params)[0])
   results, start = {}, time.time()
   with contextlib.closing(metrics_lib.MetricWriter(workdir, 0)) as writer:
     recorded = _recorded_results(workdir, 0)
@@ -551,6 +601,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
 def _train(config, workdir: str, allow_config_change: bool, preempt) -> dict:
   # Before the run allocates anything: on CPU its buffers come out of MemAvailable.
   limit = memory.available(jax.devices()[0])
+  _check_before_loading(config, limit)
   dataset = _load_dataset(config)
   _prepare_workdir(config, workdir, allow_config_change)
   t = config.train

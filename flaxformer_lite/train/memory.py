@@ -8,7 +8,12 @@ step's, plus the other steps' temp buffers on a host whose heap keeps them
 (`heap_keeps_temps`: under launch.sh's malloc settings). On CPU a step
 near the limit is also compiled without the library fusions whose buffers
 XLA's assignment leaves out (WITHOUT_LIBRARY_FUSIONS), and the larger
-estimate kept. The memory available is the device's on an accelerator (its
+estimate kept. On CPU the steps share the host with the rest of the process:
+what it holds before its first step (its resident memory: the interpreter,
+JAX, the data, the weights as loaded) and a checkpoint's host copy of the
+state are added (`host_terms`). Before any data or weights are read, a run
+whose parameters, optimizer state and their copies alone would not fit stops
+(`before_loading`). The memory available is the device's on an accelerator (its
 allocator's `bytes_limit`), the host's on CPU (/proc/meminfo MemAvailable,
 or the cgroup's limit if lower), or FFL_MEMORY_LIMIT (`2GiB`, `500MiB`,
 bytes) where it is set.
@@ -120,12 +125,64 @@ def heap_keeps_temps(environ=None) -> bool:
   return value.isdigit() and int(value) > GLIBC_MAX_MMAP_THRESHOLD
 
 
+def kept_by_heap(temps: dict[str, int], environ=None) -> dict[str, int] | None:
+  """{step: bytes} of the steps' temp buffers `temps` {step: bytes} that the
+  heap keeps (heap_keeps_temps): those below MALLOC_MMAP_THRESHOLD_, since
+  glibc maps a larger block and returns it on free. None where it keeps none."""
+  if not heap_keeps_temps(environ):
+    return None
+  threshold = int((os.environ if environ is None else environ)['MALLOC_MMAP_THRESHOLD_'])
+  return {step: n for step, n in temps.items() if n < threshold} or None
+
+
 # XLA:CPU hands chains of operations to a library (YNNPACK, XNNPACK) whose
 # buffers its buffer assignment does not see: a step can use more than
 # memory_analysis() says (tests/train/test_memory.py measures one). Compiled
 # without those fusions, the same step's assignment counts those buffers.
 WITHOUT_LIBRARY_FUSIONS = {'xla_cpu_experimental_ynn_fusion_type': '',
                            'xla_cpu_use_xnnpack': False}
+
+
+def process_rss(status: str = '/proc/self/status') -> int | None:
+  """Bytes this process holds in memory now (VmRSS); None where the file
+  cannot be read (not Linux)."""
+  try:
+    with open(status) as f:
+      match = re.search(r'^VmRSS:\s*(\d+)\s*kB', f.read(), re.MULTILINE)
+  except OSError:
+    return None
+  return int(match.group(1)) * 1024 if match else None
+
+
+def host_terms(rss: int, state: int, saved: int) -> dict[str, int]:
+  """{what: bytes} a CPU run holds beside its steps' peaks, all on the host.
+
+  rss: what the process holds now, before its first step: the interpreter,
+    JAX, the data, the weights as loaded and converted, the train state
+    placed. The steps' peaks count the state again (their arguments), so
+    the rest is rss - state.
+  state: the train state's bytes (parameters and optimizer moments) the
+    steps' peaks hold as arguments.
+  saved: the host copy of the state a checkpoint makes while it is written,
+    which overlaps the next step (orbax's asynchronous save).
+  """
+  terms = {'held before the first step (interpreter, JAX, data, weights as loaded)':
+           max(rss - state, 0), "a checkpoint's host copy of the state": saved}
+  return {what: n for what, n in terms.items() if n}
+
+
+def before_loading(rss: int, params: int, optimizer: int, pretrained: bool) -> dict[str, int]:
+  """{what: bytes} a run will hold at least, known before its data and
+  weights are read: the process now (`rss`), the parameters (`params`,
+  bytes), the optimizer's moments (`optimizer`, bytes), a checkpoint's host
+  copy of both, and, loading a pretrained checkpoint, its tensors as read
+  and converted (one more copy of the parameters) while they are put in
+  place. The steps' activations come on top (`check` after compiling)."""
+  terms = {'the process now (interpreter, JAX)': rss, 'parameters': params,
+           'optimizer state': optimizer, "a checkpoint's host copy": params + optimizer}
+  if pretrained:
+    terms['the pretrained tensors as read, while put in place'] = params
+  return {what: n for what, n in terms.items() if n}
 
 
 def step_bytes(stats) -> int:
@@ -150,11 +207,15 @@ def peak(needs: dict[str, int], kept: dict[str, int] | None = None) -> tuple[int
 
 
 def message(needs: dict[str, int], limit: int, source: str, lower: dict, remat: str,
-            kept: dict[str, int] | None = None) -> str:
+            kept: dict[str, int] | None = None, host: dict[str, int] | None = None) -> str:
   """The error of a run that cannot fit: needs {step: bytes at its peak},
-  kept (`peak`), the limit and where it comes from, lower {config key:
-  value} the settings that shrink the steps, remat the model.remat setting."""
+  kept (`peak`), host (`check`), the limit and where it comes from, lower
+  {config key: value} the settings that shrink the steps, remat the
+  model.remat setting."""
   total, what = peak(needs, kept)
+  if host:
+    total += sum(host.values())
+    what += ', plus ' + summary(host)
   keys = ', '.join(f'{k} (now {v!r})' for k, v in lower.items())
   recompute = '' if remat == 'block' else (
       f", or set model.remat='block' (now {remat!r}: recomputes activations in the backward)")
@@ -171,12 +232,33 @@ def summary(needs: dict[str, int]) -> str:
 
 
 def check(needs: dict[str, int], limit: int | None, source: str, lower: dict,
-          remat: str, kept: dict[str, int] | None = None) -> str:
-  """The start-up line (the run's `peak` against the limit); raises
-  ConfigError (`message`) when that peak is above a known limit."""
-  total, _ = peak(needs, kept)
+          remat: str, kept: dict[str, int] | None = None,
+          host: dict[str, int] | None = None) -> str:
+  """The start-up line (the run's `peak`, plus the `host` terms {what:
+  bytes} it holds beside its steps (`host_terms`), against the limit);
+  raises ConfigError (`message`) when that is above a known limit."""
+  total = peak(needs, kept)[0] + sum((host or {}).values())
   if limit is not None and total > limit:
-    raise ConfigError(message(needs, limit, source, lower, remat, kept))
+    raise ConfigError(message(needs, limit, source, lower, remat, kept, host))
   where = f' of {fmt_bytes(limit)} available ({source})' if limit is not None else \
       ' (memory available unknown)'
-  return f'Memory: peak about {fmt_bytes(total)}{where}; {summary(needs)}'
+  return f'Memory: peak about {fmt_bytes(total)}{where}; {summary({**needs, **(host or {})})}'
+
+
+def check_before_loading(terms: dict[str, int], limit: int | None, source: str,
+                         lower: dict) -> str | None:
+  """ConfigError when the bytes a run will hold at least (`before_loading`'s
+  terms) are above a known limit, naming them and the `lower` {config key:
+  value} that shrink them; else the log line (None without a limit)."""
+  total = sum(terms.values())
+  if limit is None:
+    return None
+  keys = ', '.join(f'{k} (now {v!r})' for k, v in lower.items())
+  if total > limit:
+    raise ConfigError(
+        f'this run needs at least {fmt_bytes(total)} ({summary(terms)}) before its steps, '
+        f'but {fmt_bytes(limit)} is available ({source}); it would be killed for memory. '
+        f'Lower {keys}, or set {LIMIT_ENV} to the memory this run may really use. Nothing '
+        'was loaded or trained and no checkpoint was touched.')
+  return (f'Memory: at least {fmt_bytes(total)} of {fmt_bytes(limit)} available ({source}) '
+          f'before the steps; {summary(terms)}')

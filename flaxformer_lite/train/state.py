@@ -54,12 +54,16 @@ def init_params(model, config, example_batch, rng):
   """Parameters (plain arrays) initialised from `example_batch` shapes, then
   overlaid with model.init_from's checkpoint where it is set."""
   batch = {k: example_batch[k] for k in ('inputs', 'inputs_b', 'targets') if k in example_batch}
-  params = nn.unbox(jax.jit(_init_fn(model, config))(rng, batch)['params'])
+
+  def init():
+    return nn.unbox(jax.jit(_init_fn(model, config))(rng, batch)['params'])
   if config.model.get('init_from'):
     from flaxformer_lite import pretrained
-    params = pretrained.init_params(params, config.model.init_from,
-                                    evaluate_only=config.train.num_steps == 0)
-  return params
+    # The shapes, not initialised parameters: a checkpoint that has every
+    # tensor is then the only copy of the weights while it is put in place.
+    return pretrained.init_params(jax.eval_shape(init), config.model.init_from, init=init,
+                                  evaluate_only=config.train.num_steps == 0)
+  return init()
 
 
 # Parameters up to this many bytes are initialised on the host (init_device).

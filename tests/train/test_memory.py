@@ -126,6 +126,73 @@ def test_the_peak_adds_the_other_steps_kept_temp_buffers():
   assert memory.heap_keeps_temps({'MALLOC_MMAP_THRESHOLD_': str(4 * GiB)})
   for environ in ({}, {'MALLOC_MMAP_THRESHOLD_': str(1 * MiB)}, {'MALLOC_MMAP_THRESHOLD_': 'x'}):
     assert not memory.heap_keeps_temps(environ)
+    assert memory.kept_by_heap(kept, environ) is None
+  # A buffer at or above the threshold is mapped and returned: kept, the one below.
+  environ = {'MALLOC_MMAP_THRESHOLD_': str(64 * MiB)}
+  assert memory.kept_by_heap({'a': 64 * MiB, 'b': 63 * MiB}, environ) == {'b': 63 * MiB}
+  assert memory.kept_by_heap({'a': 64 * MiB}, environ) is None
+
+
+def test_the_host_estimate_adds_what_the_process_holds_beside_its_steps(tmp_path):
+  """By hand: steps of 4 and 2 GiB whose temp buffers (2 and 1 GiB) the heap
+  keeps; the process holds 3 GiB before its first step, 1 GiB of it the
+  state the steps count as arguments; a checkpoint copies 1 GiB. Peak:
+  4 (train) + 1 (eval's kept buffer) + (3 - 1) + 1 = 8 GiB."""
+  status = tmp_path / 'status'
+  status.write_text('Name:\tpython\nVmHWM:\t 4000 kB\nVmRSS:\t 3145728 kB\n')
+  rss = memory.process_rss(str(status))
+  assert rss == 3 * GiB and memory.process_rss(str(tmp_path / 'none')) is None
+  host = memory.host_terms(rss, state=1 * GiB, saved=1 * GiB)
+  assert sorted(host.values()) == [1 * GiB, 2 * GiB]
+  needs, kept = {'train step': 4 * GiB, 'eval step': 2 * GiB}, {'train step': 2 * GiB,
+                                                                 'eval step': 1 * GiB}
+  lower = {'train.batch_size': 8}
+  line = memory.check(needs, 8 * GiB, 'here', lower, 'block', kept, host)
+  assert line.startswith('Memory: peak about 8.0 GiB of 8.0 GiB available (here)'), line
+  assert "a checkpoint's host copy of the state 1.0 GiB" in line
+  with pytest.raises(config_lib.ConfigError) as e:
+    memory.check(needs, 8 * GiB - 1, 'here', lower, 'block', kept, host)
+  assert 'needs about 8.0 GiB at its peak (train step, plus 1.0 GiB of the other' in str(e.value)
+  assert 'held before the first step (interpreter, JAX, data, weights as loaded) 2.0' in str(e.value)
+
+
+def test_the_estimate_before_loading_counts_each_copy_of_the_weights():
+  """By hand: 0.25 GiB of process, 0.5 GiB of parameters, 1 GiB of Adam
+  moments, a checkpoint's copy of both (1.5), the pretrained tensors as
+  read (0.5): 3.75 GiB."""
+  terms = memory.before_loading(GiB // 4, GiB // 2, GiB, pretrained=True)
+  assert sum(terms.values()) == 3.75 * GiB
+  assert sum(memory.before_loading(GiB // 4, GiB // 2, GiB, pretrained=False).values()) == \
+      3.25 * GiB
+  lower = {'model.init_from': 'smollm2'}
+  assert memory.check_before_loading(terms, 4 * GiB, 'here', lower).startswith(
+      'Memory: at least 3.8 GiB of 4.0 GiB available (here) before the steps')
+  assert memory.check_before_loading(terms, None, '', lower) is None
+  with pytest.raises(config_lib.ConfigError, match=r"at least 3\.8 GiB .* but 3\.5 GiB is "
+                     r"available \(here\).* Lower model\.init_from \(now 'smollm2'\)"):
+    memory.check_before_loading(terms, 3.5 * GiB, 'here', lower)
+
+
+def test_launch_refuses_a_run_above_the_limit_before_reading_data(tmp_path):
+  """Through ./launch.sh, a run whose shapes alone exceed FFL_MEMORY_LIMIT
+  exits 2 naming the limit before any data is read: a new workdir is never
+  made, and an existing one (a saved checkpoint, metrics) is left as it was."""
+  kept = tmp_path / 'kept'
+  (kept / 'checkpoints' / '5').mkdir(parents=True)
+  (kept / 'checkpoints' / '5' / 'state').write_bytes(b'saved')
+  (kept / 'metrics.jsonl').write_text('{"step": 5}\n')
+  before = {p: p.read_bytes() for p in kept.rglob('*') if p.is_file()}
+  env = dict(os.environ, FFL_PYTHON=sys.executable, FFL_MEMORY_LIMIT='100MiB')
+  for workdir in (tmp_path / 'new', kept):
+    done = subprocess.run(
+        ['bash', 'launch.sh', '--config.model.vocab_size=20', '--config.model.d_model=16',
+         '--config.model.num_heads=2', '--config.model.mlp_dim=32', f'--workdir={workdir}'],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert '100.0 MiB is available (FFL_MEMORY_LIMIT)' in done.stderr, done.stderr[-3000:]
+    assert 'Lower model.d_model (now 16)' in done.stderr and 'data:' not in done.stdout
+  assert not (tmp_path / 'new').exists()
+  assert {p: p.read_bytes() for p in kept.rglob('*') if p.is_file()} == before
 
 
 # What the child processes below share: their peak resident memory (VmHWM).
@@ -136,7 +203,7 @@ def hwm():
   return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
 """
 OTHER_ALLOCATIONS = 16 * MiB  # the runtime's own, beside the steps' buffers
-LAUNCH_MALLOC = dict(MALLOC_ARENA_MAX='1', MALLOC_MMAP_THRESHOLD_=str(4 * GiB),
+LAUNCH_MALLOC = dict(MALLOC_ARENA_MAX='1', MALLOC_MMAP_THRESHOLD_=str(GiB),
                      MALLOC_TRIM_THRESHOLD_=str(8 * GiB))  # launch.sh's settings
 
 
