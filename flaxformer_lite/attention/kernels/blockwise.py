@@ -127,9 +127,10 @@ def attend(query, key, value, terms: Terms = Terms(), params=None, *,
     raise ValueError(f'dropout_rate={dropout_rate!r}; must be in [0, 1)')
   rate = dropout_rate if dropout_rng is not None else 0.0
   seed = dropout.seed(dropout_rng) if rate else jnp.uint32(0)
-  blocks = plan(b, h, n, m, chunk_size, rate, dropout_first_query)
-  n_pad, m_pad = blocks.nq * blocks.bq, blocks.nk * blocks.bk
   mask = masks.as_mask(mask, q_offset)
+  blocks = plan(b, h, n, m, chunk_size, rate, dropout_first_query,
+                _causal_alone(mask, q_offset))
+  n_pad, m_pad = blocks.nq * blocks.bq, blocks.nk * blocks.bk
   hides_no_row = masks.hides_no_row(mask)
   mask = mask_blocks(mask or masks.everything(), q_offset, b, h, blocks)
   q_offset = jnp.asarray(q_offset, jnp.int32)
@@ -178,8 +179,8 @@ class Blocks:
   """A call's static settings: n queries and m keys (before padding) in nq
   blocks of bq rows and nk blocks of bk columns; the dropout rate (0: none);
   split, whether FULL blocks run apart from the masked ones; rise, the
-  staircase's rows a step (_forward_staircase) or None; first_query, the index
-  dropout's hash gives query 0."""
+  staircase's rows a step (_forward_staircase) or None; partial, whether a
+  block may be PARTIAL; first_query, the index dropout's hash gives query 0."""
   n: int
   m: int
   bq: int
@@ -189,12 +190,13 @@ class Blocks:
   rate: float
   split: bool
   rise: int | None
+  partial: bool = True
   first_query: int = 0
 
   @property
   def visited(self) -> tuple[int, ...]:
     """The block states that run, each in a loop of its own (MaskBlocks)."""
-    return ((masks.FULL,) if self.split else ()) + (masks.PARTIAL,) + (
+    return ((masks.FULL,) if self.split else ()) + ((masks.PARTIAL,) if self.partial else ()) + (
         (masks.DIAGONAL,) if self.rise else ())
 
 
@@ -207,15 +209,28 @@ class Call(NamedTuple):
 
 
 def plan(b: int, h: int, n: int, m: int, chunk_size: int, rate: float,
-         first_query: int = 0) -> Blocks:
+         first_query: int = 0, causal_alone: bool = False) -> Blocks:
   """The Blocks of a call: b rows, h query heads, n queries and m keys in
-  blocks of chunk_size (fewer where a length is shorter)."""
+  blocks of chunk_size (fewer where a length is shorter). causal_alone
+  (_causal_alone): with whole blocks of the staircase, every block is FULL,
+  EMPTY or DIAGONAL, and the PARTIAL loop is not compiled (a masked whole
+  block costs the forward a block-sized buffer more)."""
   bq, bk = min(chunk_size, n), min(chunk_size, m)
   nq, nk = -(-n // bq), -(-m // bk)
   split = b * h * bq * bk >= UNMASKED_MIN_SCORES
   rise = STAIRCASE_ROWS
   rise = rise if split and bq == bk and bq > rise and not bq % rise else None
-  return Blocks(n, m, bq, bk, nq, nk, rate, split, rise, first_query)
+  partial = not (causal_alone and rise and not n % bq and not m % bk)
+  return Blocks(n, m, bq, bk, nq, nk, rate, split, rise, partial, first_query)
+
+
+def _causal_alone(mask, q_offset) -> bool:
+  """Whether `mask` is the causal rule alone (masks.rules_of) with the
+  queries at 0..n-1 (q_offset a Python 0): block (qb, kb) of square blocks
+  is then FULL below the diagonal, EMPTY above, DIAGONAL on it."""
+  rules = masks.rules_of(mask)
+  return (rules is not None and rules.causal and not rules.has_more()
+          and type(q_offset) is int and q_offset == 0)
 
 
 def block_tables(blocks: Blocks, terms, params, q_offset):
