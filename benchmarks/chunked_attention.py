@@ -8,7 +8,8 @@ For each variant and length: MultiHeadAttention (d_model 512, 8 heads,
 float32 by default) forward+backward (the vjp of y = layer(x) with a given
 random cotangent dy, w.r.t. the parameters and x, as FlashAttention's
 benchmarks call out.backward(dout)) with attention_kwargs.kernel
-'dense' and 'chunked' at each of --chunk_sizes, all timed interleaved in one
+'dense' and 'chunked' (Shaw's causal calls: 'shaw_by_lag') at each of
+--chunk_sizes, all timed interleaved in one
 run. Prints a row per chunk size: time (median ms) and XLA's compiled temp
 memory (MiB) of each, chunked/dense for both, and the chunked time over
 dot_product's chunked time at the same length and chunk size (timed
@@ -123,9 +124,20 @@ def _traced_with(build, name, value):
   return traced_build
 
 
+# The O(n) kernel a scheme runs in place of 'chunked' on a causal call
+# (select._written_for): Shaw's split by lag.
+OWN_BLOCKWISE = {'shaw': 'shaw_by_lag'}
+
+
+def _blockwise(variant, args) -> str:
+  """The kernel the chunked columns run: 'chunked', or the scheme's own."""
+  return OWN_BLOCKWISE.get(variant, 'chunked') if args.causal else 'chunked'
+
+
 def _chunked(variant, dropout, args, x):
   """{'chunked C': build of its step, for C in --chunk_sizes} (timing.compile_all)."""
-  return {f'chunked {c}': functools.partial(_step, variant, 'chunked', c, dropout, args, x)
+  kernel = _blockwise(variant, args)
+  return {f'chunked {c}': functools.partial(_step, variant, kernel, c, dropout, args, x)
           for c in args.chunk_sizes}
 
 
@@ -136,11 +148,12 @@ def _measure(variant, n, b, args, x, dot):
   c/dot_c baseline, timed interleaved with the variant's steps.
   """
   builds = {} if variant == 'dot_product' else _chunked(variant, args.dropout, args, x)
+  kernel = _blockwise(variant, args)
   if b * args.heads * n * n * 4 / 2**20 <= args.dense_limit_mib:
     builds['dense'] = functools.partial(_step, variant, 'dense', args.chunk_sizes[0],
                                         args.dropout, args, x)
   if args.dropout:
-    builds.update({f'no dropout {c}': functools.partial(_step, variant, 'chunked', c, 0.0,
+    builds.update({f'no dropout {c}': functools.partial(_step, variant, kernel, c, 0.0,
                                                         args, x) for c in args.chunk_sizes})
   if args.cudnn and variant == 'dot_product':
     builds['cudnn'] = functools.partial(_step, variant, 'cudnn', args.chunk_sizes[0], 0.0, args, x)
@@ -149,15 +162,15 @@ def _measure(variant, n, b, args, x, dot):
                                          args.dropout, args, x)
   if args.masked_blocks:
     builds.update({f'masked {c}': _traced_with(functools.partial(
-        _step, variant, 'chunked', c, args.dropout, args, x), 'UNMASKED_MIN_SCORES', math.inf)
+        _step, variant, kernel, c, args.dropout, args, x), 'UNMASKED_MIN_SCORES', math.inf)
                    for c in args.chunk_sizes})
   if args.padding:
-    builds.update({f'padded {c}': functools.partial(_step, variant, 'chunked', c, args.dropout,
+    builds.update({f'padded {c}': functools.partial(_step, variant, kernel, c, args.dropout,
                                                     args, x, padding=True)
                    for c in args.chunk_sizes})
   if args.no_staircase:
     builds.update({f'flat {c}': _traced_with(functools.partial(
-        _step, variant, 'chunked', c, args.dropout, args, x), 'STAIRCASE_ROWS', math.inf)
+        _step, variant, kernel, c, args.dropout, args, x), 'STAIRCASE_ROWS', math.inf)
                    for c in args.chunk_sizes})
   fns, temps, failed = timing.compile_all(builds)
   dot_fns, dot_temps, dot_failed = dot
