@@ -196,9 +196,11 @@ def test_list_attention_table_lists_every_variant_in_aligned_columns(width):
   for name, (models, kernels, options, description) in rows.items():
     variant = registry.get(name)
     assert [m for cell in models for m in shorthand.get(cell, (cell,))] == list(variant.models)
+    own_kernels = {'shaw': ['shaw_banded', 'shaw_by_lag'], 'local': ['local_blocked']}
     assert kernels == ['dense', *(['chunked'] if variant.chunked else []),
                        *(['pallas'] if registry.pallas_runs(variant) else []),
-                       *(['cudnn', 'splash', 'xla'] if variant.plain_product else [])]
+                       *(['cudnn', 'splash', 'xla'] if variant.plain_product else []),
+                       *own_kernels.get(name, [])]
     own = [f'{k}={v!r}' for k, v in variant.kwargs.items()] or ['-']
     assert ''.join(options) == ''.join(own)  # a long option may wrap inside its column
     assert description == ''.join(variant.doc.split())

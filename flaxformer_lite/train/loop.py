@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 
@@ -259,9 +260,12 @@ def _host_bytes(tree) -> tuple[int, int]:
   held = saved = 0
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array):
-      shards = x.addressable_shards
-      held += sum(s.data.nbytes for s in shards)
-      saved += sum({str(s.index): s.data.nbytes for s in shards}.values())
+      # From the sharding, not the shards' data: a pmap-mode array (its
+      # leading axis one per device) has no single-device shards to read.
+      indices = x.sharding.addressable_devices_indices_map(x.shape)
+      shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+      held += shard * len(indices)
+      saved += shard * len({str(i) for i in indices.values()})
   return held, saved
 
 
