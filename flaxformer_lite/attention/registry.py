@@ -9,13 +9,19 @@ where `params` are arrays the layer creates from `AttentionVariant.params`
 (learned tables, per-head matrices) and `kwargs` are the fields of the
 variant's options (`AttentionVariant.options`, a frozen dataclass that
 validates itself), set from `config.model.attention_kwargs` (resolve_kwargs).
-Some variants receive more:
-  uses_positions: `q_offset`, the absolute position of the first query
-    (non-zero when decoding with a cache, or for an RNN decoder's step t).
-  stochastic: `rng`, a PRNG key when deterministic=False, else None.
-  uses_alignment: `prev_alignment` [b, h, n, m], the sum of the weights of
-    all earlier decoder steps (zeros at the first); only a step-by-step
-    decoder (the RNN) can supply it, so such variants list rnn_seq2seq only.
+Some variants receive more, where `fn` names the keyword (its signature is
+read once, at registration: CAPABILITIES):
+  q_offset: the absolute position of the first query (non-zero when
+    decoding with a cache, or for an RNN decoder's step t);
+  positions: int [n], the positions of self-attention's queries and keys
+    as data (randomized positions, Ruoss et al. 2023);
+  rng: a PRNG key when deterministic=False, else None;
+  prev_alignment: [b, h, n, m], the sum of the weights of all earlier
+    decoder steps (zeros at the first); only a step-by-step decoder (the
+    RNN) can supply it, so such variants list rnn_seq2seq only;
+  implementation: 'xla' | 'cudnn' for jax.nn.dot_product_attention: the
+    scheme is plain q.k after maps of q and k, so the kernels that run only
+    that (cuDNN, XLA's, splash) take it (dot_product, rotary).
 
 The kernel is chosen apart from the variant, by the options every variant
 takes (KERNEL_OPTIONS): `kernel` ('auto' or a kernel of
@@ -29,6 +35,7 @@ select.choose (the `auto` policy, per platform) decides which kernel runs.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import textwrap
 import types
 import typing
@@ -65,24 +72,16 @@ class AttentionVariant:
   models: model types that can use the variant.
   check_head_dim: head size -> None, raising ValueError where the variant
     cannot run on heads of that size (rotary: pairs of features).
-  uses_positions: fn takes `q_offset`.
-  stochastic: fn takes `rng`.
-  uses_alignment: fn takes `prev_alignment`.
   doc: one line for `--list_attention`.
   chunked: the block-by-block form (module docstring), or None.
-  plain_product: the scheme is plain q.k after maps of q and k, and `fn`
-    takes implementation='xla' | 'cudnn' (jax.nn.dot_product_attention):
-    the kernels that run only plain q.k (cuDNN, XLA's, splash) take it
-    (dot_product, rotary).
   grouped_kv: `fn` takes keys and values with g heads, g dividing the
     query heads h (query head i reads head i // (h / g)); without it the
     layer copies each key/value head to its group for `fn`. The chunked
     kernel always takes g heads.
-  position_arrays: a uses_positions `fn` also takes `positions` int [n],
-    the positions of the queries and of the keys of self-attention (sorted,
-    any integers: randomized positions, Ruoss et al. 2023), in place of
-    q_offset + 0..n-1; None with `terms`: True (the terms read positions as
-    arrays), else False.
+  uses_positions, position_arrays, stochastic, uses_alignment,
+    plain_product: what `fn` takes (module docstring), read from its
+    signature at registration (CAPABILITIES); leave them unset (a value
+    given must agree with the signature).
   terms: (num_heads, **kwargs) -> scheme.Terms, the variant written once
     as what it changes in the kernels' scaled q.k scores (its score, tables,
     query and key maps, values term: scheme.py): `register` derives `fn`
@@ -98,12 +97,12 @@ class AttentionVariant:
   params: Callable[..., Mapping[str, Any]] | None = None
   models: tuple[str, ...] = ALL_MODELS
   check_head_dim: Callable[[int], None] | None = None
-  uses_positions: bool = False
-  stochastic: bool = False
-  uses_alignment: bool = False
+  uses_positions: bool | None = None
+  stochastic: bool | None = None
+  uses_alignment: bool | None = None
   doc: str = ''
   chunked: Callable[..., Any] | None = None
-  plain_product: bool = False
+  plain_product: bool | None = None
   grouped_kv: bool = False
   terms: Callable[..., Any] | None = None
   position_arrays: bool | None = None
@@ -272,8 +271,31 @@ def register(variant: AttentionVariant) -> AttentionVariant:
     variant = _with_terms(variant)
   if variant.fn is None:
     raise ValueError(f'attention variant {variant.name!r} needs fn= or terms=')
+  variant = _with_capabilities(variant)
   _REGISTRY[variant.name] = variant
   return variant
+
+
+# What a variant can be given beyond q, k, v and its options: each is the
+# keyword its `fn` names (module docstring).
+CAPABILITIES = {'uses_positions': 'q_offset', 'position_arrays': 'positions',
+                'stochastic': 'rng', 'uses_alignment': 'prev_alignment',
+                'plain_product': 'implementation'}
+
+
+def _with_capabilities(variant: AttentionVariant) -> AttentionVariant:
+  """`variant` with CAPABILITIES read from its fn's signature, once; raises
+  where a value given disagrees with it."""
+  takes = inspect.signature(variant.fn).parameters
+  derived = {field: keyword in takes for field, keyword in CAPABILITIES.items()}
+  for field, value in derived.items():
+    given = getattr(variant, field)
+    if given is not None and bool(given) != value:
+      raise ValueError(
+          f'attention variant {variant.name!r}: {field}={given!r}, but its fn '
+          f'{"takes" if value else "does not take"} {CAPABILITIES[field]!r}; the capability '
+          f'is read from fn\'s signature: leave {field} unset')
+  return dataclasses.replace(variant, **derived)
 
 
 def _with_terms(variant: AttentionVariant) -> AttentionVariant:
@@ -284,10 +306,7 @@ def _with_terms(variant: AttentionVariant) -> AttentionVariant:
     raise ValueError(f'attention variant {variant.name!r}: parameters '
                      f'{sorted(set(specs) & set(kwargs))} are named like its options')
   fn, chunked = derived_fns(variant.terms, variant.kwargs)
-  arrays = variant.position_arrays
-  return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked,
-                             uses_positions=variant.uses_positions or variant.fn is None,
-                             position_arrays=variant.fn is None if arrays is None else arrays)
+  return dataclasses.replace(variant, fn=variant.fn or fn, chunked=variant.chunked or chunked)
 
 
 def derived_fns(make_terms: Callable[..., scheme.Terms], option_names) -> tuple:
@@ -349,8 +368,8 @@ def inline(score: Callable[..., Any]) -> AttentionVariant:
   score) with its kernels derived, its tables given at the call; named after
   the function for messages."""
   name = f'score {getattr(score, "__name__", type(score).__name__)}'
-  return _with_terms(AttentionVariant(name=name, terms=lambda num_heads: scheme.Terms(
-      score=score), models=TRANSFORMER_MODELS))
+  return _with_capabilities(_with_terms(AttentionVariant(
+      name=name, terms=lambda num_heads: scheme.Terms(score=score), models=TRANSFORMER_MODELS)))
 
 
 def _variant(name_or_variant: str | AttentionVariant) -> AttentionVariant:

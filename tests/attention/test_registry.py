@@ -104,6 +104,21 @@ def test_register_accepts_a_shared_name_with_its_default_and_new_names(scratch_r
       'half_window': 2, 'fake_only_option': 3}
 
 
+def test_what_fn_takes_is_read_from_its_signature_at_registration(scratch_registry):
+  """CAPABILITIES: each keyword a fn names (q_offset, positions, rng,
+  prev_alignment, implementation) sets its flag; one not named leaves it
+  False; a flag given that the signature contradicts is refused, naming
+  both."""
+  def fn(query, key, value, *, q_offset=0, rng=None, **common):
+    return query
+  got = registry.register(registry.AttentionVariant(name='fake', fn=fn))
+  assert (got.uses_positions, got.stochastic) == (True, True)
+  assert not (got.position_arrays or got.uses_alignment or got.plain_product)
+  with pytest.raises(ValueError, match="uses_alignment=True, but its fn does not take "
+                                       "'prev_alignment'"):
+    registry.register(registry.AttentionVariant(name='fake2', fn=fn, uses_alignment=True))
+
+
 def test_scratch_registry_left_the_live_one_alone():
   assert 'fake' not in registry.names()
 

@@ -82,6 +82,5 @@ registry.register(registry.AttentionVariant(
     name='hard',
     fn=hard_attention,
     options=HardOptions,
-    stochastic=True,
     doc='one key per query: straight-through Gumbel-softmax sample of softmax(q.k/sqrt(d)) '
         'in training, argmax in eval; temperature of the soft gradient'))

@@ -125,6 +125,5 @@ registry.register(registry.AttentionVariant(
     fn=location_sensitive_attention,
     options=LocationOptions,
     params=_params,
-    uses_alignment=True,
     doc='v_h . tanh(q + k + U_h (F * cumulative weights) + b_h) (Chorowski et al. '
         "2015, Tacotron 2); location_mode: hybrid | location_only | content_only"))

@@ -250,6 +250,5 @@ registry.register(registry.AttentionVariant(
     fn=luong_local_m_attention,
     options=LuongLocalOptions,
     params=_general_params,
-    uses_positions=True,
     doc='general score in a window |j-p_i| <= half_window around p_i = query position '
         '(clipped to the last visible key) (Luong et al. 2015, local-m)'))

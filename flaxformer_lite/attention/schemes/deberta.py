@@ -247,8 +247,6 @@ registry.register(registry.AttentionVariant(
     terms=_terms,
     options=DebertaOptions,
     params=_params,
-    uses_positions=True,
-    position_arrays=True,
     doc='disentangled content-to-content, content-to-position and position-to-content '
         'terms over log-bucketed offsets, scale 1/sqrt(3d) (DeBERTa, He et al. 2021); '
         "p2c_row: 'released' (the released code's row of i - j) or 'paper' (eq. 4's j - i)"))

@@ -21,7 +21,6 @@ registry.register(registry.AttentionVariant(
     fn=reference.dot_product_attention,
     chunked=blockwise.dot_product,
     terms=lambda num_heads: scheme.Terms(),  # nothing to change: the fused kernels' view
-    plain_product=True,
     grouped_kv=True,
     doc='softmax(q.k/sqrt(d)) v (Vaswani et al. 2017); kernel=xla|cudnn '
         'for jax.nn.dot_product_attention'))

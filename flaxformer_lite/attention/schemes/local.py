@@ -120,6 +120,5 @@ registry.register(registry.AttentionVariant(
     fn=local_attention,
     chunked=local_chunked,
     options=LocalOptions,
-    uses_positions=True,
     doc='sliding-window softmax(q.k/sqrt(d)): causal=True sees the window keys '
         'p-window < j <= p, causal=False |j-p| < window'))

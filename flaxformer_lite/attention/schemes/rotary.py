@@ -114,7 +114,8 @@ def apply_rotary(x, positions, *, max_wavelength=10000.0, rope_scaling='none', r
 
 def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavelength=10000.0,
                      rope_scaling='none', rope_factor=1.0, rope_original_max_len=0,
-                     rotary_fraction=1.0, rotary_layout='interleaved', **common):
+                     rotary_fraction=1.0, rotary_layout='interleaved', implementation=None,
+                     **common):
   """Dot-product attention over rotated queries and keys; values unrotated.
 
   Args:
@@ -122,8 +123,8 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
     key, value: [b, m, h, d], key j at position j.
     positions: None, or int [n] (n = m): query and key i at positions[i].
     max_wavelength .. rotary_layout: apply_rotary's (module docstring).
-    common: dot_product_attention's implementation (None or 'dense', 'xla',
-      'cudnn'), mask, bias, dropout, dtype and return_weights.
+    implementation: dot_product_attention's (None or 'dense', 'xla', 'cudnn').
+    common: its mask, bias, dropout, dtype and return_weights.
   Returns:
     [b, n, h, d] in `dtype` (default: query's dtype).
   """
@@ -133,7 +134,7 @@ def rotary_attention(query, key, value, *, q_offset=0, positions=None, max_wavel
   q_pos, k_pos = scheme.query_key_positions(query.shape[1], key.shape[1], q_offset, positions)
   query = apply_rotary(query, q_pos, **rope)
   key = apply_rotary(key, k_pos, **rope)
-  return dot_product_attention(query, key, value, **common)
+  return dot_product_attention(query, key, value, implementation=implementation, **common)
 
 
 def _rotate(rope, x, tables, positions, origin):
@@ -199,9 +200,6 @@ registry.register(registry.AttentionVariant(
     terms=_terms,
     options=RotaryOptions,
     check_head_dim=_check_head_dim,
-    uses_positions=True,
-    position_arrays=True,
-    plain_product=True,
     grouped_kv=True,
     doc='rotate q and k feature pairs by position-proportional angles (RoPE, '
         'Su et al. 2021); head_dim must be even; rope_scaling linear (PI) | ntk | yarn '

@@ -254,9 +254,10 @@ class ShawOptions:
                        'use attention=dot_product for no relative positions')
 
 
-def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, **rest):
+def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, q_offset=0,
+          positions=None, **rest):
   del max_distance, relative_keys, relative_values  # carried by the tables' presence and shape
-  return shaw_attention(query, key, value, **rest)
+  return shaw_attention(query, key, value, q_offset=q_offset, positions=positions, **rest)
 
 
 def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values):
@@ -276,7 +277,5 @@ registry.register(registry.AttentionVariant(
     terms=_shaw_terms,
     options=ShawOptions,
     params=_shaw_params,
-    uses_positions=True,
-    position_arrays=True,
     doc='Shaw et al. 2018 relative positions (tables [2k+1, d] for keys and values), '
         "the paper's reshape-and-matmul trick"))

@@ -165,7 +165,5 @@ registry.register(registry.AttentionVariant(
     params=lambda num_heads, head_dim, kwargs: {
         'rel_embedding': ((kwargs['num_buckets'], num_heads),
                           nn.initializers.normal(0.02), ('relative', 'heads'))},
-    uses_positions=True,
-    position_arrays=True,
     doc='learned per-head bias of bucketed key-query offset (T5, Raffel et al. '
         '2020); bidirectional=False for causal-only models'))

@@ -129,7 +129,5 @@ registry.register(registry.AttentionVariant(
     fn=transformer_xl_attention,
     terms=_terms,
     params=_params,
-    uses_positions=True,
-    position_arrays=True,
     doc='(q+u).k + (q+v).W_R R_{i-j}: sinusoidal relative distances projected per '
         'head, global content and position biases (Transformer-XL, Dai et al. 2019)'))
