@@ -234,6 +234,12 @@ def rules_of(mask: Mask | None) -> Rules | None:
   return out
 
 
+def causal_alone(mask: Mask | None) -> bool:
+  """Whether `mask` is the causal rule and nothing else (rules_of)."""
+  rules = rules_of(mask)
+  return rules is not None and rules.causal and not rules.has_more()
+
+
 def hides_no_row(mask: Mask | None) -> bool:
   """Whether every query surely sees a key, read from the rules: no mask, or
   the causal rule alone (query index q >= 0 sees key 0). False is "may

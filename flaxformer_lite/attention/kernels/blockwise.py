@@ -225,12 +225,10 @@ def plan(b: int, h: int, n: int, m: int, chunk_size: int, rate: float,
 
 
 def _causal_alone(mask, q_offset) -> bool:
-  """Whether `mask` is the causal rule alone (masks.rules_of) with the
+  """Whether `mask` is the causal rule alone (masks.causal_alone) with the
   queries at 0..n-1 (q_offset a Python 0): block (qb, kb) of square blocks
   is then FULL below the diagonal, EMPTY above, DIAGONAL on it."""
-  rules = masks.rules_of(mask)
-  return (rules is not None and rules.causal and not rules.has_more()
-          and type(q_offset) is int and q_offset == 0)
+  return masks.causal_alone(mask) and type(q_offset) is int and q_offset == 0
 
 
 def block_tables(blocks: Blocks, terms, params, q_offset):

@@ -79,7 +79,7 @@ def _run_dense(call: Call, query, key, value, *, implementation=None):
   'xla' or 'cudnn' for jax.nn.dot_product_attention (dot_product, rotary)."""
   variant = call.variant
   b, n, h, _ = call.query_shape
-  m, g = call.key_shape[1:3]
+  m = call.key_shape[1]
   if not variant.grouped_kv:
     key, value = _every_head(call, key, value)
   extra = {}
@@ -184,8 +184,7 @@ def _run_pallas(call: Call, query, key, value):
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   query, key, tables, q_pos, k_pos = _mapped(call, query, key)
   # A causal rule alone runs as the kernel's own causal bounds, no mask evaluated.
-  rules = masks.rules_of(call.mask)
-  causal = rules is not None and rules.causal and not rules.has_more()
+  causal = masks.causal_alone(call.mask)
   rule = None if causal else call.mask
   out, lse = pallas_gpu.flash_attention(
       query, key, value, score=terms.score, tables=tables, mask=rule, causal=causal,
