@@ -6,7 +6,7 @@ Query i sits at absolute position p = q_offset + i, key j at position j.
 Inside the window the logits are dot_product's, q.k / sqrt(d) + bias.
 The mask is and-ed with the window, so causal=False (the default) is right in every model
 (decoders pass their causal mask); causal=True also makes an encoder causal,
-and saves the blocked form a third of its work in decoders.
+and saves the blocked kernel (local_blocked) a third of its work in decoders.
 
 Its dense form here is [b, h, n, m] logits under the band; the kernel
 `local_blocked` (kernels/specialised/local_blocked.py) gives the same numbers
