@@ -39,6 +39,24 @@ transpose, a scatter-add. So the forward and every gradient lower for both
 forms; a learned lookup table costs the dq kernel one select per entry per
 block.
 
+Lookups: tables indexed by a query (or a key) position, [b, h, n, R] (or
+[b, h, m, R]), made once per call before the kernel (Shaw's q . a^K_r as
+q @ table^T, DeBERTa's c2p and p2c): the scores, before the score
+function, gain rows[i, index(q_pos, k_pos)_ij] (or rows[j, ..]), index a
+function of the block's positions. A program reads its block's rows by
+BlockSpec (the other side's rows whole) and the entries by a gather load;
+their gradients are each row's ds summed per entry, in the dq kernel for
+per-query tables and in the dk/dv kernel for per-key ones (`_bucket_sum`:
+one select pass per entry between a block's least and greatest index, so a
+block wholly past a clip costs one), and reach q, k and the position
+tables through the product that made them (autodiff, outside). A value
+lookup (index, table [R, dv]) adds sum_j p_ij table[index_ij] to the
+output (Shaw's a^V): the forward sums each row's weights per entry beside
+the output, rescaled with it, multiplies by the table once at the end and
+saves the normalised sums P [b, h, n, R]; the backward's dp_ij gains
+dO_i . table[index_ij] (the rows dO @ table^T, made before the kernels,
+read as a lookup's) and the table's gradient is P^T dO.
+
 Mask: `causal` by index (query i at q_offset + i sees keys j <= q_offset +
 i; key blocks past the diagonal are not visited), keys past m hidden, and
 any `masks.Mask`. A Mask's blocks are classified once per call
@@ -68,6 +86,9 @@ from jax.experimental.pallas import triton as pl_triton
 from flaxformer_lite.attention import masks
 from flaxformer_lite.attention.scheme import Tables
 
+# The tiles' rows and columns where a call names none.
+BLOCK = 64
+
 NEG_INF = -1e30  # finite: a fully hidden block must not make exp(NaN)
 # The running row maximum starts above NEG_INF, so that hidden scores weigh
 # exp(NEG_INF / 2) = 0 even in a row that has seen no key yet.
@@ -85,8 +106,9 @@ class Settings:
   """A call's static settings: block sizes, causal, the real query and key
   counts n and m (past them: padding), the score scale, how the call runs,
   the score, the tables' names and shapes [h, ...] (sorted by name), the
-  mask (its arrays as shapes; None: no Mask) and the tables whose gradient
-  the dq kernel takes."""
+  mask (its arrays as shapes; None: no Mask), the tables whose gradient
+  the dq kernel takes, each lookup table's (side, index) and the value
+  lookup's index (None: none)."""
   block_q: int
   block_k: int
   causal: bool
@@ -98,6 +120,12 @@ class Settings:
   tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
   mask: masks.Mask | None = None
   grads: tuple[str, ...] = ()
+  lookups: tuple[tuple[str, Callable[..., Any]], ...] = ()
+  values: Callable[..., Any] | None = None
+
+  def sides(self, side: str) -> tuple[int, ...]:
+    """The positions in `lookups` of the tables on `side` ('query', 'key')."""
+    return tuple(i for i, (s, _) in enumerate(self.lookups) if s == side)
 
   def compiler_params(self):
     # Triton's parameters choose the Triton lowering (the default GPU lowering
@@ -174,7 +202,10 @@ class _Refs(NamedTuple):
   k_pos: Any
   offset: Any
   grads_in: tuple  # (d_out, lse, delta) in the backward kernels, () in the forward
+  d_values: Any  # the backward's dO . a^V rows [.., R] under a value lookup, else None
   tables: dict  # name -> the head's row ref
+  lookups: tuple  # each lookup table's rows [.., R] (Settings.lookups' order)
+  value_table: Any  # the value lookup's table [R, dv], or None
   mask: tuple  # the mask's arrays, whole
   states: Any  # Blocks.states, or None without a Mask
   ranges: Any  # Blocks.by_query or by_key, or None
@@ -186,10 +217,14 @@ def _unpack(st: Settings, refs, backward: bool) -> _Refs:
   take = lambda count: [refs.pop(0) for _ in range(count)]
   head = take(6)
   grads_in = tuple(take(3 if backward else 0))
+  d_values = take(1)[0] if backward and st.values is not None else None
   tables = dict(zip((name for name, _ in st.tables), take(len(st.tables))))
+  lookups = tuple(take(len(st.lookups)))
+  value_table = take(1)[0] if st.values is not None else None
   mask = tuple(take(0 if st.mask is None else len(st.mask.arrays)))
   states, ranges = take(2) if st.mask is not None else (None, None)
-  return _Refs(*head, grads_in, tables, mask, states, ranges, tuple(refs))
+  return _Refs(*head, grads_in, d_values, tables, lookups, value_table, mask, states, ranges,
+               tuple(refs))
 
 
 def _head_rows(st: Settings, r: _Refs, head):
@@ -234,6 +269,57 @@ def _dot_scores(st: Settings, q, k):
   """Scaled q.k of one block [bq, bk] float32."""
   return jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * st.scale
+
+
+def _gathered(ref, side: str, starts, idx):
+  """ref[row, idx[i, j]] for a block's pairs, row the block's query i (side
+  'query') or key j ('key'): a gather load (Triton has no gather from a
+  loaded value). starts: (first query row, first key row) of the block in
+  the ref, 0 on the side the BlockSpec blocked."""
+  bq, bk = idx.shape
+  if side == 'query':
+    rows = starts[0] + jnp.arange(bq)[:, None]
+  else:
+    rows = starts[1] + jnp.arange(bk)[None, :]
+  return ref[rows, idx].astype(jnp.float32)
+
+
+def _with_lookups(st: Settings, r: _Refs, s, q_pos, k_pos, starts):
+  """(s [bq, bk] plus every lookup table's entries, their indices int32
+  [bq, bk] in Settings.lookups' order)."""
+  indices = []
+  for (side, index), ref in zip(st.lookups, r.lookups):
+    idx = jnp.broadcast_to(index(q_pos, k_pos), s.shape).astype(jnp.int32)
+    s = s + _gathered(ref, side, starts, idx)
+    indices.append(idx)
+  return s, tuple(indices)
+
+
+def _bucket_sum(x, idx, size: int, axis: int):
+  """x [bq, bk] float32 summed over `axis` per entry idx -> [bq, size]
+  (axis 1: per query) or [bk, size] (axis 0: per key). One select pass per
+  entry between the block's least and greatest index: a block wholly past a
+  clip, where every pair reads one entry, costs one pass."""
+  entries = jnp.arange(size)[None, :]
+
+  def add(e, acc):
+    part = jnp.sum(jnp.where(idx == e, x, 0.0), axis=axis)
+    return jnp.where(entries == e, acc + part[:, None], acc)
+  return jax.lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add,
+                           jnp.zeros((x.shape[1 - axis], size), jnp.float32))
+
+
+def _value_index(st: Settings, q_pos, k_pos, shape):
+  return jnp.broadcast_to(st.values(q_pos, k_pos), shape).astype(jnp.int32)
+
+
+def _dp(st: Settings, r: _Refs, do, v, q_pos, k_pos, starts):
+  """The scores' dp [bq, bk] = dO . v_j, plus dO . a^V_idx under a value
+  lookup (the rows dO . a^V, made before the kernel, read by index)."""
+  dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  if st.values is not None:
+    dp = dp + _gathered(r.d_values, 'query', starts, _value_index(st, q_pos, k_pos, dp.shape))
+  return dp
 
 
 def _scored(st: Settings, s, b, head, q_pos, k_pos, tables: dict, rows: dict):
@@ -289,9 +375,11 @@ def _visit(st: Settings, r: _Refs, kernel: str, ids, lo, hi, body, carry):
 
 
 def _forward_kernel(st: Settings, *refs):
-  """One query block of one (batch, head): an online softmax over its key blocks."""
+  """One query block of one (batch, head): an online softmax over its key
+  blocks; under a value lookup, each row's weights summed per entry beside
+  the output, rescaled with it."""
   r = _unpack(st, refs, backward=False)
-  o_ref, lse_ref = r.out
+  o_ref, lse_ref, *sums_ref = r.out
   bk = st.block_k
   ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
   head, qb = ids[1], ids[2]
@@ -301,11 +389,12 @@ def _forward_kernel(st: Settings, *refs):
   tables = _head_rows(st, r, head)
 
   def body(kb, carry, masked):
-    m_i, l_i, acc = carry
+    m_i, l_i, acc, sums = carry
     keys = pl.ds(kb * bk, bk)
-    s = _dot_scores(st, q, r.k[keys, :])
+    k_pos = r.k_pos[keys][None, :]
+    s, _ = _with_lookups(st, r, _dot_scores(st, q, r.k[keys, :]), q_pos, k_pos, (0, kb * bk))
     if st.score is not None:
-      s = st.score(s, ids[0], head, q_pos, r.k_pos[keys][None, :], tables)
+      s = st.score(s, ids[0], head, q_pos, k_pos, tables)
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, q_idx, _key_indices(st, kb)), s, NEG_INF)
     m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -313,24 +402,34 @@ def _forward_kernel(st: Settings, *refs):
     rescale = jnp.exp(m_i - m_new)
     acc = acc * rescale[:, None] + jnp.dot(p.astype(r.v.dtype), r.v[keys, :],
                                            preferred_element_type=jnp.float32)
-    return m_new, l_i * rescale + p.sum(axis=1), acc
+    if st.values is not None:
+      sums = sums * rescale[:, None] + _bucket_sum(
+          p, _value_index(st, q_pos, k_pos, p.shape), sums.shape[1], 1)
+    return m_new, l_i * rescale + p.sum(axis=1), acc, sums
 
   init = (jnp.full((st.block_q,), ROW_MAX_START, jnp.float32),
           jnp.zeros((st.block_q,), jnp.float32),
-          jnp.zeros((st.block_q, r.v.shape[1]), jnp.float32))
+          jnp.zeros((st.block_q, r.v.shape[1]), jnp.float32),
+          None if st.values is None else jnp.zeros((st.block_q, r.value_table.shape[0]),
+                                                   jnp.float32))
   lo, hi = _block_range(r, ids, 0, _key_blocks_seen(st, r.offset, qb, r.k.shape[0] // bk))
-  m_i, l_i, acc = _visit(st, r, 'forward', ids, lo, hi, body, init)
+  m_i, l_i, acc, sums = _visit(st, r, 'forward', ids, lo, hi, body, init)
   seen = l_i > 0  # a row that sees no key: output 0, and p = 0 in the backward
-  o_ref[...] = (acc / jnp.where(seen, l_i, 1.0)[:, None]).astype(o_ref.dtype)
+  norm = jnp.where(seen, l_i, 1.0)[:, None]
+  if st.values is not None:
+    acc = acc + jnp.dot(sums, r.value_table[...].astype(jnp.float32),
+                        preferred_element_type=jnp.float32)
+    sums_ref[0][...] = sums / norm
+  o_ref[...] = (acc / norm).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m_i + jnp.log(l_i), -NEG_INF)
 
 
 def _dkdv_kernel(st: Settings, *refs):
   """One key block of one (batch, query head): its dk and dv over the query
-  blocks that see it."""
+  blocks that see it, and its rows of the per-key lookup tables' gradients."""
   r = _unpack(st, refs, backward=True)
   do_ref, lse_ref, delta_ref = r.grads_in
-  dk_ref, dv_ref = r.out
+  dk_ref, dv_ref, *dlook_refs = r.out
   bq = st.block_q
   ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
   head, kb = ids[1], ids[2]
@@ -338,37 +437,45 @@ def _dkdv_kernel(st: Settings, *refs):
   k_pos = r.k_pos[...][None, :]
   k_idx = _key_indices(st, kb)
   tables = _head_rows(st, r, head)
+  by_key = st.sides('key')
 
   def body(qb, carry, masked):
-    dk, dv = carry
+    dk, dv, dlooks = carry
     rows = pl.ds(qb * bq, bq)
-    q, do = r.q[rows, :], do_ref[rows, :]
-    s, vjp = _scored(st, _dot_scores(st, q, k), ids[0], head, r.q_pos[rows][:, None], k_pos,
-                     tables, {})
+    q, do, q_pos = r.q[rows, :], do_ref[rows, :], r.q_pos[rows][:, None]
+    starts = (qb * bq, 0)
+    s, indices = _with_lookups(st, r, _dot_scores(st, q, k), q_pos, k_pos, starts)
+    s, vjp = _scored(st, s, ids[0], head, q_pos, k_pos, tables, {})
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, _query_indices(st, r.offset, qb), k_idx), s,
                     NEG_INF)
     p = jnp.exp(s - lse_ref[rows][:, None])
     dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
-    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = vjp(p * (dp - delta_ref[rows][:, None]))[0] * st.scale
-    dk = dk + jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+    dp = _dp(st, r, do, v, q_pos, k_pos, starts)
+    ds = vjp(p * (dp - delta_ref[rows][:, None]))[0]
+    dk = dk + jax.lax.dot_general((ds * st.scale).astype(q.dtype), q, (((0,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
-    return dk, dv
+    dlooks = tuple(acc + _bucket_sum(ds, indices[i], acc.shape[1], 0)
+                   for i, acc in zip(by_key, dlooks))
+    return dk, dv, dlooks
 
   num_q = r.q.shape[0] // bq
   lo = jnp.clip((kb * st.block_k - r.offset[0]) // bq, 0, num_q) if st.causal else 0
   lo, hi = _block_range(r, ids, lo, num_q)
-  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  dk, dv = _visit(st, r, 'dkdv', ids, lo, hi, body, init)
+  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32),
+          tuple(jnp.zeros((st.block_k, r.lookups[i].shape[1]), jnp.float32) for i in by_key))
+  dk, dv, dlooks = _visit(st, r, 'dkdv', ids, lo, hi, body, init)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
+  for ref, dlook in zip(dlook_refs, dlooks):
+    ref[...] = dlook
 
 
 def _dq_kernel(st: Settings, *refs):
   """One query block of one (batch, head): its dq over the key blocks it
-  sees, and its share of the differentiated tables' row gradients."""
+  sees, its share of the differentiated tables' row gradients, and its rows
+  of the per-query lookup tables' gradients."""
   r = _unpack(st, refs, backward=True)
   do_ref, lse_ref, delta_ref = r.grads_in
   dq_ref, *drow_refs = r.out
@@ -381,29 +488,34 @@ def _dq_kernel(st: Settings, *refs):
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
   values = {name: r.tables[name][...] for name in st.grads}
   tables = {name: row for name, row in _head_rows(st, r, head).items() if name not in values}
+  by_query = st.sides('query')
 
   def body(kb, carry, masked):
-    dq, drows = carry
+    dq, drows, dlooks = carry
     keys = pl.ds(kb * bk, bk)
-    k = r.k[keys, :]
-    s, vjp = _scored(st, _dot_scores(st, q, k), ids[0], head, q_pos, r.k_pos[keys][None, :],
-                     tables, values)
+    k, k_pos, starts = r.k[keys, :], r.k_pos[keys][None, :], (0, kb * bk)
+    s, indices = _with_lookups(st, r, _dot_scores(st, q, k), q_pos, k_pos, starts)
+    s, vjp = _scored(st, s, ids[0], head, q_pos, k_pos, tables, values)
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, q_idx, _key_indices(st, kb)), s, NEG_INF)
     p = jnp.exp(s - lse)
-    dp = jax.lax.dot_general(do, r.v[keys, :], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    ds, d_rows = vjp(p * (dp - delta))
+    ds, d_rows = vjp(p * (_dp(st, r, do, r.v[keys, :], q_pos, k_pos, starts) - delta))
     dq = dq + jnp.dot((ds * st.scale).astype(k.dtype), k, preferred_element_type=jnp.float32)
-    return dq, {name: drows[name] + d_rows[name].astype(jnp.float32) for name in drows}
+    dlooks = tuple(acc + _bucket_sum(ds, indices[i], acc.shape[1], 1)
+                   for i, acc in zip(by_query, dlooks))
+    return (dq, {name: drows[name] + d_rows[name].astype(jnp.float32) for name in drows},
+            dlooks)
 
   init = (jnp.zeros(q.shape, jnp.float32),
-          {name: jnp.zeros(value.shape, jnp.float32) for name, value in values.items()})
+          {name: jnp.zeros(value.shape, jnp.float32) for name, value in values.items()},
+          tuple(jnp.zeros((st.block_q, r.lookups[i].shape[1]), jnp.float32) for i in by_query))
   lo, hi = _block_range(r, ids, 0, _key_blocks_seen(st, r.offset, qb, r.k.shape[0] // bk))
-  dq, drows = _visit(st, r, 'dq', ids, lo, hi, body, init)
+  dq, drows, dlooks = _visit(st, r, 'dq', ids, lo, hi, body, init)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   for name, ref in zip(st.grads, drow_refs):
     ref[...] = drows[name]
+  for ref, dlook in zip(drow_refs[len(st.grads):], dlooks):
+    ref[...] = dlook
 
 
 # ---------------------------------------------------------------------------
@@ -428,87 +540,135 @@ def _specs(n_pad, m_pad, h, g, d, st: Settings, by_query: bool):
   return q, kv, qpos, kpos, offset
 
 
-def _operands(tables: dict, mask_arrays: tuple, blocks: Blocks | None, by_query: bool):
-  """The kernels' trailing operands (tables by name, the mask's arrays, the
-  block states and ranges) and their BlockSpecs: each program reads its
-  head's row of every table and the rest whole."""
+class _Args(NamedTuple):
+  """A call's padded arrays, as the custom_vjp carries them: q [b, n_pad, h,
+  d], k and v [b, m_pad, g, d | dv], q_pos [n_pad], k_pos [m_pad], offset
+  [1], tables (name -> [h, ...]), lookups (each [b, h, n_pad | m_pad, R]),
+  the value lookup's table [R, dv] or None, the mask's arrays, Blocks or None."""
+  q: Any
+  k: Any
+  v: Any
+  q_pos: Any
+  k_pos: Any
+  offset: Any
+  tables: dict
+  lookups: tuple
+  value_table: Any
+  mask_arrays: tuple
+  blocks: Blocks | None
+
+
+def _lookup_spec(st: Settings, x, side: str, by_query: bool):
+  """A lookup table [b, h, L, R]'s BlockSpec: the program's block of rows
+  where its side is the kernel's blocked side, else its (batch, head)'s
+  rows whole."""
+  if (side == 'query') == by_query:
+    size = st.block_q if side == 'query' else st.block_k
+    return pl.BlockSpec((None, None, size, x.shape[3]), lambda i, j, t: (i, j, t, 0))
+  return pl.BlockSpec((None, None, *x.shape[2:]), lambda i, j, t: (i, j, 0, 0))
+
+
+def _operands(st: Settings, a: _Args, by_query: bool, d_values=None):
+  """The kernels' trailing operands (_unpack's order: the backward's dO . a^V
+  rows, tables by name, lookup tables, the value lookup's table, the mask's
+  arrays, the block states and ranges) and their BlockSpecs: each program
+  reads its head's row of every table, its (batch, head)'s rows of the
+  lookup tables (_lookup_spec) and the rest whole."""
   whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, t, nd=x.ndim: (0,) * nd)
   row = lambda x: pl.BlockSpec((None, *x.shape[1:]),
                                lambda i, j, t, nd=x.ndim: (j,) + (0,) * (nd - 1))
-  arrays = [tables[name] for name in sorted(tables)]
-  specs = [row(x) for x in arrays]
-  arrays += list(mask_arrays)
-  if blocks is not None:
-    arrays += [blocks.states, blocks.by_query if by_query else blocks.by_key]
-  specs += [whole(x) for x in arrays[len(specs):]]
-  return arrays, specs
+  arrays, specs = [], []
+  if d_values is not None:
+    arrays.append(d_values)
+    specs.append(_lookup_spec(st, d_values, 'query', by_query))
+  arrays += [a.tables[name] for name in sorted(a.tables)]
+  specs += [row(a.tables[name]) for name in sorted(a.tables)]
+  arrays += list(a.lookups)
+  specs += [_lookup_spec(st, x, side, by_query) for (side, _), x in zip(st.lookups, a.lookups)]
+  rest = [] if a.value_table is None else [a.value_table]
+  rest += list(a.mask_arrays)
+  if a.blocks is not None:
+    rest += [a.blocks.states, a.blocks.by_query if by_query else a.blocks.by_key]
+  return arrays + rest, specs + [whole(x) for x in rest]
 
 
-def _forward(st: Settings, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks):
-  """Padded inputs -> (out [b, n_pad, h, dv], lse float32 [b, h, n_pad])."""
-  b, n_pad, h, d = q.shape
-  m_pad, g = k.shape[1], k.shape[2]
+def _forward(st: Settings, a: _Args):
+  """-> (out [b, n_pad, h, dv], lse float32 [b, h, n_pad]) and, under a value
+  lookup, each row's weights summed per entry, float32 [b, h, n_pad, R]."""
+  b, n_pad, h, d = a.q.shape
+  m_pad, g = a.k.shape[1], a.k.shape[2]
   q_spec, kv, qpos, kpos, off = _specs(n_pad, m_pad, h, g, d, st, True)
-  extra, extra_specs = _operands(tables, mask_arrays, blocks, True)
+  extra, extra_specs = _operands(st, a, True)
+  dv = a.v.shape[3]
+  out_specs = [pl.BlockSpec((None, st.block_q, None, dv), lambda i, j, t: (i, t, j, 0)),
+               pl.BlockSpec((None, None, st.block_q), lambda i, j, t: (i, j, t))]
+  out_shape = [jax.ShapeDtypeStruct((b, n_pad, h, dv), a.q.dtype),
+               jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32)]
+  if st.values is not None:
+    entries = a.value_table.shape[0]
+    out_specs.append(pl.BlockSpec((None, None, st.block_q, entries), lambda i, j, t: (i, j, t, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, n_pad, entries), jnp.float32))
   return pl.pallas_call(
       functools.partial(_forward_kernel, st), grid=(b, h, n_pad // st.block_q),
-      in_specs=[q_spec, kv, kv, qpos, kpos, off, *extra_specs],
-      out_specs=[pl.BlockSpec((None, st.block_q, None, v.shape[3]),
-                              lambda i, j, t: (i, t, j, 0)),
-                 pl.BlockSpec((None, None, st.block_q), lambda i, j, t: (i, j, t))],
-      out_shape=[jax.ShapeDtypeStruct((b, n_pad, h, v.shape[3]), q.dtype),
-                 jax.ShapeDtypeStruct((b, h, n_pad), jnp.float32)],
-      interpret=st.interpret, compiler_params=st.compiler_params(), name='flash_score_forward',
-  )(q, k, v, q_pos, k_pos, offset, *extra)
+      in_specs=[q_spec, kv, kv, qpos, kpos, off, *extra_specs], out_specs=out_specs,
+      out_shape=out_shape, interpret=st.interpret, compiler_params=st.compiler_params(),
+      name='flash_score_forward',
+  )(a.q, a.k, a.v, a.q_pos, a.k_pos, a.offset, *extra)
 
 
-def _dkdv(st: Settings, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks, d_out, lse,
-          delta):
-  """dk and dv per query head, float32 [b, m_pad, h, d] and [b, m_pad, h, dv]."""
-  b, n_pad, h, d = q.shape
-  m_pad, g = k.shape[1], k.shape[2]
+def _dkdv(st: Settings, a: _Args, d_out, lse, delta, d_values):
+  """dk and dv per query head, float32 [b, m_pad, h, d] and [b, m_pad, h, dv],
+  and the per-key lookup tables' gradients, float32 [b, h, m_pad, R] each."""
+  b, n_pad, h, d = a.q.shape
+  m_pad, g = a.k.shape[1], a.k.shape[2]
   by_rows = pl.BlockSpec((None, None, n_pad), lambda i, j, t: (i, j, 0))
   q_spec, kv, qpos, kpos, off = _specs(n_pad, m_pad, h, g, d, st, False)
-  extra, extra_specs = _operands(tables, mask_arrays, blocks, False)
+  extra, extra_specs = _operands(st, a, False, d_values)
+  looks = [a.lookups[i].shape[3] for i in st.sides('key')]
   return pl.pallas_call(
       functools.partial(_dkdv_kernel, st), grid=(b, h, m_pad // st.block_k),
       in_specs=[q_spec, kv, kv, qpos, kpos, off, q_spec, by_rows, by_rows, *extra_specs],
       out_specs=[pl.BlockSpec((None, st.block_k, None, x.shape[3]), lambda i, j, t: (i, t, j, 0))
-                 for x in (k, v)],
-      out_shape=[jax.ShapeDtypeStruct((b, m_pad, h, x.shape[3]), jnp.float32) for x in (k, v)],
+                 for x in (a.k, a.v)] + [
+          pl.BlockSpec((None, None, st.block_k, r), lambda i, j, t: (i, j, t, 0)) for r in looks],
+      out_shape=[jax.ShapeDtypeStruct((b, m_pad, h, x.shape[3]), jnp.float32) for x in (a.k, a.v)]
+      + [jax.ShapeDtypeStruct((b, h, m_pad, r), jnp.float32) for r in looks],
       interpret=st.interpret, compiler_params=st.compiler_params(), name='flash_score_dkdv',
-  )(q, k, v, q_pos, k_pos, offset, d_out, lse, delta, *extra)
+  )(a.q, a.k, a.v, a.q_pos, a.k_pos, a.offset, d_out, lse, delta, *extra)
 
 
-def _dq(st: Settings, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks, d_out, lse,
-        delta):
-  """dq [b, n_pad, h, d] in q's dtype, and the row gradients of the tables
-  st.grads, float32 [b, h, num_q_blocks, *row] each."""
-  b, n_pad, h, d = q.shape
-  m_pad, g = k.shape[1], k.shape[2]
+def _dq(st: Settings, a: _Args, d_out, lse, delta, d_values):
+  """dq [b, n_pad, h, d] in q's dtype, the row gradients of the tables
+  st.grads, float32 [b, h, num_q_blocks, *row] each, and the per-query
+  lookup tables' gradients, float32 [b, h, n_pad, R] each."""
+  b, n_pad, h, d = a.q.shape
+  m_pad, g = a.k.shape[1], a.k.shape[2]
   nq = n_pad // st.block_q
   rows = pl.BlockSpec((None, None, st.block_q), lambda i, j, t: (i, j, t))
   q_spec, kv, qpos, kpos, off = _specs(n_pad, m_pad, h, g, d, st, True)
-  extra, extra_specs = _operands(tables, mask_arrays, blocks, True)
-  row_shapes = [tables[name].shape[1:] for name in st.grads]
+  extra, extra_specs = _operands(st, a, True, d_values)
+  row_shapes = [a.tables[name].shape[1:] for name in st.grads]
+  looks = [a.lookups[i].shape[3] for i in st.sides('query')]
   return pl.pallas_call(
       functools.partial(_dq_kernel, st), grid=(b, h, nq),
       in_specs=[q_spec, kv, kv, qpos, kpos, off, q_spec, rows, rows, *extra_specs],
       out_specs=[pl.BlockSpec((None, st.block_q, None, d), lambda i, j, t: (i, t, j, 0))] + [
           pl.BlockSpec((None, None, None, *shape),
                        lambda i, j, t, nd=len(shape): (i, j, t) + (0,) * nd)
-          for shape in row_shapes],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] + [
-          jax.ShapeDtypeStruct((b, h, nq, *shape), jnp.float32) for shape in row_shapes],
+          for shape in row_shapes] + [
+          pl.BlockSpec((None, None, st.block_q, r), lambda i, j, t: (i, j, t, 0)) for r in looks],
+      out_shape=[jax.ShapeDtypeStruct(a.q.shape, a.q.dtype)] + [
+          jax.ShapeDtypeStruct((b, h, nq, *shape), jnp.float32) for shape in row_shapes] + [
+          jax.ShapeDtypeStruct((b, h, n_pad, r), jnp.float32) for r in looks],
       interpret=st.interpret, compiler_params=st.compiler_params(), name='flash_score_dq',
-  )(q, k, v, q_pos, k_pos, offset, d_out, lse, delta, *extra)
+  )(a.q, a.k, a.v, a.q_pos, a.k_pos, a.offset, d_out, lse, delta, *extra)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: Settings, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks):
+def _attention(st: Settings, a: _Args):
   """-> (out [b, n_pad, h, dv], lse float32 [b, h, n_pad], -inf where a query
   sees no key)."""
-  out, lse = _forward(st, q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks)
+  out, lse, *_ = _forward(st, a)
   return out, _public_lse(lse)
 
 
@@ -518,39 +678,46 @@ def _public_lse(lse):
   return jnp.where(lse == -NEG_INF, -jnp.inf, lse)
 
 
-def _attention_fwd(st: Settings, *primals):
+def _attention_fwd(st: Settings, primals: _Args):
   """With symbolic zeros: the tables a gradient asks for (perturbed, of a
   floating dtype) go to the backward as the residuals' structure."""
-  args = [jax.tree.map(lambda p: p.value, x) for x in primals]
-  tables = primals[6]
-  wanted = {name: None for name, p in tables.items()
+  a = jax.tree.map(lambda p: p.value, primals)
+  wanted = {name: None for name, p in primals.tables.items()
             if p.perturbed and jnp.issubdtype(p.value.dtype, jnp.inexact)}
-  out, lse = _forward(st, *args)
-  return (out, _public_lse(lse)), (args, out, lse, wanted)
+  out, lse, *sums = _forward(st, a)
+  return (out, _public_lse(lse)), (a, out, lse, sums, wanted)
 
 
 def _backward(st: Settings, res, cotangents):
-  args, out, lse, wanted = res
+  a, out, lse, sums, wanted = res
   d_out, d_lse = cotangents
-  q, k, v, q_pos, k_pos, offset, tables, mask_arrays, blocks = args
   if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
     d_out = jnp.zeros(out.shape, out.dtype)
   st = dataclasses.replace(st, grads=tuple(sorted(wanted)))
-  b, m_pad, g = k.shape[0], k.shape[1], k.shape[2]
-  h = q.shape[2]
+  b, m_pad, g = a.k.shape[0], a.k.shape[1], a.k.shape[2]
+  h = a.q.shape[2]
   delta = jnp.einsum('bnhd,bnhd->bhn', out.astype(jnp.float32), d_out.astype(jnp.float32))
   if not isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
     # d lse_i / d s_ij = p_ij, so ds_ij = p_ij (dp_ij - delta_i + dlse_i): dlse joins delta.
     delta = delta - d_lse.astype(jnp.float32)
-  dk, dv = _dkdv(st, *args, d_out, lse, delta)
-  dq, *drows = _dq(st, *args, d_out, lse, delta)
+  d_values = d_table_v = None
+  if st.values is not None:  # dp_ij gains dO_i . a^V_idx; the table gets sum_i P_i^T dO_i
+    table = a.value_table.astype(jnp.float32)
+    d_values = jnp.einsum('bnhd,rd->bhnr', d_out.astype(jnp.float32), table)
+    d_table_v = jnp.einsum('bhnr,bnhd->rd', sums[0], d_out.astype(jnp.float32))
+    d_table_v = d_table_v.astype(a.value_table.dtype)
+  dk, dv, *dkeys = _dkdv(st, a, d_out, lse, delta, d_values)
+  dq, *drows = _dq(st, a, d_out, lse, delta, d_values)
   group = lambda x, like: x.reshape(b, m_pad, g, h // g, x.shape[3]).sum(axis=3).astype(like.dtype)
-  d_tables = {name: None for name in tables}
+  d_tables = {name: None for name in a.tables}
   for name, drow in zip(st.grads, drows):
-    d_tables[name] = drow.sum(axis=(0, 2)).astype(tables[name].dtype)
+    d_tables[name] = drow.sum(axis=(0, 2)).astype(a.tables[name].dtype)
+  d_lookups = [None] * len(st.lookups)
+  for i, d in [*zip(st.sides('query'), drows[len(st.grads):]), *zip(st.sides('key'), dkeys)]:
+    d_lookups[i] = d.astype(a.lookups[i].dtype)
   none = lambda tree: jax.tree.map(lambda _: None, tree)
-  return (dq, group(dk, k), group(dv, v), None, None, None, d_tables, none(mask_arrays),
-          none(blocks))
+  return (_Args(dq, group(dk, a.k), group(dv, a.v), None, None, None, d_tables,
+                tuple(d_lookups), d_table_v, none(a.mask_arrays), none(a.blocks)),)
 
 
 _attention.defvjp(_attention_fwd, _backward, symbolic_zeros=True)
@@ -600,9 +767,10 @@ def _per_head_tables(tables: dict | None, h: int) -> dict:
   return out
 
 
-def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
-                    mask: masks.Mask | None = None, q_positions=None, k_positions=None,
-                    causal: bool = False, q_offset=0, block_q: int = 64, block_k: int = 64,
+def flash_attention(q, k, v, *, score=None, tables: dict | None = None, lookups=(),
+                    values=None, mask: masks.Mask | None = None, q_positions=None,
+                    k_positions=None, causal: bool = False, q_offset=0,
+                    block_q: int | None = None, block_k: int | None = None,
                     interpret: bool = False, return_lse: bool = False):
   """Attention with a score function and a mask in one fused kernel (module
   docstring).
@@ -614,6 +782,12 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
     tables: name -> per-head array [h, ...], read by the score as
       tables[name][head] or tables[name][head, idx]; the floating ones get
       gradients.
+    lookups: (side, index, rows) each: rows float [b, h, n, R] ('query': a
+      row per query) or [b, h, m, R] ('key'), index(q_pos [bq, 1], k_pos
+      [1, bk]) -> int [bq, bk] in [0, R); the scores before `score` gain
+      rows[b, h, i, index_ij] (or rows[b, h, j, index_ij]). Differentiable.
+    values: None, or (index, table [R, dv]): the output gains
+      sum_j p_ij table[index_ij] (index as a lookup's). Differentiable.
     mask: a masks.Mask, or None; with `causal` both apply. Query i is at
       index q_offset + i; the mask's data are its arrays (Pallas refuses a
       kernel that closes over an array), covering the indices it reads
@@ -621,7 +795,7 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
     q_positions: int [n] (default q_offset + 0..n-1); k_positions: int [m]
       (default 0..m-1): what `score` sees as positions.
     causal: query i (index q_offset + i) sees the keys j <= q_offset + i.
-    block_q, block_k: the tiles; the lengths are padded to them.
+    block_q, block_k: the tiles (None: BLOCK); the lengths are padded to them.
     interpret: run in Pallas's interpreter (any backend).
     return_lse: return each row's log-sum-exp of its scores too
       (differentiable; -inf for a query that sees no key).
@@ -635,20 +809,46 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None,
     raise ValueError(f'{g} key/value heads do not divide {h} query heads')
   originals = {name: jnp.shape(t) for name, t in (tables or {}).items()}
   tables = _per_head_tables(tables, h)
-  block_q, block_k = min(block_q, _round_up(n)), min(block_k, _round_up(m))
+  block_q, block_k = (min(block or BLOCK, _round_up(length)) for block, length in
+                      ((block_q, n), (block_k, m)))
   template = None if mask is None else mask.with_arrays(
       jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in mask.arrays)
+  lookups, values = _checked_lookups(lookups, values, b, h, n, m, v.shape[3])
   st = Settings(block_q, block_k, causal, n, m, float(d) ** -0.5, interpret, score,
-                tuple((name, originals[name]) for name in sorted(tables)), template)
+                tuple((name, originals[name]) for name in sorted(tables)), template,
+                lookups=tuple((side, index) for side, index, _ in lookups),
+                values=None if values is None else values[0])
   offset = jnp.asarray(q_offset, jnp.int32).reshape(1)
   blocks = None if mask is None else block_states(st, mask, b, h, offset[0])
   q_positions = (offset[0] + jnp.arange(n) if q_positions is None else q_positions)
   k_positions = jnp.arange(m) if k_positions is None else k_positions
-  out, lse = _attention(st, _pad(q, 1, block_q), _pad(k, 1, block_k), _pad(v, 1, block_k),
-                        _pad(jnp.asarray(q_positions, jnp.int32), 0, block_q),
-                        _pad(jnp.asarray(k_positions, jnp.int32), 0, block_k), offset, tables,
-                        tuple(jnp.asarray(a) for a in (mask.arrays if mask else ())), blocks)
+  entries = lambda x, axis: _pad(x, axis, _round_up(x.shape[axis]))  # noqa: E731
+  rows = tuple(entries(_pad(x, 2, block_q if side == 'query' else block_k), 3)
+               for side, _, x in lookups)
+  args = _Args(_pad(q, 1, block_q), _pad(k, 1, block_k), _pad(v, 1, block_k),
+               _pad(jnp.asarray(q_positions, jnp.int32), 0, block_q),
+               _pad(jnp.asarray(k_positions, jnp.int32), 0, block_k), offset, tables, rows,
+               None if values is None else entries(values[1], 0),
+               tuple(jnp.asarray(a) for a in (mask.arrays if mask else ())), blocks)
+  out, lse = _attention(st, args)
   return (out[:, :n], lse[:, :, :n]) if return_lse else out[:, :n]
+
+
+def _checked_lookups(lookups, values, b: int, h: int, n: int, m: int, dv: int):
+  """flash_attention's lookups (side, index, rows) and values (index, table)
+  as arrays, their shapes checked."""
+  lookups = tuple((side, index, jnp.asarray(rows)) for side, index, rows in lookups)
+  for side, _, rows in lookups:
+    length = {'query': n, 'key': m}.get(side)
+    if length is None or rows.ndim != 4 or rows.shape[:3] != (b, h, length):
+      raise ValueError(f"a lookup of side {side!r} has rows of shape {rows.shape}: 'query' "
+                       f"takes [b, h, n, R] = [{b}, {h}, {n}, R], 'key' [{b}, {h}, {m}, R]")
+  if values is not None:
+    values = (values[0], jnp.asarray(values[1]))
+    if values[1].ndim != 2 or values[1].shape[1] != dv:
+      raise ValueError(f'the value lookup\'s table has shape {values[1].shape}; it takes '
+                       f'[R, {dv}]')
+  return lookups, values
 
 
 def _round_up(x: int) -> int:

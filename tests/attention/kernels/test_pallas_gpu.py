@@ -45,15 +45,36 @@ def both(s, b, head, q_pos, k_pos, tables):
   return bucket_bias(alibi(s, b, head, q_pos, k_pos, tables), b, head, q_pos, k_pos, tables)
 
 
+def query_index(q_pos, k_pos):
+  """A per-query lookup's entry: Shaw's clipped key-minus-query distance, 7 entries."""
+  return (k_pos - q_pos).clip(-3, 3) + 3
+
+
+def key_index(q_pos, k_pos):
+  """A per-key lookup's entry: query-minus-key distance clipped to 5 entries."""
+  return (q_pos - k_pos).clip(-2, 2) + 2
+
+
+def value_index(q_pos, k_pos):
+  """The value lookup's entry: key-minus-query distance clipped to 5 entries."""
+  return (k_pos - q_pos).clip(-2, 2) + 2
+
+
+# Lookup tables as the kernel takes them ((side, index, name); the rows are
+# drawn per case) and the value lookup's table [5, D].
+LOOKUPS = (('query', query_index, 'q_rows'), ('key', key_index, 'k_rows'))
+TABLE_V = RNG.normal(size=(5, D)).astype(np.float32)
+
 SCORES = {'alibi': (alibi, {'slopes': SLOPES}), 'buckets': (bucket_bias, {'bias': BUCKETS}),
           'both': (both, {'slopes': SLOPES, 'bias': BUCKETS}),
           'one-hot': (one_hot_bias, {'bias': BUCKETS})}
 
 
-def _reference(q, k, v, visible, q_pos, k_pos, slopes=None, bias=None):
+def _reference(q, k, v, visible, q_pos, k_pos, slopes=None, bias=None, q_rows=None,
+               k_rows=None, table_v=None):
   """float64 numpy, a query at a time: softmax over the visible keys of q.k / sqrt(d) +
-  the score's terms, times v; visible bool [b, h, n, m]; 0 for a query that
-  sees no key."""
+  the score's terms + the lookups' entries, times v (+ the value table's
+  entries); visible bool [b, h, n, m]; 0 for a query that sees no key."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, n, h, d = q.shape
   m, g = k.shape[1], k.shape[2]
@@ -65,12 +86,18 @@ def _reference(q, k, v, visible, q_pos, k_pos, slopes=None, bias=None):
       continue
     s = k[bi, seen, kh] @ q[bi, i, hi] / np.sqrt(d)
     rel = np.asarray(k_pos)[seen] - q_pos[i]
+    if q_rows is not None:
+      s = s + np.asarray(q_rows, np.float64)[bi, hi, i, np.clip(rel, -3, 3) + 3]
+      s = s + np.asarray(k_rows, np.float64)[bi, hi, seen, np.clip(-rel, -2, 2) + 2]
     if slopes is not None:
       s = s - slopes[hi] * np.abs(rel)
     if bias is not None:
       s = s + bias[hi][np.clip(rel, -4, 4) + 4]
     p = np.exp(s - s.max())
-    out[bi, i, hi] = (p / p.sum()) @ v[bi, seen, kh]
+    values = v[bi, seen, kh]
+    if table_v is not None:
+      values = values + np.asarray(table_v, np.float64)[np.clip(rel, -2, 2) + 2]
+    out[bi, i, hi] = (p / p.sum()) @ values
   return out
 
 
@@ -127,11 +154,16 @@ CASES = {
     'per-head mask, GQA': dict(mask='per head', g=2, n=18, m=20),
     'boolean array': dict(score='alibi', mask='dense spec', n=17, m=17),
     'rows that see no key': dict(score='alibi', mask='no key', causal=True, n=24, m=24),
+    'lookups per query and per key, value table, causal, decoding offset, GQA': dict(
+        lookups=True, causal=True, q_offset=5, g=2, n=21, m=26),
+    'lookups and value table, alibi, packed documents with padding': dict(
+        lookups=True, score='alibi', mask='documents', g=1, n=37, m=37),
 }
 
 
 def _case(name):
-  """(q, k, v, the kernel's keyword arguments, the reference's, the tables)."""
+  """(q, k, v, the kernel's keyword arguments, the reference's, the arrays
+  by name: the score's tables, and the lookups' rows and value table)."""
   case = CASES[name]
   n, m, g = case.get('n', 13), case.get('m', 15), case.get('g', 4)
   q_offset = case.get('q_offset', 0)
@@ -146,10 +178,24 @@ def _case(name):
   visible = _rule_array(lambda b, h, i, j: rule(b, h, i, j) and (j <= i or not causal),
                         2, H, n, m, q_offset)
   score, tables = SCORES[case['score']] if 'score' in case else (None, {})
+  if case.get('lookups'):
+    tables = dict(tables, q_rows=rng.normal(size=(2, H, n, 7)).astype(np.float32),
+                  k_rows=rng.normal(size=(2, H, m, 5)).astype(np.float32), table_v=TABLE_V)
   kwargs = dict(score=score, mask=mask, causal=causal, q_offset=q_offset, block_q=BLOCK,
                 block_k=BLOCK, interpret=True, q_positions=q_pos if case.get('positions') else None,
                 k_positions=k_pos if case.get('positions') else None)
   return q, k, v, kwargs, dict(visible=visible, q_pos=q_pos, k_pos=k_pos), tables
+
+
+def _flash(q, k, v, arrays, **kwargs):
+  """flash_attention with `arrays` by name: the lookups' rows and value table
+  (LOOKUPS, 'table_v') where present, the rest the score's tables."""
+  lookups = tuple((side, index, arrays[name]) for side, index, name in LOOKUPS if name in arrays)
+  values = (value_index, arrays['table_v']) if 'table_v' in arrays else None
+  own = {'table_v'} | {name for _, _, name in LOOKUPS}
+  tables = {name: x for name, x in arrays.items() if name not in own}
+  return pallas_gpu.flash_attention(q, k, v, tables=tables, lookups=lookups, values=values,
+                                    **kwargs)
 
 
 def _directional(loss, x, direction, eps=1e-3):
@@ -164,7 +210,7 @@ def test_output_and_gradients_equal_the_written_out_attention(name):
   names = sorted(tables)
 
   def kernel(q, k, v, *table_values):
-    return pallas_gpu.flash_attention(q, k, v, tables=dict(zip(names, table_values)), **kwargs)
+    return _flash(q, k, v, dict(zip(names, table_values)), **kwargs)
 
   def reference(q, k, v, *table_values):
     return _reference(q, k, v, **ref, **dict(zip(names, table_values)))
@@ -181,8 +227,9 @@ def test_output_and_gradients_equal_the_written_out_attention(name):
 
     def loss(xi, i=i):
       return np.sum(reference(*args[:i], xi, *args[i + 1:]) * cot)
-    # q, k, v along a random direction; a table entry by entry.
-    directions = ([np.random.default_rng(3 + i).normal(size=np.shape(x))] if i < 3 else
+    # q, k, v and the lookups' arrays along a random direction; a score's table entry by entry.
+    directions = ([np.random.default_rng(3 + i).normal(size=np.shape(x))]
+                  if i < 3 or np.size(x) > 64 else
                   list(np.eye(np.size(x)).reshape((-1,) + np.shape(x))))
     for direction in directions:
       np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction),
@@ -303,28 +350,34 @@ def test_each_kernel_visits_the_non_empty_blocks_once(monkeypatch):
 
 
 @pytest.mark.parametrize('dtype,head_dim', [('bfloat16', 64), ('float16', 128)])
-@pytest.mark.parametrize('score', ['alibi', 'buckets'])
+@pytest.mark.parametrize('score', ['alibi', 'buckets', 'lookups'])
 def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu(dtype, head_dim, score):
   """Lowered for the CUDA platform on this machine (no GPU needed): the
-  forward is one Triton call, its gradient (q, k, v and the table) two more
-  (dk and dv; dq and the table's); with causal, then with a Mask whose
-  arrays are kernel operands, over causal."""
+  forward is one Triton call, its gradient (q, k, v and the tables) two more
+  (dk and dv with the per-key lookups'; dq with the table's and the
+  per-query lookups'), and no [n, m] array anywhere; with causal, then with
+  a Mask whose arrays are kernel operands, over causal. 'lookups': a
+  per-query and a per-key lookup table and a value lookup."""
   q = jnp.zeros((2, 128, 4, head_dim), dtype)
   k = v = jnp.zeros((2, 128, 2, head_dim), dtype)
-  score_fn, tables = SCORES[score]
-  (name, table), = tables.items()
+  if score == 'lookups':
+    score_fn, names = None, ('q_rows', 'k_rows', 'table_v')
+    arrays = (jnp.zeros((2, 4, 128, 7)), jnp.zeros((2, 4, 128, 5)), jnp.zeros((5, head_dim)))
+  else:
+    score_fn, tables = SCORES[score]
+    names, arrays = tuple(tables), tuple(jnp.asarray(t) for t in tables.values())
   documents = jnp.asarray(np.repeat([[0, 1]], 2, axis=0).repeat(64, axis=1))
   mask = masks.key_padding(jnp.ones((2, 128), bool)) & masks.segments(documents, documents)
 
   for mask in (None, mask):
-    def out(q, k, v, table, mask=mask):
-      return pallas_gpu.flash_attention(q, k, v, causal=True, score=score_fn, mask=mask,
-                                        tables={name: table}, block_q=64, block_k=64)
+    def out(q, k, v, arrays, mask=mask):
+      return _flash(q, k, v, dict(zip(names, arrays)), causal=True, score=score_fn, mask=mask,
+                    block_q=64, block_k=64)
 
     def loss(*args):
       return out(*args).astype(jnp.float32).sum()
 
     for fn, calls in ((out, 1), (jax.grad(loss, argnums=(0, 1, 2, 3)), 3)):
-      text = jax.jit(fn).trace(q, k, v, jnp.asarray(table)).lower(
-          lowering_platforms=('cuda',)).as_text()
+      text = jax.jit(fn).trace(q, k, v, arrays).lower(lowering_platforms=('cuda',)).as_text()
       assert text.count('custom_call @__gpu$xla.gpu.triton') == calls, text[:2000]
+      assert '128x128' not in text, 'an [n, m] array'
