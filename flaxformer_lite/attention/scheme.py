@@ -42,9 +42,21 @@ each field says what the scheme changes, and each is optional:
   values(p float32 [b, h, bq, bk], v [b, bk, h, dv], tables, q_pos, k_pos)
       -> float32 [b, h, bq, dv], what the block adds to the output, linear
       in p (checked for every registered scheme); None: the kernel's p.v;
-  uniform(value [b, m, h, dv], tables, q_pos [n], m) -> [b, n, h, dv], the
+  uniform(value [b, m, h, dv], tables, q_pos [n], k_pos [m]) -> [b, n, h, dv], the
       output of a query that sees no key (uniform weights, the dense path's
       rule); None: the mean value, which only the plain p.v gives;
+  lookups: the block_score as tables indexed by a query or a key (Lookup),
+      the form the fused kernel runs where a block_score reads the block's
+      q and k (Shaw's q . a^K, DeBERTa's c2p and p2c): each Lookup's
+      rows(q [b, n, h, d] scaled and mapped, k [b, m, g, d] mapped, tables)
+      -> float32 [b, h, n, R] ('query') or [b, h, m, R] ('key'), made once
+      per call (O(n R)), and index(q_pos [bq, 1], k_pos [1, bk]) -> int
+      [bq, bk] in [0, R); the scores before `score` gain rows[b, h, i,
+      index_ij] (or rows[b, h, j, index_ij]). With `score` or none, they
+      must equal block_score (tests/attention/test_scores.py).
+  value_lookup: the values term as a lookup (ValueLookup), the form the
+      fused kernel runs: sum_j p_ij (v_j + tables[table][index_ij]), a table
+      [R, dv] shared by the heads; it must equal `values`.
   product(q [b, bq, h, d], k [b, bk, h, d], tables) -> float32 [b, h, bq, bk]:
       for the alignment family only, a score of a query and a key that is
       not their product (Bahdanau's v . tanh(q + k)), in place of q.k.
@@ -61,16 +73,16 @@ call), and the checks the registry-wide tests run on every scheme
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def mean_values(value, tables, q_pos, m):
+def mean_values(value, tables, q_pos, k_pos):
   """Uniform weights over all m keys: the mean value, for every query -> [b, n, h, dv]."""
-  del tables, m
+  del tables, k_pos
   mean = jnp.mean(value.astype(jnp.float32), axis=1, keepdims=True)  # [b, 1, h, dv]
   return jnp.broadcast_to(mean, (value.shape[0], q_pos.shape[0]) + value.shape[2:])
 
@@ -146,6 +158,21 @@ def distance_slice(rows, top, q_pos, k_pos):
   return jax.lax.dynamic_slice_in_dim(rows, first, bq + bk - 1, axis=0)
 
 
+class Lookup(NamedTuple):
+  """A term of the scores read from a table with a row per query or per key
+  (Terms.lookups, module docstring)."""
+  side: str  # 'query': rows [b, h, n, R]; 'key': rows [b, h, m, R]
+  rows: Callable[..., Any]  # (q, k, tables) -> float32 [b, h, n | m, R]
+  index: Callable[..., Any]  # (q_pos [bq, 1], k_pos [1, bk]) -> int [bq, bk]
+
+
+class ValueLookup(NamedTuple):
+  """A values term sum_j p_ij (v_j + tables[table][index(q_pos, k_pos)_ij])
+  (Terms.value_lookup)."""
+  table: str  # a table [R, dv], shared by the heads
+  index: Callable[..., Any]  # (q_pos [bq, 1], k_pos [1, bk]) -> int [bq, bk]
+
+
 @dataclasses.dataclass(frozen=True)
 class Terms:
   """What a scheme changes (module docstring); None: nothing. A `values`
@@ -161,6 +188,8 @@ class Terms:
   values: Callable[..., Any] | None = None  # None: the kernel's p.v
   uniform: Callable[..., Any] | None = None  # None: mean_values, for values=None only
   product: Callable[..., Any] | None = None  # None: the kernel's q.k
+  lookups: tuple[Lookup, ...] = ()  # block_score as tables per query or key
+  value_lookup: ValueLookup | None = None  # values as a lookup
 
   def __post_init__(self):
     if self.uniform is None:

@@ -95,6 +95,65 @@ def test_a_block_score_equals_the_elementwise_score_and_its_gradients(name):
                                err_msg=f'{name}: gradient of {p}')
 
 
+LOOKED_UP = sorted(set(_with('lookups')) | set(_with('value_lookup')))
+
+
+def _looked_up(terms, s, q, k, tables, q_pos, k_pos):
+  """s [b, h, bq, bk] plus every lookup table's entries, read pair by pair
+  on whole arrays (q scaled and mapped [b, bq, h, d], k mapped)."""
+  for lookup in terms.lookups:
+    rows = lookup.rows(q, k, tables)  # [b, h, bq | bk, R]
+    idx = jnp.broadcast_to(lookup.index(q_pos[:, None], k_pos[None, :]), s.shape[2:])
+    if lookup.side == 'query':
+      s = s + jnp.take_along_axis(rows, idx[None, None], axis=3)
+    else:
+      s = s + jnp.swapaxes(jnp.take_along_axis(rows, idx.T[None, None], axis=3), 2, 3)
+  return s
+
+
+@pytest.mark.parametrize('name', LOOKED_UP)
+def test_lookups_equal_the_block_score_and_a_value_lookup_the_values_term(name):
+  """What the fused kernel runs in place of a block_score and a values term:
+  the lookup tables (Terms.lookups) add what block_score adds, and the
+  value lookup adds to p.v what the values term does, with their gradients
+  in the parameters; a block away from the diagonal (decoding offset)."""
+  r = np.random.default_rng(3)
+  bq, bk = 6, 7
+  q_pos, k_pos = jnp.arange(40, 40 + bq), jnp.arange(30, 30 + bk)
+  terms, _, params = _terms_and_tables(name, q_pos[None], k_pos[None])
+  s = jnp.asarray(r.normal(size=(B, H, bq, bk)), jnp.float32)
+  p = jnp.asarray(r.uniform(size=(B, H, bq, bk)), jnp.float32)
+  q = jnp.asarray(r.normal(size=(B, bq, H, D)), jnp.float32)
+  k, v = (jnp.asarray(r.normal(size=(B, bk, H, D)), jnp.float32) for _ in range(2))
+
+  def both(params):
+    tables = scheme.call_tables(terms, params, q_pos, k_pos)
+    qm = q if terms.transform_q is None else terms.transform_q(q, tables, q_pos, k_pos[0])
+    km = k if terms.transform_k is None else terms.transform_k(k, tables, k_pos, k_pos[0])
+    block = product.Block(qm, km, q_pos, k_pos, tables)
+    scores = (_looked_up(terms, s, qm, km, tables, q_pos, k_pos),
+              s if terms.block_score is None else terms.block_score(s, block))
+    if terms.value_lookup is None:
+      return scores, (0.0, 0.0)
+    lookup = terms.value_lookup
+    rows = tables[lookup.table][lookup.index(q_pos[:, None], k_pos[None, :])]  # [bq, bk, dv]
+    values = product.dot_values(p, v, tables, q_pos, k_pos) + jnp.einsum('bhqk,qkd->bhqd', p,
+                                                                         rows)
+    return scores, (values, terms.values(p, v, tables, q_pos, k_pos))
+
+  ((got_s, want_s), (got_v, want_v)), pull = jax.vjp(both, params)
+  np.testing.assert_allclose(np.asarray(got_s), np.asarray(want_s), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got_v), np.asarray(want_v), rtol=1e-5, atol=1e-5)
+  cot_s = jnp.asarray(r.normal(size=s.shape), jnp.float32)
+  cot_v = jax.tree.map(lambda x: jnp.asarray(r.normal(size=jnp.shape(x)), jnp.float32), got_v)
+  zero = lambda x: jax.tree.map(jnp.zeros_like, x)  # noqa: E731
+  (d_got,) = pull(((cot_s, zero(cot_s)), (cot_v, zero(cot_v))))
+  (d_want,) = pull(((zero(cot_s), cot_s), (zero(cot_v), cot_v)))
+  for name_p in params:
+    np.testing.assert_allclose(np.asarray(d_got[name_p]), np.asarray(d_want[name_p]), rtol=1e-4,
+                               atol=1e-4, err_msg=f'{name}: gradient of {name_p}')
+
+
 def test_a_score_declared_additive_must_add_a_bias():
   """additive=True lets the kernels add score(0) once for the batch: a score
   that scales s, or one whose bias differs between batch rows, fails the

@@ -255,44 +255,45 @@ def test_alibi_lowers_dense_for_a_gpu_then_chunked_in_blocks_of_1024_past_its_sh
 
 
 def test_the_gpu_runs_every_scheme_the_pallas_kernel_takes_on_it_in_16_bits(device_memory):
-  """Over the live registry: a scheme whose terms are an elementwise score
-  and q/k maps (registry.pallas_runs) takes the fused Pallas kernel on a GPU
+  """Over the live registry: a scheme whose terms are an elementwise score,
+  lookups and q/k maps (registry.pallas_runs) takes the fused Pallas kernel on a GPU
   in bf16/fp16 with head dim 64 or 128, at any size, where dot_product keeps
   cuDNN; not in float32, not for a decoding step, not with dropout, not on
   the other platforms; schemes with terms it cannot run keep the others."""
   fused = [n for n in registry.names() if registry.pallas_runs(registry.get(n))]
-  assert {'alibi', 'kerple', 'fire', 'sandwich', 't5_bias', 'rotary', 'xpos'} <= set(fused)
-  assert not {'shaw', 'transformer_xl', 'deberta', 'local', 'bahdanau'} & set(fused)
+  assert {'alibi', 'kerple', 'fire', 'sandwich', 't5_bias', 'rotary', 'xpos', 'shaw',
+          'deberta'} <= set(fused)
+  assert not {'transformer_xl', 'local', 'bahdanau'} & set(fused)
   for name in fused:
     if name in ('dot_product', 'rotary'):  # cuDNN's where it fits
       assert _pick('gpu', name, 64, 2048, 2048, dtype='bfloat16') == 'cudnn', name
       continue
     for dtype, d in (('bfloat16', 64), ('float16', 128)):
       assert _pick('gpu', name, 64, 8192, 8192, d=d, dtype=dtype) == 'pallas', name
-    assert _pick('gpu', name, 2, 256, 256, dtype='float32') == 'dense', name
+    assert _pick('gpu', name, 2, 256, 256, dtype='float32') in ('dense', 'shaw_banded'), name
     assert _pick('gpu', name, 2, 256, 256, d=32, dtype='bfloat16') != 'pallas', name
     assert _pick('gpu', name, 2, 1, 256, dtype='bfloat16', decoding=True) != 'pallas', name
     assert _pick('gpu', name, 2, 256, 256, dtype='bfloat16', dropout=True) != 'pallas', name
     assert _pick('tpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
     assert _pick('cpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
-  assert _pick('gpu', 'shaw', 64, 2048, 2048, dtype='bfloat16') == 'chunked'
+  assert _pick('gpu', 'transformer_xl', 64, 2048, 2048, dtype='bfloat16') == 'chunked'
   assert _pick('cpu', 'alibi', 2, 16, 16, kernel='pallas') == 'pallas'
-  with pytest.raises(ValueError, match="'pallas': attention='shaw' does not run on it .it has "
-                                       'a term'):
-    registry.resolve_kernel('shaw', {'kernel': 'pallas'})
+  with pytest.raises(ValueError, match="'pallas': attention='transformer_xl' does not run on it "
+                                       '.its position term is q against a row per distance'):
+    registry.resolve_kernel('transformer_xl', {'kernel': 'pallas'})
 
 
 def test_a_scored_layer_lowers_to_the_pallas_kernel_for_a_gpu(device_memory):
-  """MultiHeadAttention with alibi and with t5_bias in bf16, heads of 64,
-  under a causal mask with key padding: lowered for CUDA as a GPU chooses,
-  the forward is one Triton call and the gradient three (forward, dk/dv,
-  dq); shaw's stays off it."""
+  """MultiHeadAttention with alibi, t5_bias, shaw and deberta in bf16, heads
+  of 64, under a causal mask with key padding: lowered for CUDA as a GPU
+  chooses, the forward is one Triton call and the gradient three (forward,
+  dk/dv, dq), with no [n, m] array; transformer_xl's stays off it."""
   def hlo(attention, grad):
     layer = MultiHeadAttention(num_heads=2, qkv_features=128, attention=attention,
                                dtype=jnp.bfloat16)
-    x = jax.ShapeDtypeStruct((2, 32, 128), jnp.float32)
+    x = jax.ShapeDtypeStruct((2, 256, 128), jnp.float32)
     params = jax.eval_shape(layer.init, jax.random.key(0), x)
-    valid = jnp.ones((2, 32), bool).at[1, 20:].set(False)
+    valid = jnp.ones((2, 256), bool).at[1, 200:].set(False)
 
     def forward(params, x):
       mask = masks.causal() & masks.key_padding(valid)
@@ -302,8 +303,8 @@ def test_a_scored_layer_lowers_to_the_pallas_kernel_for_a_gpu(device_memory):
       return traced.lower(lowering_platforms=('cuda',)).as_text()
 
   call = 'custom_call @__gpu$xla.gpu.triton'
-  for name in ('alibi', 't5_bias'):
-    assert hlo(name, grad=False).count(call) == 1, name
-    backward = hlo(name, grad=True)
-    assert backward.count(call) == 3, name
-  assert call not in hlo('shaw', grad=False)
+  for name in ('alibi', 't5_bias', 'shaw', 'deberta'):
+    forward, backward = hlo(name, grad=False), hlo(name, grad=True)
+    assert forward.count(call) == 1 and backward.count(call) == 3, name
+    assert '256x256' not in forward + backward, f'{name}: an [n, m] array'
+  assert call not in hlo('transformer_xl', grad=False)

@@ -143,7 +143,7 @@ def attend(query, key, value, terms: Terms = Terms(), params=None, *,
     return out.astype(dtype), lse
   # Heads of a group share their keys, so they share the uniform output too.
   uniform = None if hides_no_row else lambda: repeat_heads(
-      terms.uniform(value, tables, q_offset + jnp.arange(n), m), h)
+      terms.uniform(value, tables, q_offset + jnp.arange(n), jnp.arange(m)), h)
   return softmax.where_no_key(out, lse, uniform).astype(dtype)
 
 

@@ -144,19 +144,29 @@ BLOCKWISE = Kernel('chunked', _blockwise_takes, _blockwise_supports, _run_blockw
 
 def pallas_runs(terms: Terms | None) -> bool:
   """Whether the fused Pallas kernel runs a scheme given as `terms` (None: a
-  variant of another kind): an elementwise `score` or none, no `block_score`
-  without one (a term that reads the block's q and k), the plain values and
-  q.k product."""
-  if terms is None or terms.product is not None or terms.values is not None:
+  variant of another kind): an elementwise `score` or none, and lookups
+  (Terms.lookups) for a `block_score` (a term that reads the block's q and
+  k), a value lookup for a values term, the plain q.k product."""
+  if terms is None or terms.product is not None:
     return False
-  return terms.score is not None or terms.block_score is None
+  if terms.values is not None and terms.value_lookup is None:
+    return False
+  return terms.score is not None or terms.block_score is None or bool(terms.lookups)
 
 
 def _pallas_takes(variant) -> str | None:
   terms = None if variant.terms is None else variant.terms(2, **dict(variant.kwargs))
+  if variant.name == 'transformer_xl':
+    # Its rows are unclipped: as lookups they would be [n, n + m] per head,
+    # and skewing a block's product with its span of rows onto the pairs is
+    # a gather from a loaded value, which the Triton lowering lacks.
+    return ("its position term is q against a row per distance, unclipped: as lookup tables "
+            "[n, n + m] per head, in the kernel a gather from a loaded value that Triton "
+            "lacks")
   if not pallas_runs(terms):
-    return ("it has a term the fused kernel does not run (one that reads the block's q and k, "
-            "a values term, or a score that is not q.k's)")
+    return ("it has a term the fused kernel does not run (one that reads the block's q and k "
+            "with no lookup form, a values term with no lookup form, or a score that is not "
+            "q.k's)")
   return None
 
 
@@ -169,7 +179,7 @@ def _pallas_supports(call: Call) -> str | None:
             'arrays=(...)), fn(b, h, q, k, *arrays)')
   if not pallas_runs(call.terms):
     return _pallas_takes(call.variant)
-  if call.terms.prepare is None:  # the tables are the call's arrays
+  if call.terms.prepare is None and call.terms.score is not None:  # the call's arrays
     return pallas_gpu.table_problem(call.params, call.query_shape[2])
   return None
 
@@ -177,21 +187,26 @@ def _pallas_supports(call: Call) -> str | None:
 def _run_pallas(call: Call, query, key, value):
   """A scheme's terms on the fused Pallas kernel (kernels/pallas_gpu.py;
   interpreted off a GPU): its tables made once, its q and k maps applied
-  before the kernel, its elementwise score inside it. A row that sees no key
-  gets the uniform weights of the other kernels (softmax.where_no_key)."""
+  before the kernel, its lookup tables made from the mapped q and k, its
+  elementwise score inside it. A row that sees no key gets the uniform
+  weights of the other kernels (softmax.where_no_key)."""
   terms, dtype = call.terms, call.dtype
-  h, m = call.query_shape[2], call.key_shape[1]
+  h, d = call.query_shape[2:]
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   query, key, tables, q_pos, k_pos = _mapped(call, query, key)
+  scaled = query / jnp.sqrt(d).astype(query.dtype)  # as the kernel scales q.k
+  lookups = tuple((t.side, t.index, t.rows(scaled, key, tables)) for t in terms.lookups)
+  values = terms.value_lookup and (terms.value_lookup.index, tables[terms.value_lookup.table])
   # A causal rule alone runs as the kernel's own causal bounds, no mask evaluated.
   causal = masks.causal_alone(call.mask)
   rule = None if causal else call.mask
   out, lse = pallas_gpu.flash_attention(
-      query, key, value, score=terms.score, tables=tables, mask=rule, causal=causal,
-      q_positions=q_pos, k_positions=k_pos, q_offset=call.q_offset,
-      interpret=call.platform != 'gpu', return_lse=True)
+      query, key, value, score=terms.score, tables=tables if terms.score else {},
+      lookups=lookups, values=values, mask=rule, causal=causal, q_positions=q_pos,
+      k_positions=k_pos, q_offset=call.q_offset, interpret=call.platform != 'gpu',
+      return_lse=True)
   uniform = None if masks.hides_no_row(call.mask) else lambda: product.repeat_heads(
-      terms.uniform(value, tables, q_pos, m), h)  # [b, n, h, dv]
+      terms.uniform(value, tables, q_pos, k_pos), h)  # [b, n, h, dv]
   return softmax.where_no_key(out, lse, uniform).astype(out.dtype)
 
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.attention import registry, scheme
+from flaxformer_lite.attention.kernels import product
 from flaxformer_lite.attention.kernels.reference import dot_product_attention
 
 
@@ -182,7 +183,8 @@ def _prepare(buckets, p2c_row, params, q_pos, k_pos):
   deterministic gradient); each block slices its own. Distances past
   `saturation` share one row, so the table stops there, plus a block's
   distances (q_pos [nq, bq], k_pos [nk, bk]: a block's clamped slice then
-  still reads only that row): O(buckets + block) rows at any length."""
+  still reads only that row): O(buckets + block) rows at any length. Also
+  K^r and Q^r / sqrt(3d) themselves, [2s, h, d], for the lookups."""
   kr, qr = position_projections(params['rel_embeddings'], params['position_key_kernel'],
                                 params['position_query_kernel'])
   top, distances = scheme.distance_range(q_pos, k_pos)
@@ -192,13 +194,40 @@ def _prepare(buckets, p2c_row, params, q_pos, k_pos):
     if 2 * bound + 1 < distances.shape[0]:
       top, distances = jnp.asarray(bound, jnp.float32), bound - jnp.arange(2 * bound + 1)
   k_rows, q_rows = _distance_rows(kr, qr, distances, buckets, one_hot=True, p2c_row=p2c_row)
-  return {'k_rows': k_rows, 'q_rows': q_rows / np.sqrt(3 * kr.shape[-1]), 'top': top}
+  third = np.sqrt(3 * kr.shape[-1])
+  return {'k_rows': k_rows, 'q_rows': q_rows / third, 'top': top, 'kr': kr, 'qr': qr / third}
+
+
+def _c2p_rows(q, k, tables):
+  """q_i . K^r_r for every query and row r of P -> float32 [b, h, n, 2s]
+  (a per-query Lookup); q arrives scaled by 1/sqrt(3d)."""
+  del k
+  return jnp.einsum('bnhd,rhd->bhnr', q, tables['kr'].astype(q.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _p2c_rows(q, k, tables):
+  """k_j . Q^r_r / sqrt(3d) for every key and row r, per query head ->
+  float32 [b, h, m, 2s] (a per-key Lookup; k has its own g heads)."""
+  del q
+  qr = tables['qr']
+  return jnp.einsum('bmhd,rhd->bhmr', product.repeat_heads(k, qr.shape[1]), qr.astype(k.dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _row_of(buckets, sign, q_pos, k_pos):
+  """The row of P each pair reads, of sign * (p_i - j) (a Lookup's index)."""
+  return row_index(sign * (q_pos - k_pos), *buckets)
 
 
 def _terms(num_heads, *, position_buckets, max_relative_positions, p2c_row):
   del num_heads  # the parameters carry the heads
-  prepare = functools.partial(_prepare, (position_buckets, max_relative_positions), p2c_row)
-  return scheme.Terms(block_score=_score, prepare=prepare, transform_q=_third)
+  buckets = (position_buckets, max_relative_positions)
+  prepare = functools.partial(_prepare, buckets, p2c_row)
+  lookups = (scheme.Lookup('query', _c2p_rows, functools.partial(_row_of, buckets, 1)),
+             scheme.Lookup('key', _p2c_rows,
+                           functools.partial(_row_of, buckets, P2C_ROWS[p2c_row])))
+  return scheme.Terms(block_score=_score, prepare=prepare, transform_q=_third, lookups=lookups)
 
 
 def _params(num_heads, head_dim, kwargs):

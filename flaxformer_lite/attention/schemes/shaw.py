@@ -202,20 +202,23 @@ def _block_values(k, p, v, tables, q_pos, k_pos):
                   lambda out: out + jnp.sum(p, -1, keepdims=True) * rest[-1])
 
 
-def _uniform(k, value, tables, q_pos, m):
+def _uniform(k, value, tables, q_pos, k_pos):
   """Uniform weights over all m keys: mean_j v_j + (1/m) sum_r count_r(i) a^V_r,
-  count_r(i) the keys at clipped distance r - k from query position q_pos[i]."""
-  out = scheme.mean_values(value, tables, q_pos, m)
+  count_r(i) the keys at clipped distance r - k from query position q_pos[i],
+  counted from the sorted key positions k_pos (any, not only 0..m-1)."""
+  out = scheme.mean_values(value, tables, q_pos, k_pos)
   table = tables.get('rel_value_table')
   if table is None:
     return out
+  m = k_pos.shape[0]
   p = q_pos[:, None]  # [n, 1]
   if k == 0:
     counts = jnp.full(p.shape, m, jnp.int32)
-  else:
-    middle = p + jnp.arange(1 - k, k)[None, :]  # the key at each distance -k+1 .. k-1
-    counts = jnp.concatenate([jnp.clip(p - k + 1, 0, m), (middle >= 0) & (middle < m),
-                              jnp.clip(m - p - k, 0, m)], axis=1)  # [n, 2k+1]
+  else:  # keys at or below each position: the counts are differences of them
+    below = lambda x: jnp.searchsorted(jnp.sort(k_pos), x, side='right')  # noqa: E731
+    at = p + jnp.arange(1 - k, k)[None, :]  # the key position at each distance -k+1 .. k-1
+    counts = jnp.concatenate([below(p - k), below(at) - below(at - 1),
+                              m - below(p + k - 1)], axis=1)  # [n, 2k+1]
   rel = (counts.astype(jnp.float32) / m) @ table.astype(jnp.float32)  # [n, d]
   return out + rel[None, :, None, :]
 
@@ -260,14 +263,34 @@ def _shaw(query, key, value, *, max_distance, relative_keys, relative_values, q_
   return shaw_attention(query, key, value, q_offset=q_offset, positions=positions, **rest)
 
 
+def _clipped(k, q_pos, k_pos):
+  """The table row of each pair: clip(j - i, -k, k) + k (a Lookup's index)."""
+  return jnp.clip(k_pos - q_pos, -k, k) + k
+
+
+def _key_rows(q, key, tables):
+  """q . (a^K_r - a^K_0) for every query and row r -> float32 [b, h, n, 2k+1]
+  (a per-query Lookup: the kernel's product is q . (k + a^K_0), _with_row0),
+  the paper's trick as one product against the 2k+1 rows; q already scaled."""
+  del key
+  table = tables['rel_key_table']
+  return jnp.einsum('bnhd,rd->bhnr', q, (table - table[:1]).astype(q.dtype),
+                    preferred_element_type=jnp.float32)
+
+
 def _shaw_terms(num_heads, *, max_distance, relative_keys, relative_values):
   """The block terms (scheme.py): the blockwise kernel's, and the reference
-  for every kernel's."""
-  del num_heads, relative_keys, relative_values  # the tables present
+  for every kernel's; the same as lookups for the fused kernel."""
+  del num_heads
   k = max_distance
-  return scheme.Terms(block_score=functools.partial(_score, k), transform_k=_with_row0,
-                            values=functools.partial(_block_values, k),
-                            uniform=functools.partial(_uniform, k))
+  index = functools.partial(_clipped, k)
+  return scheme.Terms(
+      block_score=functools.partial(_score, k) if relative_keys else None,
+      transform_k=_with_row0,
+      values=functools.partial(_block_values, k) if relative_values else None,
+      uniform=functools.partial(_uniform, k),
+      lookups=(scheme.Lookup('query', _key_rows, index),) if relative_keys else (),
+      value_lookup=scheme.ValueLookup('rel_value_table', index) if relative_values else None)
 
 
 registry.register(registry.AttentionVariant(

@@ -3,7 +3,8 @@
 He et al. 2021, eq. 4: A_ij = Q^c_i K^c_j + Q^c_i K^r_{d(i,j)} + K^c_j Q^r_{d(j,i)}, divided by
 sqrt(3d), K^r = P W_k,r, Q^r = P W_q,r, d(i,j) = clamp(bucket(i - j) + s, 0, 2s - 1) with
 DeBERTa-v2's log buckets (`make_log_bucket_position` in the released code), written here as a
-scalar Python function. The loops are float64; the code under test gathers rows of matmuls.
+scalar Python function. The loops are float64; the code under test gathers rows of matmuls
+(the dense kernel) or reads lookup tables per query and per key (the fused Pallas kernel).
 """
 import math
 
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxformer_lite.attention import attend, masks
+from flaxformer_lite.attention.kernels import pallas_gpu
 from flaxformer_lite.attention.schemes.deberta import deberta_attention, log_bucket
 
 
@@ -120,3 +123,58 @@ def test_gradients_equal_central_differences_of_the_loop(loop_softmax):
       down[name][index] -= eps
       want = (loss64(up) - loss64(down)) / (2 * eps)
       assert float(grads[name][index]) == pytest.approx(want, abs=2e-3, rel=2e-3), (name, index)
+
+
+DOCUMENTS = np.array([[0] * 14 + [1] * 19, [0] * 33])
+VALID = np.ones((2, 33), bool)
+VALID[1, 27:] = False  # padding: row 1's last queries see no key, and no key sees them
+
+# The fused kernel's cases: (n, m, q_offset, p2c_row, mask); s = 4 and max 9
+# put log buckets and the clamp inside its blocks of 16 (pallas_gpu.BLOCK).
+FUSED = {
+    'causal, segments, padding': (33, 33, 0, 'released', masks.causal() & masks.key_padding(VALID)
+                                  & masks.segments(DOCUMENTS, DOCUMENTS)
+                                  & masks.query_padding(VALID)),
+    "decoding offset, key padding, the paper's p2c row": (
+        9, 33, 20, 'paper', masks.causal() & masks.key_padding(VALID)),
+}
+
+
+@pytest.mark.parametrize('case', FUSED)
+def test_the_fused_kernel_equals_the_paper_formula_forward_and_gradients(case, loop_softmax,
+                                                                         monkeypatch):
+  """attend(kernel='pallas') (interpreted, blocks of 16: c2p a per-query
+  lookup, p2c a per-key one) against eq. 4's float64 loop with one
+  key/value head for two query heads: the output, and the gradients of q,
+  k, v, P and both projections along random directions against the loop's
+  central differences."""
+  monkeypatch.setattr(pallas_gpu, 'BLOCK', 16)
+  n, m, q_offset, p2c_row, mask = FUSED[case]
+  b, h, d, s, top = 2, 2, 4, 4, 9
+  rng = np.random.default_rng(5)
+  shapes = [(b, n, h, d), (b, m, 1, d), (b, m, 1, d), (2 * s, h * d), (h * d, h, d), (h * d, h, d)]
+  args = [rng.normal(size=shape) / (3 if i > 3 else 1) for i, shape in enumerate(shapes)]
+  visible = np.asarray(masks.as_dense(mask, b, 1, n, m, q_offset))
+  visible = np.broadcast_to(visible, (b, 1, n, m))[:, 0]
+  options = dict(position_buckets=s, max_relative_positions=top, p2c_row=p2c_row)
+  cot = rng.normal(size=(b, n, h, d))
+
+  def loop(q, k, v, p, w_kr, w_qr):
+    return _loop(q, np.repeat(k, h, 2), np.repeat(v, h, 2), p, w_kr, w_qr, visible, q_offset, s,
+                 top, loop_softmax, p2c_row)[0]
+
+  def fused(q, k, v, p, w_kr, w_qr):
+    out = attend(q, k, v, scheme='deberta', kernel='pallas', mask=mask, q_offset=q_offset,
+                 options=options, params={'rel_embeddings': p, 'position_key_kernel': w_kr,
+                                          'position_query_kernel': w_qr})
+    return jnp.sum(out * cot), out
+
+  grads, out = jax.grad(fused, argnums=tuple(range(6)), has_aux=True)(
+      *(jnp.asarray(x, jnp.float32) for x in args))
+  np.testing.assert_allclose(np.asarray(out), loop(*args), atol=2e-5)
+  for i, (x, grad) in enumerate(zip(args, grads)):
+    direction = np.random.default_rng(10 + i).normal(size=x.shape)
+    shift = lambda t: np.sum(loop(*args[:i], x + t * direction, *args[i + 1:]) * cot)  # noqa: E731
+    want = (shift(1e-4) - shift(-1e-4)) / 2e-4
+    np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction), want,
+                               rtol=1e-3, atol=1e-3, err_msg=f'{case}: argument {i}')

@@ -1,6 +1,7 @@
 """Shaw et al. 2018 relative attention against loop formulas, on the dense
-kernel (the paper's reshape-and-matmul trick) and on shaw_banded (no
-[n, m, d] table), each reached through attend(kernel=...)."""
+kernel (the paper's reshape-and-matmul trick), on shaw_banded (no
+[n, m, d] table) and on the fused Pallas kernel (interpreted: a per-query
+lookup and a value lookup), each reached through attend(kernel=...)."""
 import math
 
 import flax.linen as nn
@@ -13,6 +14,7 @@ from flaxformer_lite import config as config_lib
 from flaxformer_lite import main
 from flaxformer_lite import models
 from flaxformer_lite.attention import entry, masks, registry
+from flaxformer_lite.attention.kernels import pallas_gpu
 from flaxformer_lite.attention.kernels.specialised import relative_banded
 from flaxformer_lite.attention.schemes import shaw
 from flaxformer_lite.layers import MultiHeadAttention
@@ -32,7 +34,8 @@ def _on(kernel):
   return run
 
 
-FORMS = {'dense': _on('dense'), 'shaw_banded': _on('shaw_banded')}
+FORMS = {'dense': _on('dense'), 'shaw_banded': _on('shaw_banded'), 'pallas': _on('pallas')}
+LOOPED = ('dense', 'shaw_banded')  # the fused kernel has a test of its own
 
 
 def _rel_index(i, j, k, q_offset):
@@ -107,7 +110,7 @@ def test_trick_functions_match_loops():
         np.testing.assert_allclose(values[b, i, h], expect, atol=1e-5)
 
 
-@pytest.mark.parametrize('form', FORMS)
+@pytest.mark.parametrize('form', LOOPED)
 @pytest.mark.parametrize('n,m,k,q_offset', [(5, 5, 2, 0), (3, 7, 2, 4), (6, 4, 1, 0),
                                             (1, 8, 3, 5), (5, 5, 0, 0), (4, 6, 9, 1)])
 def test_shaw_attention_matches_loop(form, n, m, k, q_offset):
@@ -117,7 +120,7 @@ def test_shaw_attention_matches_loop(form, n, m, k, q_offset):
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
-@pytest.mark.parametrize('form', FORMS)
+@pytest.mark.parametrize('form', LOOPED)
 def test_masks_bias_and_ablations_match_loop(form):
   q, kk, v, tk, tv = _arrays(7, n=5, m=6)
   rng = np.random.default_rng(1)
@@ -214,6 +217,59 @@ def test_banded_dropout_equals_dense_with_the_same_keep_mask():
   np.testing.assert_allclose(np.asarray(out_banded), np.asarray(out_naive), atol=2e-5)
   for a, b in zip(g_banded, g_naive):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-5)
+
+
+DOCUMENTS = np.array([[0] * 16 + [1] * 21, [0] * 37])
+VALID = np.ones((2, 37), bool)
+VALID[1, 30:] = False  # padding: row 1's last queries see no key, and no key sees them
+
+# The fused kernel's cases: (tables, n, m, k, q_offset, mask); its blocks of
+# 16 (pallas_gpu.BLOCK) put the clip inside some blocks and past others.
+FUSED = {
+    'keys and values, causal, segments, padding': (
+        'both', 37, 37, 3, 0, masks.causal() & masks.segments(DOCUMENTS, DOCUMENTS)
+        & masks.key_padding(VALID) & masks.query_padding(VALID)),
+    'keys only, decoding offset, key padding': ('keys', 9, 37, 4, 24,
+                                                 masks.causal() & masks.key_padding(VALID)),
+}
+
+
+@pytest.mark.parametrize('case', FUSED)
+def test_the_fused_kernel_equals_the_loop_forward_and_gradients(case, monkeypatch):
+  """attend(kernel='pallas') (interpreted, blocks of 16) against eq. 3-5's
+  float64 loop with one key/value head for two query heads: the output, and
+  the gradients of q, k, v and each table along random directions against
+  the loop's central differences."""
+  monkeypatch.setattr(pallas_gpu, 'BLOCK', 16)
+  tables, n, m, k, q_offset, mask = FUSED[case]
+  q, kk, v, tk, tv = (x.astype(np.float64) for x in _arrays(3, n=n, m=m, k=k, d=8))
+  kk, v = kk[:, :, :1], v[:, :, :1]  # grouped-query: one key/value head
+  names = [t for t, on in (('rel_key_table', tables != 'values'),
+                           ('rel_value_table', tables != 'keys')) if on]
+  dense_mask = np.broadcast_to(masks.as_dense(mask, 2, 1, n, m, q_offset), (2, 1, n, m))
+  cot = np.random.default_rng(4).normal(size=(2, n, 2, 8))
+
+  def loop(q, kk, v, *arrays):
+    given = dict(zip(names, arrays))
+    return _reference(q, np.repeat(kk, 2, 2), np.repeat(v, 2, 2), given.get('rel_key_table'),
+                      given.get('rel_value_table'), k, q_offset, mask=dense_mask)
+
+  def fused(q, kk, v, *arrays):
+    out = FORMS['pallas'](q, kk, v, *(dict(zip(names, arrays)).get(t) for t in
+                                       ('rel_key_table', 'rel_value_table')),
+                          mask=mask, q_offset=q_offset)
+    return jnp.sum(out * cot), out
+
+  args = [q, kk, v] + [{'rel_key_table': tk, 'rel_value_table': tv}[t] for t in names]
+  grads, out = jax.grad(fused, argnums=tuple(range(len(args))), has_aux=True)(
+      *(jnp.asarray(x, jnp.float32) for x in args))
+  np.testing.assert_allclose(np.asarray(out), loop(*args), atol=2e-5)
+  for i, (x, grad) in enumerate(zip(args, grads)):
+    direction = np.random.default_rng(10 + i).normal(size=x.shape)
+    shift = lambda t: np.sum(loop(*args[:i], x + t * direction, *args[i + 1:]) * cot)  # noqa: E731
+    want = (shift(1e-4) - shift(-1e-4)) / 2e-4
+    np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction), want,
+                               rtol=1e-3, atol=1e-3, err_msg=f'{case}: argument {i}')
 
 
 def test_auto_takes_the_banded_kernel_past_its_table_size_and_by_lag_for_long_causal_calls():

@@ -192,7 +192,7 @@ def by_lag(query, key, value, tables, *, mask, uniform, chunk_size=None, dtype=N
   (`fits`): query [b, n, h, d] (unscaled), key and value [b, n, g, d];
   tables {'rel_key_table', 'rel_value_table'} [2k+1, d] (one or both);
   mask a masks.Mask of the causal rule and padding; uniform(value, tables,
-  q_pos, m), the output of a query that sees no key (the scheme's
+  q_pos, k_pos), the output of a query that sees no key (the scheme's
   Terms.uniform) -> [b, n, h, d] in `dtype`.
 
   At lag >= k every pair has table row 0: those run as the blockwise
@@ -242,7 +242,7 @@ def by_lag(query, key, value, tables, *, mask, uniform, chunk_size=None, dtype=N
       seed=dropout.seed(dropout_rng) if rate else None, rate=rate)
   out = blockwise.merge(far, far_lse, near, near_lse)
   rule = None if masks.hides_no_row(mask) else lambda: product.repeat_heads(
-      uniform(value, tables, jnp.arange(n), n), h)
+      uniform(value, tables, jnp.arange(n), jnp.arange(n)), h)
   return softmax.where_no_key(out, jnp.logaddexp(far_lse, near_lse), rule).astype(dtype)
 
 
