@@ -33,11 +33,12 @@ cost the backward nothing: symbolic zeros): the dq kernel takes the vjp of
 the score in the head's rows (loaded values there) with the scores'
 cotangent ds = p * (dp - delta), and accumulates a float32 row gradient per
 program, summed over rows and query blocks outside. A lookup
-`table[head, idx]` in that vjp is a chain of selects, one per entry of the
-row (`_lookup`): Triton lowers neither a gather from a value nor its
-transpose, a scatter-add. So the forward and every gradient lower for both
-forms; a learned lookup table costs the dq kernel one select per entry per
-block.
+`table[head, idx]` reads the entries by a gather load from the row's ref
+in every kernel; its gradient (`_read`) sums the cotangent per entry, one
+select pass per entry between the block's least and greatest index:
+Triton lowers neither a gather from a loaded value nor its transpose, a
+scatter-add, and a block past T5's last bucket, whose pairs all read one
+entry, costs one pass.
 
 Lookups: tables indexed by a query (or a key) position, [b, h, n, R] (or
 [b, h, m, R]), made once per call before the kernel (Shaw's q . a^K_r as
@@ -145,14 +146,15 @@ class Blocks(NamedTuple):
 
 class _HeadRow:
   """A per-head table [h, ...] as one head's program sees it (module
-  docstring): `row` its row, a ref or (differentiated) a loaded value;
-  table[head] is the row, table[head, *idx] the row at idx. Indexed first
-  by anything but the program's `head` (a batch row, a position) it
-  refuses: the BlockSpec gave this program one head's row only."""
+  docstring): `ref` its row's ref, and `value` the row loaded where a
+  gradient asks for it (None elsewhere); table[head] is the row,
+  table[head, *idx] the row at idx. Indexed first by anything but the
+  program's `head` (a batch row, a position) it refuses: the BlockSpec gave
+  this program one head's row only."""
 
-  def __init__(self, row, shape: tuple[int, ...], is_ref: bool, head):
-    self.row, self.shape, self.is_ref, self.head = row, shape, is_ref, head
-    self.ndim, self.dtype = len(shape), row.dtype
+  def __init__(self, ref, shape: tuple[int, ...], head, value=None):
+    self.ref, self.shape, self.head, self.value = ref, shape, head, value
+    self.ndim, self.dtype = len(shape), ref.dtype
 
   def __getitem__(self, key):
     if (key[0] if isinstance(key, tuple) else key) is not self.head:
@@ -161,23 +163,52 @@ class _HeadRow:
                        "(a batch row, a position): run it with kernel='dense' or 'chunked'")
     rest = key[1:] if isinstance(key, tuple) else ()
     if rest:
-      return self.row[rest] if self.is_ref else _lookup(self.row, rest)
+      gathered = self.ref[rest]
+      return gathered if self.value is None else _read(self.value, _flat(self.value, rest),
+                                                       gathered)
+    row = self.ref if self.value is None else self.value
     if self.ndim == 1:  # a [h] table's row, [1]
-      return self.row[...] if self.is_ref else self.row
-    return self.row[tuple(slice(0, size) for size in self.shape[1:])]  # without its padding
+      return row[...]
+    return row[tuple(slice(0, size) for size in self.shape[1:])]  # without its padding
 
 
-def _lookup(row, idx):
-  """row[idx] of a row value [r0, ..] by int arrays idx (one per axis) as
-  one select per entry, which Triton lowers, and its vjp too."""
-  flat_row, flat = row.reshape(-1), idx[0]
+def _flat(row, idx):
+  """The flat index into row [r0, ..] of int arrays idx (one per axis)."""
+  flat = idx[0]
   for i, size in zip(idx[1:], row.shape[1:]):
     flat = flat * size + i
-  out = jnp.zeros(jnp.broadcast_shapes(*(jnp.shape(i) for i in idx)), row.dtype)
-  entries = jnp.arange(flat_row.shape[0])
-  for j in range(flat_row.shape[0]):
-    out = jnp.where(flat == j, jnp.sum(jnp.where(entries == j, flat_row, 0)), out)
-  return out
+  return jnp.asarray(flat, jnp.int32)
+
+
+@jax.custom_vjp
+def _read(row, flat, gathered):
+  """row.reshape(-1)[flat] for a differentiated row [r0, ..], its value
+  `gathered` read from the row's ref by a gather load (Triton has no gather
+  from a loaded value, nor its transpose, a scatter-add)."""
+  del row, flat
+  return gathered
+
+
+def _read_fwd(row, flat, gathered):
+  return gathered, (row, flat)
+
+
+def _read_bwd(res, ct):
+  """The row's gradient: the cotangent summed per entry, one select pass per
+  entry between the least and greatest index (a block whose pairs all read
+  one entry, past T5's last bucket, costs one)."""
+  row, flat = res
+  entries = jnp.arange(row.size)
+  ct = jnp.broadcast_to(ct, flat.shape).astype(jnp.float32)
+
+  def add(e, acc):
+    return jnp.where(entries == e, acc + jnp.sum(jnp.where(flat == e, ct, 0.0)), acc)
+  d_row = jax.lax.fori_loop(jnp.min(flat), jnp.max(flat) + 1, add,
+                            jnp.zeros(row.size, jnp.float32))
+  return d_row.reshape(row.shape).astype(row.dtype), None, None
+
+
+_read.defvjp(_read_fwd, _read_bwd)
 
 
 def _pad(x, axis: int, multiple: int):
@@ -230,7 +261,7 @@ def _unpack(st: Settings, refs, backward: bool) -> _Refs:
 def _head_rows(st: Settings, r: _Refs, head):
   """The score's `tables`: a _HeadRow over each head row's ref."""
   shapes = dict(st.tables)
-  return Tables({name: _HeadRow(ref, shapes[name], True, head) for name, ref in r.tables.items()})
+  return Tables({name: _HeadRow(ref, shapes[name], head) for name, ref in r.tables.items()})
 
 
 def _query_indices(st: Settings, offset_ref, qb):
@@ -322,16 +353,17 @@ def _dp(st: Settings, r: _Refs, do, v, q_pos, k_pos, starts):
   return dp
 
 
-def _scored(st: Settings, s, b, head, q_pos, k_pos, tables: dict, rows: dict):
+def _scored(st: Settings, r: _Refs, s, b, head, q_pos, k_pos, tables: dict, rows: dict):
   """(scored s, vjp: the scored s's cotangent -> (ds, d rows)); `rows` the
-  differentiated rows (name -> loaded value), `tables` the score's other
-  tables (_HeadRow over refs)."""
+  differentiated rows (name -> loaded value; entries read from their refs),
+  `tables` the score's other tables (_HeadRow over refs)."""
   if st.score is None:
     return s, lambda ct: (ct, {})
   shapes = dict(st.tables)
 
   def score(s, rows):
-    values = {name: _HeadRow(row, shapes[name], False, head) for name, row in rows.items()}
+    values = {name: _HeadRow(r.tables[name], shapes[name], head, row)
+              for name, row in rows.items()}
     return st.score(s, b, head, q_pos, k_pos, Tables({**tables, **values}))
   return jax.vjp(score, s, rows)
 
@@ -445,7 +477,7 @@ def _dkdv_kernel(st: Settings, *refs):
     q, do, q_pos = r.q[rows, :], do_ref[rows, :], r.q_pos[rows][:, None]
     starts = (qb * bq, 0)
     s, indices = _with_lookups(st, r, _dot_scores(st, q, k), q_pos, k_pos, starts)
-    s, vjp = _scored(st, s, ids[0], head, q_pos, k_pos, tables, {})
+    s, vjp = _scored(st, r, s, ids[0], head, q_pos, k_pos, tables, {})
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, _query_indices(st, r.offset, qb), k_idx), s,
                     NEG_INF)
@@ -495,7 +527,7 @@ def _dq_kernel(st: Settings, *refs):
     keys = pl.ds(kb * bk, bk)
     k, k_pos, starts = r.k[keys, :], r.k_pos[keys][None, :], (0, kb * bk)
     s, indices = _with_lookups(st, r, _dot_scores(st, q, k), q_pos, k_pos, starts)
-    s, vjp = _scored(st, s, ids[0], head, q_pos, k_pos, tables, values)
+    s, vjp = _scored(st, r, s, ids[0], head, q_pos, k_pos, tables, values)
     if masked:
       s = jnp.where(_visible(st, r, ids[0], head, q_idx, _key_indices(st, kb)), s, NEG_INF)
     p = jnp.exp(s - lse)
