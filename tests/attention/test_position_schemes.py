@@ -218,8 +218,8 @@ def test_a_linear_values_term_registers_and_runs_on_both_kernels():
     shift = jnp.sum(p, -1, keepdims=True) * params['shift_test'][None, :, None, :]
     return product.dot_values(p, v, params, q_pos, k_pos) + shift
 
-  def uniform(value, params, q_pos, m):
-    return scheme.mean_values(value, params, q_pos, m) + params['shift_test'][None, None]
+  def uniform(value, params, q_pos, k_pos):
+    return scheme.mean_values(value, params, q_pos, k_pos) + params['shift_test'][None, None]
 
   variant = registry.register(registry.AttentionVariant(
       name='shifted_values_test', terms=lambda num_heads: scheme.Terms(

@@ -227,8 +227,9 @@ def _mapped(call: Call, query, key):
 
 
 PALLAS = Kernel('pallas', _pallas_takes, _pallas_supports, _run_pallas,
-                "FlashAttention-2 in Pallas carrying the scheme's score and mask (Triton on a "
-                'GPU, interpreted elsewhere)')
+                "FlashAttention-2 in Pallas carrying the scheme's score, its lookup tables per "
+                'query or key (Shaw, DeBERTa), its value lookup and the mask (Triton on a GPU, '
+                'interpreted elsewhere)')
 
 
 # ------------------------------------------- jax.nn's kernels: cuDNN, XLA

@@ -64,13 +64,14 @@ def local_attention(query, key, value, *, window=8, causal=False, q_offset=0,
   return (out, weights) if return_weights else out
 
 
-def _window_mean(window, causal, value, tables, q_pos, m):
+def _window_mean(window, causal, value, tables, q_pos, k_pos):
   """Uniform weights over each query's window (window_softmax's rule for a
   query that sees none of its keys): the mean of the window's values by
   prefix sums over the keys that the n queries' windows can reach (n + 2
-  windows of them, so a decoding step costs O(window), not O(cache))
-  -> [b, n, h, d] float32, zero for an empty window."""
+  windows of them, so a decoding step costs O(window), not O(cache)), keys
+  at 0..m-1 -> [b, n, h, d] float32, zero for an empty window."""
   del tables
+  m = k_pos.shape[0]
   span = min(m, q_pos.shape[0] + 2 * window)
   start = jnp.clip(q_pos[0] - window + 1, 0, m - span)
   near = jax.lax.dynamic_slice_in_dim(value.astype(jnp.float32), start, span, axis=1)
