@@ -156,17 +156,11 @@ def pallas_runs(terms: Terms | None) -> bool:
 
 def _pallas_takes(variant) -> str | None:
   terms = None if variant.terms is None else variant.terms(2, **dict(variant.kwargs))
-  if variant.name == 'transformer_xl':
-    # Its rows are unclipped: as lookups they would be [n, n + m] per head,
-    # and skewing a block's product with its span of rows onto the pairs is
-    # a gather from a loaded value, which the Triton lowering lacks.
-    return ("its position term is q against a row per distance, unclipped: as lookup tables "
-            "[n, n + m] per head, in the kernel a gather from a loaded value that Triton "
-            "lacks")
   if not pallas_runs(terms):
-    return ("it has a term the fused kernel does not run (one that reads the block's q and k "
-            "with no lookup form, a values term with no lookup form, or a score that is not "
-            "q.k's)")
+    return ("it has a term the fused kernel does not run: one that reads the block's q and k "
+            "with no lookup per query or key (Transformer-XL's unclipped rows would be "
+            "[n, n + m] per head), a values term with no lookup form, or a score that is not "
+            "q.k's")
   return None
 
 
