@@ -59,6 +59,9 @@ def main():
                       'run 10-15%% slower or faster than the next')
   p.add_argument('--json', action='store_true', help=argparse.SUPPRESS)
   a = p.parse_args()
+  unknown = sorted(set(a.variants or ()) - set(variants(a.max_distance)))
+  if unknown:
+    p.error(f'--variants {" ".join(unknown)}: valid: {" ".join(variants(a.max_distance))}')
   if a.trials > 1:
     return trials(a)
   d_model = a.heads * a.head_dim

@@ -14,7 +14,7 @@ sample of the text's continuation; eval.at_start), trains 40 steps of 8
 windows, and evaluates the same way at step 40. The layers run under nn.scan
 (model.scan_layers): one layer to compile, not 30.
 Expected (2 CPU cores, benchmarks/RESULTS.md): validation perplexity 59.07 as
-fetched, 32.29 after the 40 steps; 11m51s, peak RSS 11.5 GiB.
+fetched, 32.29 after the 40 steps; 11m42s, peak RSS 5.8 GiB.
 """
 from flaxformer_lite import config as config_lib
 

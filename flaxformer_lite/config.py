@@ -4,13 +4,16 @@ the user's modules a config names (model.import_modules).
 Experiment files start from `base_config()` and set values. Each rule on the
 values lives with the module that owns it (models.validate, data.validate,
 train/validation.py); main.validate runs them all once, before anything is
-compiled. This module imports only the attention registry, for the options. Every option of
-every attention variant is declared under `model.attention_kwargs` as an
-unset placeholder, so `--config.model.attention_kwargs.X=...` works from any
-experiment file; options that the chosen variant does not take are errors.
+compiled. This module imports only the attention registry and masks, for the
+options. Every option of every attention variant is declared under
+`model.attention_kwargs` as an unset placeholder (every registered mask's
+under `model.mask_kwargs`), so `--config.model.attention_kwargs.X=...` works
+from any experiment file; options that the chosen variant does not take are
+errors.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import json
@@ -20,7 +23,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from flaxformer_lite.attention import registry
+from flaxformer_lite.attention import masks, registry
 
 # Keys that may change between a run and its resumption.
 RESUMABLE_CHANGES = ('train.num_steps', 'train.log_every', 'train.eval_every',
@@ -44,6 +47,14 @@ def attention_kwargs_placeholders() -> ml_collections.ConfigDict:
   """Every option of every registered variant, unset, typed by its default."""
   return ml_collections.ConfigDict(
       {k: config_dict.placeholder(type(v)) for k, v in registry.all_kwargs().items()})
+
+
+def mask_kwargs_placeholders() -> ml_collections.ConfigDict:
+  """Every option of every registered mask (masks.NAMED), unset."""
+  fields = [f for named in masks.NAMED.values() if named.options
+            for f in dataclasses.fields(named.options)]
+  return ml_collections.ConfigDict({f.name: config_dict.placeholder(type(f.default))
+                                    for f in fields})
 
 
 def import_modules(names: str) -> None:
@@ -94,6 +105,11 @@ def base_config() -> ml_collections.ConfigDict:
   # up, so that the variants they register can be named here (import_modules).
   m.import_modules = ''
   m.attention_kwargs = attention_kwargs_placeholders()
+  # A registered mask in place of the model's causal rule (masks.NAMED;
+  # decoder_only): 'prefix_lm' lets the first mask_kwargs.prefix_len tokens
+  # of a row see each other. 'none': the model's own.
+  m.mask = 'none'
+  m.mask_kwargs = mask_kwargs_placeholders()
   m.positions = 'sinusoidal'  # sinusoidal | learned | none
   m.max_len = 256  # longest sequence (learned positions, decoding)
   # Randomized positions (Ruoss et al. 2023): > 0 = L; in training each batch's

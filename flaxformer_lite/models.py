@@ -105,8 +105,11 @@ class EncoderDecoder(nn.Module):
 
 
 class DecoderOnly(nn.Module):
-  """Causal language model. `__call__(ids [b, n])` -> logits [b, n, vocab]."""
+  """Causal language model. `__call__(ids [b, n])` -> logits [b, n, vocab].
+  `mask`: a rule of positions in place of the causal one (model.mask:
+  prefix-LM), padding kept; None: causal."""
   cfg: TransformerConfig
+  mask: masks.Mask | None = None
 
   def setup(self):
     cfg = self.cfg
@@ -115,7 +118,12 @@ class DecoderOnly(nn.Module):
     self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, name='decoder')
 
   def __call__(self, ids, *, deterministic=True):
-    self_mask = None if self.cfg.decode else padding_mask(ids, causal=True)
+    if self.cfg.decode:  # the cache adds: only the keys written so far
+      self_mask = self.mask
+    elif self.mask is None:
+      self_mask = padding_mask(ids, causal=True)
+    else:
+      self_mask = padding_mask(ids) & self.mask
     return self.decoder(ids, self_mask=self_mask, deterministic=deterministic)
 
 
@@ -274,7 +282,27 @@ def build(model_config: Mapping[str, Any], *, decode: bool = False,
   if model_type == 'two_stream':
     return TwoStream(cfg, model_config['fusion'], model_config['fusion_layer'],
                      model_config['fusion_bottlenecks'], model_config['num_classes'])
-  return (EncoderDecoder if model_type == 'encoder_decoder' else DecoderOnly)(cfg)
+  if model_type == 'encoder_decoder':
+    return EncoderDecoder(cfg)
+  return DecoderOnly(cfg, model_mask(model_config))
+
+
+def model_mask(model_config) -> masks.Mask | None:
+  """The registered mask config.model names (masks.NAMED), or None: the
+  model's own rule."""
+  return masks.named(model_config.get('mask', 'none'), model_config.get('mask_kwargs'))
+
+
+def _validate_mask(m) -> None:
+  name = m.get('mask', 'none')
+  try:
+    model_mask(m)
+  except ValueError as e:
+    raise ConfigError(f'model.{e}') from None
+  if name != 'none':
+    models = masks.NAMED[name].models
+    check(m.type in models, f'model.mask={name!r} applies to model.type in {list(models)}; '
+          f'model.type={m.type!r}. Use model.mask=\'none\' or one of those types')
 
 
 def validate(model_config) -> None:
@@ -291,6 +319,7 @@ def validate(model_config) -> None:
     registry.resolve_kwargs(m.attention, m.attention_kwargs)
   except ValueError as e:
     raise ConfigError(f'model.{e}') from None
+  _validate_mask(m)
   for key in ('d_model', 'num_heads', 'mlp_dim', 'max_len'):
     check(m[key] > 0, f'model.{key}={m[key]} must be > 0')
   for key in ('num_encoder_layers', 'num_decoder_layers'):

@@ -35,6 +35,8 @@ BAD = [
     ('eval.contexts', (64,), 'reads sentence pairs'),  # the base config translates
     ('eval.sample_prompt', -5, 'must be >= 0'),
     ('eval.sample_len', 100, 'has none'),
+    ('model.mask', 'prefx_lm', 'valid: none, prefix_lm'),
+    ('model.mask', 'prefix_lm', "applies to model.type in ['decoder_only']"),
 ]
 
 
@@ -75,6 +77,16 @@ def test_learned_positions_must_reach_the_eval_contexts_and_the_sample(key, valu
     main.validate(c)
   c.model.positions = 'none'  # no positions: any length
   main.validate(c)
+
+
+def test_a_registered_mask_is_chosen_by_name_with_its_options_checked():
+  c = config_lib.base_config()
+  c.model.type, c.data.task, c.data.tokenizer = 'decoder_only', 'tiny_shakespeare', 'char'
+  c.model.mask = 'prefix_lm'
+  main.validate(c)
+  c.model.mask_kwargs.prefix_len = 0
+  with pytest.raises(config_lib.ConfigError, match=r'model.mask_kwargs.prefix_len=0; must be'):
+    main.validate(c)
 
 
 def test_every_variant_option_is_declared_and_unset():

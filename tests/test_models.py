@@ -237,11 +237,20 @@ def test_no_position_sees_the_future_gradient(model_type, positions, pre_ln, att
     with _perturb_decoder_positions(delta):
       return model.apply({'params': params}, *args)
 
+  dependence = _dependence(logits, dict(options).get('kernel') == 'shaw_banded')
+  leaks = np.argwhere(np.triu(dependence, 1) != 0)
+  assert not leaks.size, f'(example, logits at t, input at s > t): {leaks.tolist()}'
+  assert np.all(np.diagonal(dependence, axis1=1, axis2=2) > 1e-6), 'logits t ignore input t'
+
+
+def _dependence(logits, reverse_mode=False):
+  """|d logits[t] / d delta[s]| along random directions, [b, t, s], for
+  logits(delta [2, L, d_model]) -> [2, L, vocab]."""
   rng = np.random.default_rng(0)
   zeros = jnp.zeros((2, L, BASE['d_model']))
   # One compilation each: the derivatives along every direction at once (vmap).
   # shaw_banded's custom VJPs have no forward mode: a cotangent per row t.
-  if dict(options).get('kernel') == 'shaw_banded':
+  if reverse_mode:
     vocab = jax.eval_shape(logits, zeros).shape[-1]
     directions = np.zeros((L, 2, L, vocab), np.float32)
     for t in range(L):
@@ -254,9 +263,42 @@ def test_no_position_sees_the_future_gradient(model_type, positions, pre_ln, att
       directions[s, :, s] = rng.normal(size=(2, zeros.shape[-1]))
     pushed = jax.jit(jax.vmap(lambda d: jax.jvp(logits, (zeros,), (d,))[1]))(directions)
     dependence = np.abs(np.asarray(pushed)).max(-1).transpose(1, 2, 0)  # [b, t, s]
-  leaks = np.argwhere(np.triu(dependence, 1) != 0)
-  assert not leaks.size, f'(example, logits at t, input at s > t): {leaks.tolist()}'
-  assert np.all(np.diagonal(dependence, axis1=1, axis2=2) > 1e-6), 'logits t ignore input t'
+  return dependence
+
+
+PREFIX = 5
+
+
+@pytest.mark.parametrize('attention', ['dot_product', 'alibi'])
+def test_a_prefix_lm_sees_its_prompt_both_ways_in_the_full_pass_and_the_cache(attention):
+  """model.mask='prefix_lm': logits at t depend on the input at s exactly
+  where s <= t or s < prefix_len (the rule, as indices here), and the cached
+  decoder fed the prompt (the prefix and one more token), then one token,
+  then the rest, gives the full pass's logits."""
+  cfg = dict(_config('decoder_only', 'sinusoidal', False, attention), mask='prefix_lm',
+             mask_kwargs={'prefix_len': PREFIX})
+  model, decoder = models.build(cfg), models.build(cfg, decode=True)
+  ids = models.shift_right(TARGETS)
+  params = _params('decoder_only', 'sinusoidal', False, attention)
+
+  def logits(delta):
+    with _perturb_decoder_positions(delta):
+      return model.apply({'params': params}, ids)
+
+  t, s = np.arange(L)[:, None], np.arange(L)[None, :]
+  allowed = (s <= t) | (s < PREFIX)
+  dependence = _dependence(logits)
+  assert np.all(dependence[:, ~allowed] == 0) and np.all(dependence[:, allowed] > 1e-7)
+  want = np.asarray(model.apply({'params': params}, ids))
+  cache = _zeros(jax.eval_shape(decoder.init, jax.random.PRNGKey(1), ids)['cache'])
+  start = 0
+  for size in (PREFIX + 1, 1, L - PREFIX - 2):
+    got, mutated = decoder.apply({'params': params, 'cache': cache}, ids[:, start:start + size],
+                                 mutable=['cache'])
+    cache = mutated['cache']
+    np.testing.assert_allclose(np.asarray(got), want[:, start:start + size], atol=2e-4,
+                               rtol=2e-4, err_msg=f'positions {start}+{size}')
+    start += size
 
 
 @pytest.mark.parametrize('model_type,positions,pre_ln', [

@@ -38,6 +38,10 @@ TINY = {
     # The pretrained model's own sizes (model.* from the command line would be
     # kept), evaluated as fetched: fine-tuning from a GGUF, eval.at_start
     # included, is tests/test_pretrained.py's (a tiny file).
+    'experiments/tiny_shakespeare.py': TINY_MODEL + [
+        '--config.data.max_len=96', '--config.model.max_len=96', '--config.train.batch_size=2',
+        '--config.eval.batch_size=2', '--config.eval.max_examples=2',
+        '--config.eval.sample_len=8'],
     'experiments/smollm2_shakespeare.py': [
         '--config.data.max_len=16', '--config.train.num_steps=0', '--config.eval.batch_size=2',
         '--config.eval.max_examples=2', '--config.eval.sample_prompt=8',
@@ -174,6 +178,18 @@ def test_readme_command_runs_as_written(command, env, tmp_path):
     _pretrained_before_and_after(done, tmp_path / 'run')
   if 'flaxformer_lite.embed' in command:
     _similarity_matrix(done, shlex.split(command)[4:])
+  if '--config.model.mask=' in command:
+    _mask_by_name(command, tmp_path / 'run')
+
+
+def _mask_by_name(command, workdir):
+  """A run given a registered mask records it, trains, evaluates and samples."""
+  saved = json.loads((workdir / 'config.json').read_text())['model']
+  mask = re.search(r'--config\.model\.mask=(\w+)', command).group(1)
+  assert saved['mask'] == mask and saved['mask_kwargs']['prefix_len'] is not None, saved
+  metrics = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert {m['split'] for m in metrics} >= {'train', 'eval'}, metrics
+  assert (workdir / 'sample.txt').read_text().strip()
 
 
 def _similarity_matrix(done, texts):

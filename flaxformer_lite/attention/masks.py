@@ -324,3 +324,74 @@ def pad_to(x, axis: int, size: int):
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, pad)
+
+
+# ------------------------------------------------- masks a config can name
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedMask:
+  """A mask a config selects by name (`model.mask`, options in
+  `model.mask_kwargs`): `make(**options) -> Mask`, a rule of positions
+  alone (it is built once per model and evaluated at absolute positions,
+  decoding steps included; a mask that reads the batch is given to
+  MultiHeadAttention directly). It replaces the model's causal rule, so it
+  says which earlier or later tokens a query sees; padding stays the
+  model's. `options`: a frozen dataclass type whose fields are the options
+  (defaults set) and whose __post_init__ raises ValueError naming a bad
+  value, or None. `models`: the model types it applies to."""
+  name: str
+  make: Callable[..., Mask]
+  options: type | None = None
+  models: tuple[str, ...] = ('decoder_only',)
+  doc: str = ''
+
+
+NAMED: dict[str, NamedMask] = {}
+
+
+def register(named: NamedMask) -> NamedMask:
+  """Adds `named` to NAMED (a user's module does it; model.import_modules)."""
+  if named.name in NAMED or named.name == 'none':
+    raise ValueError(f'mask {named.name!r} is registered already (or reserved)')
+  NAMED[named.name] = named
+  return named
+
+
+def named(name: str, given=None) -> Mask | None:
+  """The registered mask `name` with options `given` (a mapping; None
+  values are unset); None for 'none'. Raises ValueError naming an unknown
+  mask or option and what is valid."""
+  if name == 'none':
+    return None
+  if name not in NAMED:
+    raise ValueError(f'mask={name!r}; valid: none, {", ".join(sorted(NAMED))}')
+  entry = NAMED[name]
+  fields = {f.name for f in dataclasses.fields(entry.options)} if entry.options else set()
+  given = {k: v for k, v in dict(given or {}).items() if v is not None}
+  unknown = sorted(set(given) - fields)
+  if unknown:
+    raise ValueError(f'mask_kwargs {unknown} do not apply to mask={name!r}; its options: '
+                     f'{", ".join(sorted(fields)) or "none"}')
+  options = entry.options(**given) if entry.options else None
+  values = {f: getattr(options, f) for f in fields}
+  return entry.make(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixOptions:
+  """prefix_len: the tokens at the start of every row that see each other
+  (a prompt read both ways); the later ones see the tokens before them."""
+  prefix_len: int = 16
+
+  def __post_init__(self):
+    if isinstance(self.prefix_len, bool) or not isinstance(self.prefix_len, int) \
+        or self.prefix_len < 1:
+      raise ValueError(f'mask_kwargs.prefix_len={self.prefix_len!r}; must be an int >= 1')
+
+
+register(NamedMask(
+    'prefix_lm', lambda prefix_len: Mask(lambda b, h, q, k: (k <= q) | (k < prefix_len),
+                                         f'prefix_lm({prefix_len})'),
+    PrefixOptions, doc='the first prefix_len tokens see each other, the rest causally '
+    '(T5\'s prefix LM); a position that sees the token it predicts is not scored'))

@@ -5,7 +5,7 @@ masked gets uniform weights over the keys (the same rule as
 `jax.nn.dot_product_attention` and flax): finite, never NaN.
 `window_softmax` is the same inside a window (local attention, Luong's
 local variants). `where_no_key` is that rule for the kernels that return a
-log-sum-exp instead of weights (blockwise, Pallas, Shaw's band).
+log-sum-exp instead of weights (blockwise, Pallas, Shaw's band, splash).
 """
 from __future__ import annotations
 

@@ -160,7 +160,9 @@ class MultiHeadAttention(nn.Module):
     """Writes key/value [b, L, g, d] at cache_index; returns the full cache.
 
     Returns (key, value [b, max_len, g, d], a masks.Mask, q_offset); a
-    boolean mask's row i is this call's query i, at index + i.
+    boolean mask's row i is this call's query i, at index + i. A mask is
+    the whole rule (it is not made causal): it must hide the later tokens
+    it should hide.
     The pass that creates the cache (inside `init`) attends over its own
     inputs only, with the caller's mask.
     """
@@ -180,7 +182,12 @@ class MultiHeadAttention(nn.Module):
                                          (0, index, 0, 0))
     cached_key.value, cached_value.value = key, value
     cache_index.value = index + length
-    # Query i of this call sits at absolute position index + i and may see
-    # cached keys at positions <= its own: the causal rule at q_offset = index.
-    causal = masks.causal()
-    return key, value, causal if mask is None else masks.as_mask(mask, index) & causal, index
+    # Query i of this call sits at absolute position index + i: without a
+    # mask it sees the cached keys at positions <= its own (the causal rule
+    # at q_offset = index); a mask's rule (prefix-LM's prompt read both
+    # ways) holds over the keys written so far, never the empty slots.
+    if mask is None:
+      return key, value, masks.causal(), index
+    b, max_len = key.shape[:2]
+    written = jnp.broadcast_to(jnp.arange(max_len) < index + length, (b, max_len))
+    return key, value, masks.as_mask(mask, index) & masks.key_padding(written), index

@@ -59,8 +59,8 @@ class Evaluator:
         steps.eval_step, apply_fn=model.apply, label_smoothing=config.train.label_smoothing,
         objective=self.objective, mlm_rate=config.data.mlm_rate,
         vocab_size=config.model.vocab_size, data_vocab_size=dataset.vocab_size,
-        mask_id=dataset.mask_id,
-        row_scores=self.row_scores))
+        mask_id=dataset.mask_id, row_scores=self.row_scores,
+        lm_mask=models.model_mask(config.model)))
     self.model, self.decode_model = model, None
     if self.objective in ('seq2seq', 'lm'):
       self.decode_model = models.build(config.model, decode=True)

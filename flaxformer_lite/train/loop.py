@@ -211,7 +211,8 @@ def _compile_train_step(config, dataset, parallel):
       steps.train_step, label_smoothing=t.label_smoothing, skip_nonfinite=t.skip_nonfinite,
       objective=steps.OBJECTIVES[config.model.type], mlm_rate=config.data.mlm_rate,
       vocab_size=config.model.vocab_size, data_vocab_size=dataset.vocab_size,
-      mask_id=dataset.mask_id, grad_accum_steps=t.grad_accum_steps)
+      mask_id=dataset.mask_id, grad_accum_steps=t.grad_accum_steps,
+      lm_mask=models.model_mask(config.model))
 
 
 def _eval_splits(config, dataset) -> list[str]:

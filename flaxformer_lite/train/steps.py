@@ -26,7 +26,7 @@ OBJECTIVES = {name: t.objective for name, t in MODEL_TYPES.items()}
 
 def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = True,
             rng=None, mlm_rate: float = 0.15, vocab_size: int = 0, data_vocab_size: int = 0,
-            mask_id: int = 0):
+            mask_id: int = 0, lm_mask=None):
   """-> (logits [b, n, V], targets [b, n], weights [b, n] float, 0 = not scored);
   classify: n = 1 and V = the classes.
 
@@ -38,6 +38,9 @@ def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = Tr
     larger than the data's leaves ids no data token has.
   mask_id: mlm only, the tokenizer's own [MASK] id (a pretrained BERT's); 0 =
     the model's last id.
+  lm_mask: lm only, the model's mask in place of the causal rule
+    (models.model_mask: prefix-LM), or None. A position that sees the token
+    it predicts (query i, key i + 1) is not scored: its loss would be a copy.
   """
   rngs = None if deterministic else {'dropout': jax.random.fold_in(rng, 0)}
   if objective == 'mlm':
@@ -62,13 +65,17 @@ def forward(apply_fn, params, batch, *, objective: str, deterministic: bool = Tr
   else:
     logits = apply_fn({'params': params}, batch['inputs'], deterministic=deterministic,
                       rngs=rngs)
-  return logits, targets, (targets != PAD_ID).astype(jnp.float32)
+  weights = targets != PAD_ID
+  if lm_mask is not None:
+    rows, i = jnp.arange(targets.shape[0])[:, None], jnp.arange(targets.shape[1])[None, :]
+    weights = weights & ~lm_mask(rows, 0, i, i + 1)
+  return logits, targets, weights.astype(jnp.float32)
 
 
 def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: bool = False,
                objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
                data_vocab_size: int = 0, mask_id: int = 0, grad_accum_steps: int = 1,
-               axis_name: str | None = None):
+               axis_name: str | None = None, lm_mask=None):
   """One optimizer update on the global batch.
 
   The gradient is that of (sum of token losses) / (number of tokens) over the
@@ -96,7 +103,7 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
       logits, targets, weights = forward(
           state.apply_fn, params, batch, objective=objective, deterministic=False,
           rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size, data_vocab_size=data_vocab_size,
-          mask_id=mask_id)
+          mask_id=mask_id, lm_mask=lm_mask)
       sums = losses.token_metrics(logits, targets, weights, label_smoothing)
       return sums['loss'], sums
     return jax.grad(loss_fn, has_aux=True)(params)
@@ -131,7 +138,8 @@ def train_step(state, batch, rng, *, label_smoothing: float, skip_nonfinite: boo
 
 def eval_step(params, batch, rng=None, *, apply_fn, label_smoothing: float,
               objective: str = 'seq2seq', mlm_rate: float = 0.15, vocab_size: int = 0,
-              data_vocab_size: int = 0, mask_id: int = 0, row_scores: bool = False):
+              data_vocab_size: int = 0, mask_id: int = 0, row_scores: bool = False,
+              lm_mask=None):
   """Teacher-forced metric sums on one batch (PAD rows weigh nothing).
   rng: the mlm masks (fixed per batch, so every eval scores the same masks).
 
@@ -145,7 +153,8 @@ def eval_step(params, batch, rng=None, *, apply_fn, label_smoothing: float,
   """
   logits, targets, weights = forward(apply_fn, params, batch, objective=objective,
                                      rng=rng, mlm_rate=mlm_rate, vocab_size=vocab_size,
-                                     data_vocab_size=data_vocab_size, mask_id=mask_id)
+                                     data_vocab_size=data_vocab_size, mask_id=mask_id,
+                                     lm_mask=lm_mask)
   sums = losses.token_metrics(logits, targets, weights, label_smoothing)
   if not row_scores:
     return sums

@@ -236,19 +236,23 @@ def test_decode_chunks_after_prefill_match_causal_forward():
 
 
 @pytest.mark.parametrize('implementation', ['dense', 'chunked'])
-def test_decode_with_a_mask_function_ands_it_with_the_cache_rule(implementation):
-  """A masks.Mask reads absolute query indices: a prefill, then one token at
-  a time, give the full pass under mask & causal."""
+def test_decode_with_a_mask_function_keeps_its_rule_over_the_keys_written(implementation):
+  """A masks.Mask reads absolute query indices and is the whole rule: a
+  prefill, then one token at a time, give the full pass under the mask with
+  the keys not yet written hidden, so a prefill's queries see its later keys
+  where the mask lets them (a prompt read both ways), never an empty slot."""
   x, params, _, _, _ = _decode_setup(3)
   mask = masks.Mask(lambda b, h, q, k: (k % 2 == 0) | (q - k < 2), 'even_or_near')
   kwargs = {'kernel': implementation, 'chunk_size': 2}
   full = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5,
                             attention_kwargs=kwargs)
-  want = full.apply({'params': params}, x, mask=masks.evaluate(mask & masks.causal(), B, H, L, L))
   decoder = MultiHeadAttention(num_heads=H, qkv_features=8, out_features=5, decode=True,
                                attention_kwargs=kwargs)
   cache = decoder.init(jax.random.PRNGKey(0), x)['cache']
-  for start, size in [(0, 2)] + [(t, 1) for t in range(2, L)]:
+  q, k = np.arange(L)[:, None], np.arange(L)[None, :]
+  for start, size in [(0, 3)] + [(t, 1) for t in range(3, L)]:
+    allowed = ((k % 2 == 0) | (q - k < 2)) & (k < start + size)  # the rule, by hand
+    want = full.apply({'params': params}, x, mask=jnp.asarray(allowed)[None, None])
     got, mutated = decoder.apply({'params': params, 'cache': cache}, x[:, start:start + size],
                                  mask=mask, mutable=['cache'])
     cache = mutated['cache']

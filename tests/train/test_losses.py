@@ -1,9 +1,11 @@
 """Label-smoothed cross-entropy and metrics against loop formulas."""
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.train import losses
+from flaxformer_lite import models
+from flaxformer_lite.train import losses, steps
 
 
 def _reference_loss(logits, targets, weights, alpha):
@@ -82,3 +84,17 @@ def test_gradient_and_jvp_match_finite_differences_of_the_loop():
     _, tangent = jax.jvp(f, (jnp.asarray(logits),), (jnp.asarray(direction),))
     np.testing.assert_allclose(float(tangent), float(np.sum(want * direction)), rtol=1e-4,
                                atol=1e-5)
+
+
+def test_a_prefix_lm_scores_no_position_that_sees_the_token_it_predicts():
+  """With model.mask='prefix_lm' (prefix_len 3), position i predicts token
+  i + 1 and sees it while i + 1 < 3: positions 0 and 1 weigh 0, the rest as
+  without the mask (padding 0)."""
+  targets = jnp.array([[5, 6, 7, 8, 9, 0], [4, 4, 4, 4, 0, 0]])
+  batch = {'inputs': targets, 'targets': targets}
+  logits = lambda variables, ids, **kw: jnp.zeros(ids.shape + (10,))  # noqa: E731
+  mask = models.model_mask({'mask': 'prefix_lm', 'mask_kwargs': {'prefix_len': 3}})
+  _, _, plain = steps.forward(logits, {}, batch, objective='lm')
+  _, _, weights = steps.forward(logits, {}, batch, objective='lm', lm_mask=mask)
+  np.testing.assert_array_equal(plain, [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(weights, [[0, 0, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0]])

@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.attention import softmax
+
 
 @functools.cache
 def _kernels():
@@ -65,7 +67,7 @@ def splash_attention(query, key, value, *, causal: bool, query_valid=None, key_v
   Returns:
     [b, n, h, d] in query's dtype. A query that sees no key (padding, or a
     causal row whose keys are all padding) gets the mean of the values, as
-    on the dense path (uniform weights), never NaN.
+    on every kernel (softmax.where_no_key), never NaN.
   """
   b, n, h, d = query.shape
   m = key.shape[1]
@@ -85,6 +87,11 @@ def splash_attention(query, key, value, *, causal: bool, query_valid=None, key_v
   out = heads_first(out).astype(query.dtype)  # [b, n, h, d]
   if not padded:
     return out
+  # The kernel's log-sum-exp has no gradient (save_residuals=True has no
+  # VJP), so the rows that see no key are told to the rule by a stand-in:
+  # -inf there, 0 elsewhere.
   seen = _sees_a_key(query_valid, key_valid, n, m, b, causal)  # [b, n]
-  uniform = jnp.repeat(jnp.mean(value, axis=1, keepdims=True), h // value.shape[2], axis=2)
-  return jnp.where(seen[:, :, None, None], out, uniform.astype(out.dtype))
+  lse = jnp.broadcast_to(jnp.where(seen, 0.0, -jnp.inf)[:, None, :], (b, h, n))
+  uniform = lambda: jnp.repeat(jnp.mean(value, axis=1, keepdims=True),  # noqa: E731
+                               h // value.shape[2], axis=2)
+  return softmax.where_no_key(out, lse, uniform).astype(query.dtype)
