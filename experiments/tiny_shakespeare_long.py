@@ -14,9 +14,9 @@ CPU). The final evaluation logs a greedy continuation of 2,000 characters
 after the validation split's first 14,000 and writes it to
 WORKDIR/sample.txt. A step that would not fit in memory stops the run before
 training (exit 2).
-Expected: validation loss 2.053 nats per character at 4096, 2.051 at 16384
-(ALiBi extrapolates) after 200 steps of 4 x 4096 characters; 20 min
-on 2 CPU cores (16 training, 4 evaluating and sampling), peak RSS 4.2 GiB.
+Expected: validation loss 2.052 nats per character at 4096, 2.051 at 16384
+(ALiBi extrapolates) after 200 steps of 4 x 4096 characters; 25 min
+on 2 CPU cores (19 training, 5 evaluating and sampling), peak RSS 4.7 GiB.
 The greedy continuation of a model this short-trained falls into a loop
 ("the the the ..."): greedy decoding, not a kernel's fault (the test of
 cached decoding against full passes, tests/train/test_evaluation.py).
