@@ -117,5 +117,6 @@ def test_the_cpu_log_counts_a_test_and_its_subprocesses(tmp_path):
   assert nodeid.endswith('test_busy.py::test_busy')
   child = float((tmp_path / 'child.txt').read_text())
   assert 0.4 <= float(own) < 1.5
-  assert child <= float(children) < child + 1.0  # the child's start-up on top
+  # the child's start-up on top; the log keeps hundredths
+  assert child - 0.005 <= float(children) < child + 1.0
   assert float(total) == pytest.approx(float(own) + float(children), abs=0.011)

@@ -278,8 +278,9 @@ def test_the_gpu_runs_every_scheme_the_pallas_kernel_takes_on_it_in_16_bits(devi
     assert _pick('cpu', name, 2, 256, 256, dtype='bfloat16') != 'pallas', name
   assert _pick('gpu', 'transformer_xl', 64, 2048, 2048, dtype='bfloat16') == 'chunked'
   assert _pick('cpu', 'alibi', 2, 16, 16, kernel='pallas') == 'pallas'
-  with pytest.raises(ValueError, match="'pallas': attention='transformer_xl' does not run on it "
-                                       '.its position term is q against a row per distance'):
+  with pytest.raises(ValueError, match="'pallas': attention='transformer_xl' does not run on "
+                     "it .it has a term the fused kernel does not run: one that reads the "
+                     "block's q and k with no lookup per query or key .Transformer-XL"):
     registry.resolve_kernel('transformer_xl', {'kernel': 'pallas'})
 
 
