@@ -131,16 +131,10 @@ def test_differences_ignore_resumable_keys():
      'valid: alibi, bahdanau, cope, deberta, dot_product, fire, hard, kerple, local, '
      'location_sensitive, luong_concat, luong_dot, luong_general, luong_local_m, '
      'luong_local_p, rotary, sandwich, shaw, t5_bias, transformer_xl, xpos\n'),
-    (['--config.model.attention=location_sensitive'],
-     "cannot be used in model.type='encoder_decoder'; it works in: rnn_seq2seq"),
-    (['--config.model.type=rnn_seq2seq', '--config.model.attention=shaw'],
-     "cannot be used in model.type='rnn_seq2seq'; it works in: encoder_decoder, decoder_only"),
-    (['--config.model.num_heads=5'], 'does not divide'),
     (['--config=experiments/missing.py'], 'experiments/missing.py'),
     (['--config.model.attention=luong_local_m',
       '--config.model.attention_kwargs.kernel=chunked'],
      "attention='luong_local_m' does not run on it (its scores need the whole"),
-    (['--config.model.attention_kwargs.dense_max_mib=-1'], 'dense_max_mib=-1'),
     (['--config.model.attention_kwargs.implementation=chunked'],
      "config key 'model.attention_kwargs.implementation' is 'model.attention_kwargs.kernel' now"),
     (['--config=experiments/two_stream.py', '--config.model.fusion_layer=9'],
@@ -152,6 +146,25 @@ def test_cli_bad_config_exits_2_with_message(args, expected, tmp_path, run_main)
   assert expected in proc.stderr
   assert 'Traceback' not in proc.stderr
   assert not (tmp_path / 'w').exists()  # nothing written before validation
+
+
+@pytest.mark.parametrize('changes,expected', [
+    ({'model.attention': 'location_sensitive'},
+     "cannot be used in model.type='encoder_decoder'; it works in: rnn_seq2seq"),
+    ({'model.type': 'rnn_seq2seq', 'model.attention': 'shaw'},
+     "cannot be used in model.type='rnn_seq2seq'; it works in: encoder_decoder, decoder_only"),
+    ({'model.num_heads': 5}, 'does not divide'),
+    ({'model.attention_kwargs.dense_max_mib': -1}, 'dense_max_mib=-1'),
+])
+def test_validate_names_the_variant_model_and_kernel_rules(changes, expected):
+  """The rules a command line meets after its keys parse (the command line's
+  exit 2 for one of them: test_cli_bad_config_exits_2_with_message)."""
+  c = config_lib.base_config()
+  for key, value in changes.items():
+    node, leaf = config_lib.parent_of(c, key)
+    node[leaf] = value
+  with pytest.raises(config_lib.ConfigError, match=re.escape(expected)):
+    main.validate(c)
 
 
 def test_cli_variant_option_settable_from_command_line(tmp_path, run_main):
