@@ -69,7 +69,7 @@ def main():
     print(f'b={a.batch} h={a.heads} d={a.head_dim} (d_model={d_model}) k={a.max_distance} '
           f'causal float32 fwd+bwd, repeats={a.repeats}, backend={jax.default_backend()}, '
           f'jax={jax.__version__}')
-    print(f'{"n":>5} {"variant":<12}{"ms":>10}{"x dot":>8}{"temp MiB":>11}{"x dot":>8}'
+    print(f'{"n":>5} {"variant":<17}{"ms":>10}{"x dot":>8}{"temp MiB":>11}{"x dot":>8}'
           f'{"faults":>9}')
   for n in a.lengths:
     x = jax.random.normal(jax.random.key(0), (a.batch, n, d_model))  # [b, n, f]
@@ -94,7 +94,7 @@ def main():
                           'temp': mem[name], 'temp_ratio': mem[name] / mem['dot_product'],
                           'faults': faults[name]}))
       else:
-        print(f'{n:>5} {name:<12}{median(rounds[name]):>10.1f}{ratio:>8.2f}'
+        print(f'{n:>5} {name:<17}{median(rounds[name]):>10.1f}{ratio:>8.2f}'
               f'{mem[name]:>11.1f}{mem[name] / mem["dot_product"]:>8.2f}'
               f'{_faults(faults[name]):>9}')
 
@@ -120,11 +120,11 @@ def trials(a):
   print(f'b={a.batch} h={a.heads} d={a.head_dim} k={a.max_distance} causal float32 fwd+bwd, '
         f'{a.trials} processes x {a.repeats} rounds, backend={jax.default_backend()}, '
         f'jax={jax.__version__}')
-  print(f'{"n":>5} {"variant":<12}{"ms":>10}{"x dot":>8}{"range":>13}{"temp MiB":>11}{"x dot":>8}'
+  print(f'{"n":>5} {"variant":<17}{"ms":>10}{"x dot":>8}{"range":>13}{"temp MiB":>11}{"x dot":>8}'
         f'{"faults":>9}')
   for (n, name), rs in rows.items():
     ratios = sorted(r['ratio'] for r in rs)
-    print(f'{n:>5} {name:<12}{median([r["ms"] for r in rs]):>10.1f}{median(ratios):>8.2f}'
+    print(f'{n:>5} {name:<17}{median([r["ms"] for r in rs]):>10.1f}{median(ratios):>8.2f}'
           f'{ratios[0]:>7.2f}-{ratios[-1]:<5.2f}{rs[0]["temp"]:>11.1f}{rs[0]["temp_ratio"]:>8.2f}'
           f'{_faults(median([r["faults"] for r in rs]) if rs[0]["faults"] is not None else None):>9}')
 

@@ -175,7 +175,9 @@ def from_array(allowed, q_offset=0) -> Mask:
   allowed = allowed.reshape((1,) * (4 - allowed.ndim) + allowed.shape)
 
   def fn(b, h, q, k, arr, offset):
-    at = lambda i, axis: i if arr.shape[axis] > 1 else 0 * i  # noqa: E731 (broadcast axis)
+    # A broadcast axis is read at 0 and leaves the index's shape: the rows
+    # and heads of a [1, 1, n, m] array are not gathered b * h times.
+    at = lambda i, axis: i if arr.shape[axis] > 1 else 0  # noqa: E731
     return arr[at(b, 0), at(h, 1), at(q - offset[0], 2), at(k, 3)]
   return Mask(fn, 'array', (allowed, jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))))
 

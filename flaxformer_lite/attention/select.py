@@ -68,8 +68,10 @@ POLICIES = {
     # Splash is the TPU's fused path: O(n) memory, so it runs at any size.
     'tpu': Policy(cudnn=False, memory_share=1 / 8, dense_max_mib=2048, chunk_size=512,
                   splash=True),
-    # On CPU the blocks win only once the scores outgrow the caches by far.
-    'cpu': Policy(cudnn=False, memory_share=None, dense_max_mib=256, chunk_size=512),
+    # On CPU the blocks win from about 100 MiB of scores on, in time and in
+    # memory (benchmarks/KERNELS.md, chunked_attention.py: 0.91x the time at
+    # 128 MiB, 1.45x at 72 MiB).
+    'cpu': Policy(cudnn=False, memory_share=None, dense_max_mib=96, chunk_size=512),
 }
 # A backend JAX names otherwise (a plugin) gets the TPU's rule: no fused
 # kernel, dense while it fits the device.

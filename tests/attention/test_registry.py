@@ -258,20 +258,20 @@ DENSE, CHUNKED = ('dense', 'shaw_banded', 'local_blocked'), ('chunked', 'shaw_by
 
 
 @pytest.mark.parametrize('name', registry.chunked_names())
-def test_auto_is_dense_up_to_256_mib_of_scores_on_cpu_then_chunked(name):
-  """b * h * n * m scores of the compute dtype against the CPU's 256 MiB:
-  8 heads of 512 x 512 float32 scores are 8 MiB a row, so 32 rows are at
-  the threshold and 33 above it; bfloat16 halves the bytes; batch and heads
+def test_auto_is_dense_up_to_96_mib_of_scores_on_cpu_then_chunked(name):
+  """b * h * n * m scores of the compute dtype against the CPU's 96 MiB:
+  8 heads of 512 x 512 float32 scores are 8 MiB a row, so 12 rows are at
+  the threshold and 13 above it; bfloat16 halves the bytes; batch and heads
   count as much as length (b = 64, h = 16, n = 512: 1 GiB). An explicit
-  dense_max_mib replaces the 256. Dense is the dense kernel or one written
+  dense_max_mib replaces the 96. Dense is the dense kernel or one written
   for the scheme in its place (select._written_for: shaw_banded,
   local_blocked), chunked the same (shaw_by_lag)."""
-  assert _pick(name, 32, 512, 512) in DENSE
-  assert _pick(name, 33, 512, 512) in CHUNKED
-  assert _pick(name, 64, 512, 512, dtype='bfloat16') in DENSE
-  assert _pick(name, 65, 512, 512, dtype='bfloat16') in CHUNKED
-  assert _pick(name, 4, 1024, 1024) in DENSE  # 128 MiB
-  assert _pick(name, 4, 2048, 2048) in CHUNKED  # 512 MiB
+  assert _pick(name, 12, 512, 512) in DENSE
+  assert _pick(name, 13, 512, 512) in CHUNKED
+  assert _pick(name, 24, 512, 512, dtype='bfloat16') in DENSE
+  assert _pick(name, 25, 512, 512, dtype='bfloat16') in CHUNKED
+  assert _pick(name, 4, 768, 768) in DENSE  # 72 MiB
+  assert _pick(name, 4, 1024, 1024) in CHUNKED  # 128 MiB
   assert _pick(name, 64, 512, 512, h=16) in CHUNKED
   assert _pick(name, 1, 4096, 4096, g=1) in CHUNKED  # the query heads count
   assert _pick(name, 8, 512, 512, dense_max_mib=64) in DENSE

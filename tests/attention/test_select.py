@@ -141,17 +141,17 @@ def test_tpu_keeps_splash_at_any_size_where_it_fits(device_memory):
   assert _pick('gpu', 'dot_product', **big, mask_kind='causal') == 'cudnn'
 
 
-def test_cpu_is_dense_up_to_256_mib_of_scores_whatever_the_machine(device_memory):
-  """A causal LM at b=4, 8 heads, float32: n=1024 (128 MiB) dense, n=2048
-  (512 MiB) chunked; the device's memory plays no part on CPU."""
+def test_cpu_is_dense_up_to_96_mib_of_scores_whatever_the_machine(device_memory):
+  """A causal LM at b=4, 8 heads, float32: n=768 (72 MiB) dense, n=1024
+  (128 MiB) chunked; the device's memory plays no part on CPU."""
   device_memory(2**40)
   assert _pick('cpu', 'dot_product', 4, 512, 512) == 'dense'
-  assert _pick('cpu', 'dot_product', 4, 1024, 1024) == 'dense'
-  assert _pick('cpu', 'dot_product', 4, 2048, 2048) == 'chunked'
-  assert _pick('cpu', 'dot_product', 8, 1024, 1024, dtype='bfloat16') == 'dense'
-  assert _pick('cpu', 'alibi', 8, 1024, 1024, dtype='bfloat16', dense_max_mib=16) == 'chunked'
+  assert _pick('cpu', 'dot_product', 4, 768, 768) == 'dense'
+  assert _pick('cpu', 'dot_product', 4, 1024, 1024) == 'chunked'
+  assert _pick('cpu', 'dot_product', 8, 768, 768, dtype='bfloat16') == 'dense'
+  assert _pick('cpu', 'alibi', 8, 768, 768, dtype='bfloat16', dense_max_mib=16) == 'chunked'
   with select.target_platform('cpu'):
-    assert select.chunk_size() == 512 and select.dense_max_bytes() == 256 * MIB
+    assert select.chunk_size() == 512 and select.dense_max_bytes() == 96 * MIB
 
 
 def test_a_platform_without_a_policy_of_its_own_takes_the_tpu_rule():
@@ -164,7 +164,7 @@ def test_a_platform_without_a_policy_of_its_own_takes_the_tpu_rule():
 def test_the_listing_says_each_platforms_thresholds():
   text = ' '.join(select.table(72).split())
   assert '1/8 of device memory (2048 MiB where it reports none)' in text
-  assert ('cpu: dense while scores (b*h*n*m*itemsize) <= 256 MiB, else chunked in blocks '
+  assert ('cpu: dense while scores (b*h*n*m*itemsize) <= 96 MiB, else chunked in blocks '
           'of 512') in text
   assert 'chunked in blocks of 1024' in select.describe('gpu')
   assert 'cuDNN' in select.describe('gpu') and 'cuDNN' not in select.describe('tpu')
