@@ -155,8 +155,9 @@ def pallas_runs(terms: Terms | None) -> bool:
 
 
 def _pallas_takes(variant) -> str | None:
-  terms = None if variant.terms is None else variant.terms(2, **dict(variant.kwargs))
-  if not pallas_runs(terms):
+  if variant.terms is None:
+    return 'it is a dense function, not block terms (scheme.Terms)'
+  if not pallas_runs(variant.terms(2, **dict(variant.kwargs))):
     return ("it has a term the fused kernel does not run: one that reads the block's q and k "
             "with no lookup per query or key (Transformer-XL's unclipped rows would be "
             "[n, n + m] per head), a values term with no lookup form, or a score that is not "
