@@ -1,6 +1,7 @@
 """Shared scalar references for the attention-variant tests: loops over
 (batch, head, query, key) for a dot-product score plus a bias and for any
-score, and T5's bucket of one offset."""
+score, T5's bucket of one offset, and a gradient held to central
+differences of a loop."""
 import math
 
 import numpy as np
@@ -85,3 +86,21 @@ def t5_ref_bucket():
   """t5_ref_bucket(rel, bidirectional, num_buckets, max_distance): T5's bucket, scalar reference."""
   return _ref_bucket
 
+
+
+def _gradients_match_the_loop(loop, args, grads, cot, what):
+  """Each grads[i] (of sum(out * cot) w.r.t. args[i]) along a random
+  direction equals the central difference of sum(loop(*args) * cot)."""
+  for i, (x, grad) in enumerate(zip(args, grads)):
+    direction = np.random.default_rng(10 + i).normal(size=np.shape(x))
+    shift = lambda t: np.sum(loop(*args[:i], x + t * direction, *args[i + 1:]) * cot)  # noqa: E731
+    want = (shift(1e-4) - shift(-1e-4)) / 2e-4
+    np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction), want,
+                               rtol=1e-3, atol=1e-3, err_msg=f'{what}: argument {i}')
+
+
+@pytest.fixture
+def gradients_match_the_loop():
+  """gradients_match_the_loop(loop, args, grads, cot, what): each gradient
+  along a random direction against the loop's central difference."""
+  return _gradients_match_the_loop

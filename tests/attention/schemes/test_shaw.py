@@ -235,7 +235,8 @@ FUSED = {
 
 
 @pytest.mark.parametrize('case', FUSED)
-def test_the_fused_kernel_equals_the_loop_forward_and_gradients(case, monkeypatch):
+def test_the_fused_kernel_equals_the_loop_forward_and_gradients(case, monkeypatch,
+                                                                gradients_match_the_loop):
   """attend(kernel='pallas') (interpreted, blocks of 16) against eq. 3-5's
   float64 loop with one key/value head for two query heads: the output, and
   the gradients of q, k, v and each table along random directions against
@@ -264,12 +265,7 @@ def test_the_fused_kernel_equals_the_loop_forward_and_gradients(case, monkeypatc
   grads, out = jax.grad(fused, argnums=tuple(range(len(args))), has_aux=True)(
       *(jnp.asarray(x, jnp.float32) for x in args))
   np.testing.assert_allclose(np.asarray(out), loop(*args), atol=2e-5)
-  for i, (x, grad) in enumerate(zip(args, grads)):
-    direction = np.random.default_rng(10 + i).normal(size=x.shape)
-    shift = lambda t: np.sum(loop(*args[:i], x + t * direction, *args[i + 1:]) * cot)  # noqa: E731
-    want = (shift(1e-4) - shift(-1e-4)) / 2e-4
-    np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction), want,
-                               rtol=1e-3, atol=1e-3, err_msg=f'{case}: argument {i}')
+  gradients_match_the_loop(loop, args, grads, cot, case)
 
 
 def test_auto_takes_the_banded_kernel_past_its_table_size_and_by_lag_for_long_causal_calls():
