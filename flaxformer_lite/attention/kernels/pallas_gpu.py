@@ -194,17 +194,11 @@ def _read_fwd(row, flat, gathered):
 
 
 def _read_bwd(res, ct):
-  """The row's gradient: the cotangent summed per entry, one select pass per
-  entry between the least and greatest index (a block whose pairs all read
-  one entry, past T5's last bucket, costs one)."""
+  """The row's gradient: the cotangent summed per entry (_bucket_sum: a
+  block whose pairs all read one entry, past T5's last bucket, costs one
+  pass)."""
   row, flat = res
-  entries = jnp.arange(row.size)
-  ct = jnp.broadcast_to(ct, flat.shape).astype(jnp.float32)
-
-  def add(e, acc):
-    return jnp.where(entries == e, acc + jnp.sum(jnp.where(flat == e, ct, 0.0)), acc)
-  d_row = jax.lax.fori_loop(jnp.min(flat), jnp.max(flat) + 1, add,
-                            jnp.zeros(row.size, jnp.float32))
+  d_row = _bucket_sum(jnp.broadcast_to(ct, flat.shape).astype(jnp.float32), flat, row.size)
   return d_row.reshape(row.shape).astype(row.dtype), None, None
 
 
@@ -326,18 +320,20 @@ def _with_lookups(st: Settings, r: _Refs, s, q_pos, k_pos, starts):
   return s, tuple(indices)
 
 
-def _bucket_sum(x, idx, size: int, axis: int):
-  """x [bq, bk] float32 summed over `axis` per entry idx -> [bq, size]
-  (axis 1: per query) or [bk, size] (axis 0: per key). One select pass per
-  entry between the block's least and greatest index: a block wholly past a
-  clip, where every pair reads one entry, costs one pass."""
-  entries = jnp.arange(size)[None, :]
+def _bucket_sum(x, idx, size: int, axis: int | None = None):
+  """x float32 summed per entry idx (int, x's shape) in [0, size): over
+  everything -> [size] (axis None), or for x [bq, bk] over `axis` -> [bq,
+  size] (axis 1: per query) or [bk, size] (axis 0: per key). One select
+  pass per entry between the block's least and greatest index: a block
+  wholly past a clip, where every pair reads one entry, costs one pass."""
+  entries = jnp.arange(size)
+  kept = () if axis is None else (x.shape[1 - axis],)
 
   def add(e, acc):
     part = jnp.sum(jnp.where(idx == e, x, 0.0), axis=axis)
-    return jnp.where(entries == e, acc + part[:, None], acc)
+    return jnp.where(entries == e, acc + part[..., None], acc)
   return jax.lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add,
-                           jnp.zeros((x.shape[1 - axis], size), jnp.float32))
+                           jnp.zeros(kept + (size,), jnp.float32))
 
 
 def _value_index(st: Settings, q_pos, k_pos, shape):
