@@ -59,7 +59,8 @@ dO_i . table[index_ij] (the rows dO @ table^T, made before the kernels,
 read as a lookup's) and the table's gradient is P^T dO.
 
 Mask: `causal` by index (query i at q_offset + i sees keys j <= q_offset +
-i; key blocks past the diagonal are not visited), keys past m hidden, and
+i; key blocks past the diagonal are not visited, and those wholly at or
+before a block's first query run without the select), keys past m hidden, and
 any `masks.Mask`. A Mask's blocks are classified once per call
 (masks.block_mask, per row and head): the kernels loop from a program's
 first non-empty block to its last, skip EMPTY blocks, run FULL ones without
@@ -378,11 +379,31 @@ def _state_index(ref, ids):
   return (b if ref.shape[0] > 1 else 0), (head if ref.shape[1] > 1 else 0), blk
 
 
+def _whole_blocks(st: Settings, r: _Refs, kernel: str, block):
+  """[start, end) of the blocks that program block `block` visits whose
+  pairs are all seen without a Mask: every key real and, under causal,
+  every key at or before the block's first query. For a query block (the
+  forward and dq kernels) a prefix of the key blocks; for a key block (dkdv)
+  a suffix of the query blocks, none if it holds padding keys."""
+  bq, bk = st.block_q, st.block_k
+  if kernel != 'dkdv':
+    end = st.m // bk
+    if st.causal:
+      end = jnp.minimum(end, jnp.maximum(r.offset[0] + block * bq + 1, 0) // bk)
+    return 0, end
+  num_q = r.q.shape[0] // bq
+  start = 0
+  if st.causal:  # the first query block whose first query is at or past the key block's last
+    start = jnp.clip(-((r.offset[0] - (block + 1) * bk + 1) // bq), 0, num_q)
+  return jnp.where((block + 1) * bk <= st.m, start, num_q), num_q
+
+
 def _visit(st: Settings, r: _Refs, kernel: str, ids, lo, hi, body, carry):
   """body(i, carry, masked) for the blocks i in [lo, hi) of program ids (b,
-  head, block): without a Mask every block masked; with one EMPTY blocks
-  skipped, FULL ones unmasked. by_query kernels read states[.., block, i],
-  the dkdv kernel states[.., i, block]."""
+  head, block), in order: without a Mask the blocks of _whole_blocks
+  unmasked, the others masked; with one EMPTY blocks skipped, FULL ones
+  unmasked. by_query kernels read states[.., block, i], the dkdv kernel
+  states[.., i, block]."""
 
   def run(i, carry, masked):
     if VISIT_HOOK is not None and st.interpret:
@@ -390,7 +411,13 @@ def _visit(st: Settings, r: _Refs, kernel: str, ids, lo, hi, body, carry):
     return body(i, carry, masked)
 
   if r.states is None:
-    return jax.lax.fori_loop(lo, hi, lambda i, c: run(i, c, True), carry)
+    start, end = _whole_blocks(st, r, kernel, ids[2])
+    end = jnp.maximum(start, end)
+    for a, b, masked in ((lo, jnp.minimum(hi, start), True),
+                         (jnp.maximum(lo, start), jnp.minimum(hi, end), False),
+                         (jnp.maximum(lo, end), hi, True)):
+      carry = jax.lax.fori_loop(a, b, lambda i, c, masked=masked: run(i, c, masked), carry)
+    return carry
   b, head, blk = _state_index(r.states, ids)
 
   def step(i, carry):

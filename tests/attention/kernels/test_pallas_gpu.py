@@ -144,6 +144,8 @@ CASES = {
                                                 m=12),
     'alibi, randomized positions': dict(score='alibi', positions=True, m=13),
     'bucket table, causal, one kv head': dict(score='buckets', causal=True, g=1),
+    'bucket table, causal, decoding offset, blocks wholly seen': dict(
+        score='buckets', causal=True, q_offset=9, g=2, n=40, m=49),
     'bucket table read whole, decoding offset': dict(score='one-hot', q_offset=3, n=9),
     'key padding, bucket table': dict(score='buckets', mask='key padding'),
     'causal sliding window, alibi': dict(score='alibi', mask='causal window', n=29, m=29),
@@ -348,6 +350,34 @@ def test_each_kernel_visits_the_non_empty_blocks_once(monkeypatch):
                    ('dkdv', b, h, kb, qb, masked)])
   assert visits == want
 
+
+
+@pytest.mark.parametrize('causal,n,m,q_offset', [(True, 48, 69, 21), (False, 32, 37, 0)])
+def test_without_a_mask_the_blocks_wholly_seen_run_without_the_select(causal, n, m, q_offset,
+                                                                      monkeypatch):
+  """Causal (at a decoding offset) or plain, keys past the blocks: each
+  kernel visits the blocks some pair of which is seen, once each, and the
+  ones whose every pair is seen unmasked, by the block states written out
+  from the pairs here."""
+  rng = np.random.default_rng(3)
+  q = rng.normal(size=(1, n, 1, D)).astype(np.float32)
+  k, v = (rng.normal(size=(1, m, 1, D)).astype(np.float32) for _ in range(2))
+  visits = collections.Counter()
+  monkeypatch.setattr(pallas_gpu, 'VISIT_HOOK', lambda kernel, masked, b, h, blk, i: visits.update(
+      [(kernel, int(blk), int(i), masked)]))
+  jax.grad(lambda q, k, v: pallas_gpu.flash_attention(
+      q, k, v, causal=causal, q_offset=q_offset, block_q=BLOCK, block_k=BLOCK,
+      interpret=True).sum(), argnums=(0, 1, 2))(q, k, v)
+  jax.effects_barrier()
+  visible = _rule_array(lambda b, h, i, j: j <= i or not causal, 1, 1, n, m, q_offset)
+  states = _states_by_hand(visible, BLOCK, BLOCK)[0, 0]
+  assert (states == masks.FULL).any() and (states == masks.PARTIAL).any()
+  want = collections.Counter()
+  for (qb, kb), state in np.ndenumerate(states):
+    if state != masks.EMPTY:
+      masked = bool(state == masks.PARTIAL)
+      want.update([('forward', qb, kb, masked), ('dq', qb, kb, masked), ('dkdv', kb, qb, masked)])
+  assert visits == want
 
 @pytest.mark.parametrize('dtype,head_dim', [('bfloat16', 64), ('float16', 128)])
 @pytest.mark.parametrize('score', ['alibi', 'buckets', 'lookups'])
