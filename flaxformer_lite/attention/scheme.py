@@ -57,6 +57,9 @@ each field says what the scheme changes, and each is optional:
   value_lookup: the values term as a lookup (ValueLookup), the form the
       fused kernel runs: sum_j p_ij (v_j + tables[table][index_ij]), a table
       [R, dv] shared by the heads; it must equal `values`.
+  mask: a masks.Mask the scheme adds to every call's mask (local's window),
+      by index as the call's is; every kernel that reads Terms runs the two
+      together (`call_mask`), so a block the scheme hides is skipped.
   product(q [b, bq, h, d], k [b, bk, h, d], tables) -> float32 [b, h, bq, bk]:
       for the alignment family only, a score of a query and a key that is
       not their product (Bahdanau's v . tanh(q + k)), in place of q.k.
@@ -67,7 +70,7 @@ every backend) and reach the parameters through `prepare` by autodiff.
 
 Besides the contract: the position helpers schemes share (rel_shift,
 by_offset, the distance rows), `call_tables` (prepare once for a whole
-call), and the checks the registry-wide tests run on every scheme
+call), `call_mask`, and the checks the registry-wide tests run on every scheme
 (`check_terms`).
 """
 from __future__ import annotations
@@ -190,6 +193,7 @@ class Terms:
   product: Callable[..., Any] | None = None  # None: the kernel's q.k
   lookups: tuple[Lookup, ...] = ()  # block_score as tables per query or key
   value_lookup: ValueLookup | None = None  # values as a lookup
+  mask: Any = None  # a masks.Mask and-ed with every call's
 
   def __post_init__(self):
     if self.uniform is None:
@@ -208,6 +212,14 @@ class Tables(dict):
     raise KeyError(f'the score reads table {name!r}, but this call has '
                    f'{sorted(self) or "none"}: pass it as params= (a registered scheme: '
                    'its parameters, AttentionVariant.params) or tables= (an inline score)')
+
+
+def call_mask(terms: Terms, mask):
+  """A call's mask (a masks.Mask, or None: every key) with the scheme's own
+  (Terms.mask), both."""
+  if terms.mask is None:
+    return mask
+  return terms.mask if mask is None else mask & terms.mask
 
 
 def call_tables(terms: Terms, params, q_pos, k_pos):

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.attention import dropout, masks, softmax
 from flaxformer_lite.attention.kernels.product import dot_values, repeat_heads, scores
-from flaxformer_lite.attention.scheme import Terms
+from flaxformer_lite.attention.scheme import Terms, call_mask
 
 # Blocks of at least this many scores (b * h * bq * bk) run their FULL blocks
 # (every pair visible) without the mask's select, in a loop of their own: a
@@ -127,7 +127,7 @@ def attend(query, key, value, terms: Terms = Terms(), params=None, *,
     raise ValueError(f'dropout_rate={dropout_rate!r}; must be in [0, 1)')
   rate = dropout_rate if dropout_rng is not None else 0.0
   seed = dropout.seed(dropout_rng) if rate else jnp.uint32(0)
-  mask = masks.as_mask(mask, q_offset)
+  mask = call_mask(terms, masks.as_mask(mask, q_offset))
   blocks = plan(b, h, n, m, chunk_size, rate, dropout_first_query,
                 _causal_alone(mask, q_offset))
   n_pad, m_pad = blocks.nq * blocks.bq, blocks.nk * blocks.bk

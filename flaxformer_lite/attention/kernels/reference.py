@@ -170,6 +170,8 @@ def dense_attention(query, key, value, terms: scheme.Terms, params=None, *, mask
   """
   dtype = dtype or query.dtype
   b, n, h, d = query.shape
+  if terms.mask is not None:
+    mask = scheme.call_mask(terms, masks.as_mask(mask, q_offset))
   mask = masks.as_dense(mask, b, h, n, key.shape[1], q_offset)
   scaled = query.astype(dtype) / jnp.sqrt(d).astype(dtype)
   q_pos, k_pos = scheme.query_key_positions(n, key.shape[1], q_offset, positions)

@@ -24,7 +24,8 @@ from flaxformer_lite.attention import masks, softmax
 from flaxformer_lite.attention.kernels import pallas_gpu, product, splash
 from flaxformer_lite.attention.kernels.specialised import (causal_band, local_blocked,
                                                            relative_banded)
-from flaxformer_lite.attention.scheme import Terms, call_tables, query_key_positions
+from flaxformer_lite.attention.scheme import (Terms, call_mask, call_tables,
+                                               query_key_positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,15 +193,16 @@ def _run_pallas(call: Call, query, key, value):
   scaled = query / jnp.sqrt(d).astype(query.dtype)  # as the kernel scales q.k
   lookups = tuple((t.side, t.index, t.rows(scaled, key, tables)) for t in terms.lookups)
   values = terms.value_lookup and (terms.value_lookup.index, tables[terms.value_lookup.table])
+  mask = call_mask(terms, call.mask)
   # A causal rule alone runs as the kernel's own causal bounds, no mask evaluated.
-  causal = masks.causal_alone(call.mask)
-  rule = None if causal else call.mask
+  causal = masks.causal_alone(mask)
+  rule = None if causal else mask
   out, lse = pallas_gpu.flash_attention(
       query, key, value, score=terms.score, tables=tables if terms.score else {},
       lookups=lookups, values=values, mask=rule, causal=causal, q_positions=q_pos,
       k_positions=k_pos, q_offset=call.q_offset, interpret=call.platform != 'gpu',
       return_lse=True)
-  uniform = None if masks.hides_no_row(call.mask) else lambda: product.repeat_heads(
+  uniform = None if masks.hides_no_row(mask) else lambda: product.repeat_heads(
       terms.uniform(value, tables, q_pos, k_pos), h)  # [b, n, h, dv]
   return softmax.where_no_key(out, lse, uniform).astype(out.dtype)
 

@@ -10,8 +10,9 @@ and saves the blocked kernel (local_blocked) a third of its work in decoders.
 
 Its dense form here is [b, h, n, m] logits under the band; the kernel
 `local_blocked` (kernels/specialised/local_blocked.py) gives the same numbers
-in O(n * window), and the blockwise kernel skips the blocks outside the
-window (local_chunked); select.py picks among them.
+in O(n * window), and its terms (the plain product, the window as their
+mask) run on the blockwise and fused kernels, which skip the blocks outside
+the window; select.py picks among them.
 """
 from __future__ import annotations
 
@@ -85,17 +86,24 @@ def _window_mean(window, causal, value, tables, q_pos, k_pos):
   return total / jnp.maximum(count, 1).astype(jnp.float32)[None, :, None, None]
 
 
+def _terms(num_heads, window=8, causal=False):
+  """The plain product under the window (Terms.mask: every kernel that
+  reads terms skips the blocks outside it), a query with no key in its
+  window getting the window's mean value."""
+  del num_heads
+  return scheme.Terms(mask=masks.sliding_window(window, causal),
+                      uniform=functools.partial(_window_mean, window, causal))
+
+
 def local_chunked(query, key, value, *, window=8, causal=False, q_offset=0, mask=None,
                   chunk_size=None, dtype=None, **dropout):
-  """local_attention block by block: the window joins the mask description,
-  so only the key blocks that meet a query block's window are computed,
+  """local_attention block by block (the window a mask of its terms), so
+  only the key blocks that meet a query block's window are computed,
   O(n * window). Blocks are at most max(32, 4 * window) wide: wider ones
   mostly compute pairs outside the window."""
   chunk_size = min(chunk_size or blockwise.DEFAULT_CHUNK_SIZE, max(32, 4 * window))
-  window_mask = masks.sliding_window(window, causal)  # the kernel skips the blocks outside it
-  mask = window_mask if mask is None else masks.as_mask(mask, q_offset) & window_mask
-  terms = scheme.Terms(uniform=functools.partial(_window_mean, window, causal))
-  return blockwise.dot_product(query, key, value, terms, mask=mask, q_offset=q_offset,
+  return blockwise.dot_product(query, key, value, _terms(query.shape[2], window, causal),
+                               mask=masks.as_mask(mask, q_offset), q_offset=q_offset,
                                chunk_size=chunk_size, dtype=dtype, **dropout)
 
 
@@ -119,6 +127,7 @@ registry.register(registry.AttentionVariant(
     name='local',
     models=registry.TRANSFORMER_MODELS,
     fn=local_attention,
+    terms=_terms,
     chunked=local_chunked,
     options=LocalOptions,
     doc='sliding-window softmax(q.k/sqrt(d)): causal=True sees the window keys '
