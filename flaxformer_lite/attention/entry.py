@@ -129,7 +129,8 @@ def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, 
       dropout_rate=dropout_rate if dropout else 0.0, dropout_rng=dropout_rng if dropout else None,
       rng=rng, prev_alignment=prev_alignment, decoding=decoding,
       return_weights=return_weights, chunk_size=select.chunk_size(kernel_options.chunk_size),
-      platform=select.platform())
+      platform=select.platform(),
+      tiles=select.pallas_tiles(query.shape[3], max(query.shape[1], key.shape[1])))
   return call, kernel_options.kernel, kernel_options.dense_max_mib
 
 

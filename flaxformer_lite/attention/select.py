@@ -14,7 +14,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import json
 import math
+import os
 import textwrap
 
 from typing import NamedTuple
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.attention import masks
+from flaxformer_lite.attention.kernels import pallas_gpu
 from flaxformer_lite.attention.kernels import table as kernels
 
 
@@ -89,6 +93,9 @@ PALLAS_HEAD_DIMS = (64, 128)
 # for the blocking; benchmarks/local_attention.py).
 SHAW_BANDED_MIN_ELEMENTS = 2**18
 LOCAL_BLOCKED_MIN_RATIO = 2
+# The fused kernel's tiles per head dim and length, measured on a GPU by
+# benchmarks/pallas_tiles.py, which writes this file (pallas_tiles).
+PALLAS_TILES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'pallas_tiles.json')
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar('target', default=None)
 
@@ -141,6 +148,47 @@ def chunk_size(given: int | None = None) -> int:
   """The chunked kernel's block: attention_kwargs' chunk_size where set,
   else the platform's."""
   return given if given is not None else policy().chunk_size
+
+
+def pallas_tiles(head_dim: int, length: int) -> pallas_gpu.Tiles | None:
+  """The fused kernel's tiles on a GPU (platform()) for head dim `head_dim`
+  and `length` (the longer of n and m), from PALLAS_TILES_FILE: the row of
+  that head dim with the least max_length >= length, else its longest.
+  None (the kernel's defaults, pallas_gpu.Tiles()) off a GPU, where the
+  kernel is interpreted, and for a head dim the file does not have."""
+  if platform() != 'gpu':
+    return None
+  rows = sorted((row for row in _tile_rows(PALLAS_TILES_FILE) if row['head_dim'] == head_dim),
+                key=lambda row: row['max_length'])
+  if not rows:
+    return None
+  row = next((row for row in rows if row['max_length'] >= length), rows[-1])
+  return pallas_gpu.Tiles(*(row[field] for field in pallas_gpu.Tiles._fields))
+
+
+TILE_FIELDS = ('head_dim', 'max_length') + pallas_gpu.Tiles._fields
+
+
+@functools.lru_cache(maxsize=8)
+def _tile_rows(path: str) -> tuple[dict, ...]:
+  """The rows of a tiles file (benchmarks/pallas_tiles.py's 'tiles'),
+  checked: every field of TILE_FIELDS a positive int, the blocks and warps
+  powers of two (Triton's). () where there is no file."""
+  if not os.path.exists(path):
+    return ()
+  try:
+    with open(path) as f:
+      rows = tuple(json.load(f)['tiles'])
+    for row in rows:
+      values = [row[field] for field in TILE_FIELDS]
+      if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise ValueError(f'row {row}: {", ".join(TILE_FIELDS)} must be positive ints')
+      if any(row[f] & (row[f] - 1) for f in ('block_q', 'block_k', 'num_warps')):
+        raise ValueError(f'row {row}: block_q, block_k and num_warps must be powers of two')
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f'{path} is not a table of tiles as benchmarks/pallas_tiles.py writes it '
+                     f'({type(e).__name__}: {e}); write it again or delete it') from None
+  return rows
 
 
 def mask_kind(mask, q_offset=0) -> str | None:
@@ -284,7 +332,9 @@ def describe(name: str) -> str:
     dtypes = '/'.join(jnp.dtype(t).name for t in PALLAS_DTYPES)
     dims = ' or '.join(map(str, PALLAS_HEAD_DIMS))
     fused += (f'every other scheme the fused Pallas kernel runs in {dtypes} on it (head dim '
-              f'{dims}; no dropout or weights; more than one query), else ')
+              f'{dims}; no dropout or weights; more than one query; its tiles from '
+              f'{os.path.basename(PALLAS_TILES_FILE)} where benchmarks/pallas_tiles.py measured '
+              'them), else ')
   table = (f' A bias looked up per pair from a learned table (T5\'s buckets) goes chunked '
            f'past n*m = {math.isqrt(rule.table_bias_max)}^2.' if rule.table_bias_max else '')
   return (f'{name}: {fused}dense while scores (b*h*n*m*itemsize) <= {limit}, else chunked '

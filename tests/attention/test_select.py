@@ -1,17 +1,24 @@
 """The `auto` kernel policy (attention/select.py): the choice per platform as a
 function of shapes and dtypes, then the path a layer lowered for CUDA on this
 machine takes, read from its HLO."""
+import json
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from flaxformer_lite.attention import entry, masks, registry, select
-from flaxformer_lite.attention.kernels import blockwise
+from flaxformer_lite.attention.kernels import blockwise, pallas_gpu
 from flaxformer_lite.attention.kernels import table as kernels
 from flaxformer_lite.attention.schemes import rotary as rotary_lib
 from flaxformer_lite.layers import MultiHeadAttention
 
 MIB = 2**20
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -198,11 +205,11 @@ def chunk_sizes(monkeypatch):
 
 
 def _cuda_hlo(attention='dot_product', n=16, dtype=jnp.bfloat16, num_kv_heads=None,
-              grad=False, **options):
-  """StableHLO of a causal MultiHeadAttention (2 heads of 16, batch 2) at
-  length n, its forward or (grad) the gradient of its sum by its
+              grad=False, head_dim=16, **options):
+  """StableHLO of a causal MultiHeadAttention (2 heads of head_dim, batch 2)
+  at length n, its forward or (grad) the gradient of its sum by its
   parameters, lowered for CUDA as a GPU would choose."""
-  layer = MultiHeadAttention(num_heads=2, num_kv_heads=num_kv_heads, qkv_features=32,
+  layer = MultiHeadAttention(num_heads=2, num_kv_heads=num_kv_heads, qkv_features=2 * head_dim,
                              attention=attention, attention_kwargs=options or None,
                              dtype=dtype)
   x = jax.ShapeDtypeStruct((2, n, 32), jnp.float32)
@@ -310,3 +317,79 @@ def test_a_scored_layer_lowers_to_the_pallas_kernel_for_a_gpu(device_memory):
     assert forward.count(call) == 1 and backward.count(call) == 3, name
     assert '256x256' not in forward + backward, f'{name}: an [n, m] array'
   assert call not in hlo('transformer_xl', grad=False)
+
+
+def _tiles_file(tmp_path, monkeypatch, rows):
+  """select reads `rows` as its table of tiles (a fresh path: nothing cached)."""
+  path = tmp_path / f'tiles{len(list(tmp_path.iterdir()))}.json'
+  path.write_text(json.dumps({'device': 'test', 'tiles': rows}))
+  monkeypatch.setattr(select, 'PALLAS_TILES_FILE', str(path))
+
+
+def _row(head_dim, max_length, *tiles):
+  return dict(zip(select.TILE_FIELDS, (head_dim, max_length, *tiles)))
+
+
+def test_the_fused_kernels_tiles_on_a_gpu_come_from_the_measured_table(tmp_path, monkeypatch):
+  """A head dim's row with the least max_length at or above the call's
+  longer length, its longest past them all; none for a head dim it lacks,
+  none off a GPU (interpreted: the defaults), none without a file."""
+  _tiles_file(tmp_path, monkeypatch, [_row(64, 8192, 128, 64, 8, 3), _row(64, 2048, 64, 64, 4, 2),
+                                      _row(128, 2048, 64, 32, 4, 3)])
+  with select.target_platform('gpu'):
+    assert select.pallas_tiles(64, 1000) == (64, 64, 4, 2)
+    assert select.pallas_tiles(64, 2049) == (128, 64, 8, 3)
+    assert select.pallas_tiles(64, 100_000) == (128, 64, 8, 3)
+    assert select.pallas_tiles(128, 4096) == (64, 32, 4, 3)
+    assert select.pallas_tiles(32, 1000) is None
+    monkeypatch.setattr(select, 'PALLAS_TILES_FILE', str(tmp_path / 'none.json'))
+    assert select.pallas_tiles(64, 1000) is None
+  _tiles_file(tmp_path, monkeypatch, [_row(64, 2048, 64, 64, 4, 2)])
+  with select.target_platform('cpu'):
+    assert select.pallas_tiles(64, 1000) is None
+  for bad in ([_row(64, 2048, 96, 64, 4, 2)], [_row(64, 2048, 64, 64, 4)],
+              [_row(64, 0, 64, 64, 4, 2)]):
+    _tiles_file(tmp_path, monkeypatch, bad)
+    with select.target_platform('gpu'), pytest.raises(ValueError, match='is not a table of tiles'):
+      select.pallas_tiles(64, 1000)
+
+
+def _triton_calls(text):
+  """(grid_z, num_warps, num_stages) of each Triton call in lowered text."""
+  return [tuple(int(re.search(rf'{field} = (\d+)', call).group(1))
+                for field in ('grid_z', 'num_warps', 'num_stages'))
+          for call in text.split('custom_call @__gpu$xla.gpu.triton')[1:]]
+
+
+def test_attend_gives_the_fused_kernel_the_tiles_of_the_table(tmp_path, monkeypatch):
+  """Lowered for CUDA through the layer: the Triton calls (forward, dk/dv,
+  dq) run the table's blocks (grid_z: 256 queries or keys in blocks of
+  128 or 32), warps and stages; without a row, the kernel's defaults."""
+  default = pallas_gpu.Tiles()
+  _tiles_file(tmp_path, monkeypatch, [_row(32, 4096, 128, 32, 8, 3)])
+  for head_dim, want in ((32, [(2, 8, 3), (8, 8, 3), (2, 8, 3)]),
+                         (16, [(256 // default.block_q, default.num_warps, default.num_stages),
+                               (256 // default.block_k, default.num_warps, default.num_stages),
+                               (256 // default.block_q, default.num_warps, default.num_stages)])):
+    text = _cuda_hlo('alibi', n=256, grad=True, kernel='pallas', head_dim=head_dim)
+    assert _triton_calls(text) == want, head_dim
+
+
+def test_the_tiles_benchmark_writes_the_table_select_reads(tmp_path, monkeypatch):
+  """benchmarks/pallas_tiles.py (interpreted, two candidates): the fastest
+  candidate's row, which select then gives the kernel; off a GPU it refuses
+  to write the package's table (exit 2)."""
+  script = os.path.join(REPO, 'benchmarks', 'pallas_tiles.py')
+  out = tmp_path / 'tiles.json'
+  run = subprocess.run([sys.executable, script, '--quick', '--repeats', '2', '--out', str(out)],
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  row, = json.loads(out.read_text())['tiles']
+  assert (row['head_dim'], row['max_length']) == (16, 64) and row['ms'] <= row['default_ms']
+  assert f"fastest q{row['block_q']}k{row['block_k']}" in run.stdout
+  monkeypatch.setattr(select, 'PALLAS_TILES_FILE', str(out))
+  with select.target_platform('gpu'):
+    assert select.pallas_tiles(16, 64) == tuple(row[f] for f in pallas_gpu.Tiles._fields)
+  refused = subprocess.run([sys.executable, script, '--quick'], capture_output=True, text=True,
+                           timeout=300)
+  assert refused.returncode == 2 and 'give --out' in refused.stderr

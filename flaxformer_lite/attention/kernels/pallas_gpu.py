@@ -88,8 +88,20 @@ from jax.experimental.pallas import triton as pl_triton
 from flaxformer_lite.attention import masks
 from flaxformer_lite.attention.scheme import Tables
 
-# The tiles' rows and columns where a call names none.
+# The tiles' rows and columns, and Triton's warps per program and software
+# pipeline stages, where a call names none (select.py gives measured ones).
 BLOCK = 64
+WARPS = 4
+STAGES = 2
+
+
+class Tiles(NamedTuple):
+  """How a call is cut for the GPU: query and key rows per block, Triton's
+  warps per program and pipeline stages (flash_attention's arguments)."""
+  block_q: int = BLOCK
+  block_k: int = BLOCK
+  num_warps: int = WARPS
+  num_stages: int = STAGES
 
 NEG_INF = -1e30  # finite: a fully hidden block must not make exp(NaN)
 # The running row maximum starts above NEG_INF, so that hidden scores weigh
@@ -124,6 +136,8 @@ class Settings:
   grads: tuple[str, ...] = ()
   lookups: tuple[tuple[str, Callable[..., Any]], ...] = ()
   values: Callable[..., Any] | None = None
+  num_warps: int = WARPS
+  num_stages: int = STAGES
 
   def sides(self, side: str) -> tuple[int, ...]:
     """The positions in `lookups` of the tables on `side` ('query', 'key')."""
@@ -132,7 +146,7 @@ class Settings:
   def compiler_params(self):
     # Triton's parameters choose the Triton lowering (the default GPU lowering
     # is Mosaic GPU's, which takes no elementwise score this way).
-    return pl_triton.CompilerParams(num_warps=4, num_stages=2)
+    return pl_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 class Blocks(NamedTuple):
@@ -826,6 +840,7 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None, lookups=
                     values=None, mask: masks.Mask | None = None, q_positions=None,
                     k_positions=None, causal: bool = False, q_offset=0,
                     block_q: int | None = None, block_k: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None,
                     interpret: bool = False, return_lse: bool = False):
   """Attention with a score function and a mask in one fused kernel (module
   docstring).
@@ -851,6 +866,7 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None, lookups=
       (default 0..m-1): what `score` sees as positions.
     causal: query i (index q_offset + i) sees the keys j <= q_offset + i.
     block_q, block_k: the tiles (None: BLOCK); the lengths are padded to them.
+    num_warps, num_stages: Triton's (None: WARPS, STAGES); `Tiles` holds all four.
     interpret: run in Pallas's interpreter (any backend).
     return_lse: return each row's log-sum-exp of its scores too
       (differentiable; -inf for a query that sees no key).
@@ -872,7 +888,8 @@ def flash_attention(q, k, v, *, score=None, tables: dict | None = None, lookups=
   st = Settings(block_q, block_k, causal, n, m, float(d) ** -0.5, interpret, score,
                 tuple((name, originals[name]) for name in sorted(tables)), template,
                 lookups=tuple((side, index) for side, index, _ in lookups),
-                values=None if values is None else values[0])
+                values=None if values is None else values[0], num_warps=num_warps or WARPS,
+                num_stages=num_stages or STAGES)
   offset = jnp.asarray(q_offset, jnp.int32).reshape(1)
   blocks = None if mask is None else block_states(st, mask, b, h, offset[0])
   q_positions = (offset[0] + jnp.arange(n) if q_positions is None else q_positions)

@@ -51,6 +51,7 @@ class Call:
   return_weights: bool
   chunk_size: int  # the blockwise kernel's block
   platform: str  # 'cpu', 'gpu', 'tpu' (select.platform)
+  tiles: Any = None  # the fused kernel's pallas_gpu.Tiles (select.pallas_tiles); None: its own
 
   @property
   def dropout(self) -> bool:
@@ -201,7 +202,7 @@ def _run_pallas(call: Call, query, key, value):
       query, key, value, score=terms.score, tables=tables if terms.score else {},
       lookups=lookups, values=values, mask=rule, causal=causal, q_positions=q_pos,
       k_positions=k_pos, q_offset=call.q_offset, interpret=call.platform != 'gpu',
-      return_lse=True)
+      return_lse=True, **(call.tiles or pallas_gpu.Tiles())._asdict())
   uniform = None if masks.hides_no_row(mask) else lambda: product.repeat_heads(
       terms.uniform(value, tables, q_pos, k_pos), h)  # [b, n, h, dv]
   return softmax.where_no_key(out, lse, uniform).astype(out.dtype)

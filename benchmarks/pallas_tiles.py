@@ -1,0 +1,177 @@
+"""The fused Pallas kernel's tiles, measured: for each head dim and length,
+every candidate (block_q, block_k, Triton warps, pipeline stages) times the
+plain kernel's forward+backward (causal, 8 heads, bfloat16 on a GPU) side by
+side, cuDNN beside them on a GPU; the fastest per case is written to the
+table select.py reads (flaxformer_lite/attention/pallas_tiles.json), which
+`auto` then gives the kernel for that head dim and lengths up to the case's
+(select.pallas_tiles).
+
+  .venv/bin/python benchmarks/pallas_tiles.py                  # on a GPU: the issue's grid
+  .venv/bin/python benchmarks/pallas_tiles.py --head_dims 64 --batch_at 2048:4 --out /tmp/t.json
+  .venv/bin/python benchmarks/pallas_tiles.py --quick --out /tmp/t.json   # any machine
+
+Off a GPU the kernel runs interpreted: the times say nothing of a GPU, and
+--quick (tiny sizes, two candidates) only checks that the script runs.
+"""
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.attention import select
+from flaxformer_lite.attention.kernels import pallas_gpu
+from timing import interleaved_times, median, memory
+
+GPU_CASES = ((2048, 4), (8192, 1), (32768, 1))  # (n, b): the fused kernel's targets
+QUICK_CASES = ((64, 1),)
+
+
+def candidates(quick: bool) -> list[pallas_gpu.Tiles]:
+  """The tiles tried: blocks of 64 or 128 rows and columns, 4 or 8 warps,
+  2 or 3 stages (--quick: the default and one other)."""
+  if quick:
+    return [pallas_gpu.Tiles(), pallas_gpu.Tiles(32, 32)]
+  return [pallas_gpu.Tiles(bq, bk, warps, stages)
+          for bq, bk, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+
+
+def gradient(q, k, v, g, attend):
+  """jitted d/d(q, k, v) of sum(attend(q, k, v) * g), and its arguments."""
+  def loss(q, k, v):
+    return jnp.sum(attend(q, k, v).astype(jnp.float32) * g)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v)
+
+
+def case_builds(n: int, b: int, d: int, heads: int, tiles_list, on_gpu: bool) -> dict:
+  """{name: (jitted fn, args)}: the plain causal kernel under each tiles
+  (named by them), and cuDNN on a GPU; q, k, v [b, n, heads, d] random."""
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(b, n, heads, d)), dtype) for _ in range(3))
+  g = jnp.asarray(rng.normal(size=(b, n, heads, d)), jnp.float32)
+  builds = {}
+  for tiles in tiles_list:
+    builds[name_of(tiles)] = gradient(q, k, v, g, lambda q, k, v, t=tiles: (
+        pallas_gpu.flash_attention(q, k, v, causal=True, interpret=not on_gpu, **t._asdict())))
+  if on_gpu:
+    builds['cudnn'] = gradient(q, k, v, g, lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation='cudnn'))
+  return builds
+
+
+def name_of(tiles: pallas_gpu.Tiles) -> str:
+  return 'q{}k{}w{}s{}'.format(*tiles)
+
+
+def compiled(builds: dict) -> tuple[dict, dict, dict]:
+  """({name: (fn, args)} that compiled and ran once, {name: temp MiB},
+  {name: why not}): a tile Triton refuses (too much shared memory) is left
+  out, not fatal."""
+  fns, temps, failed = {}, {}, {}
+  for name, (fn, args) in builds.items():
+    try:
+      temps[name] = memory(fn, args)['temp']
+      jax.block_until_ready(fn(*args))
+    except Exception as e:  # noqa: BLE001  (Triton's and XLA's errors have no common type)
+      failed[name] = f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ""}'
+    else:
+      fns[name] = fn, args
+  return fns, temps, failed
+
+
+def measure(n: int, b: int, d: int, heads: int, tiles_list, repeats: int, on_gpu: bool) -> dict:
+  """One case: every tile's and cuDNN's median ms, the fastest tile, and
+  what failed."""
+  fns, temps, failed = compiled(case_builds(n, b, d, heads, tiles_list, on_gpu))
+  ms = {name: median(t) for name, t in interleaved_times(fns, repeats).items()}
+  tiles = [t for t in tiles_list if name_of(t) in ms]
+  if not tiles:
+    raise SystemExit(f'n={n} d={d}: no tile compiled: {failed}')
+  best = min(tiles, key=lambda t: ms[name_of(t)])
+  return {'n': n, 'b': b, 'd': d, 'ms': ms, 'temp_mib': temps, 'failed': failed, 'best': best,
+          'default': name_of(pallas_gpu.Tiles())}
+
+
+def print_case(c: dict, heads: int):
+  """The case's rows, fastest first: ms, x the default tile, x cuDNN, TFLOP/s
+  (the causal half of 4 b h n^2 d forward, 3.5x with the backward)."""
+  ms = c['ms']
+  flops = 3.5 * 4 * c['b'] * heads * c['n'] ** 2 * c['d'] / 2
+  default, cudnn = ms.get(c['default']), ms.get('cudnn')
+  print(f"n={c['n']} b={c['b']} d={c['d']}: fastest {name_of(c['best'])}")
+  print(f'  {"tiles":<14}{"ms":>9}{"x default":>11}{"x cuDNN":>9}{"TFLOP/s":>9}{"temp MiB":>10}')
+  for name in sorted(ms, key=ms.get):
+    ratio = lambda ref: f'{ms[name] / ref:.2f}' if ref else '-'  # noqa: E731
+    print(f'  {name:<14}{ms[name]:>9.3f}{ratio(default):>11}{ratio(cudnn):>9}'
+          f'{flops / (ms[name] / 1e3) / 1e12:>9.1f}{c["temp_mib"][name]:>10.1f}')
+  for name, why in c['failed'].items():
+    print(f'  {name:<14}failed: {why}')
+
+
+def table(cases: list[dict], command: str) -> dict:
+  """The file select.py reads: where and how it was measured, and a row per
+  case (head_dim, max_length = the case's n, the fastest tiles, its ms and
+  the default's and cuDNN's)."""
+  device = jax.devices()[0]
+  rows = [{'head_dim': c['d'], 'max_length': c['n'], **c['best']._asdict(),
+           'ms': round(c['ms'][name_of(c['best'])], 4),
+           'default_ms': round(c['ms'].get(c['default'], float('nan')), 4),
+           'cudnn_ms': round(c['ms']['cudnn'], 4) if 'cudnn' in c['ms'] else None}
+          for c in cases]
+  return {'device': getattr(device, 'device_kind', str(device)), 'jax': jax.__version__,
+          'date': datetime.date.today().isoformat(), 'command': command, 'tiles': rows}
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--head_dims', type=int, nargs='+', default=None,
+                 help='default: 64 128 on a GPU, 16 elsewhere')
+  p.add_argument('--batch_at', nargs='+', default=None,
+                 help='n:b cases; default: 2048:4 8192:1 32768:1 on a GPU, 64:1 elsewhere')
+  p.add_argument('--heads', type=int, default=8)
+  p.add_argument('--repeats', type=int, default=10)
+  p.add_argument('--quick', action='store_true', help='two candidates, tiny sizes')
+  p.add_argument('--out', default=select.PALLAS_TILES_FILE)
+  a = p.parse_args(argv)
+  try:
+    a.cases = [tuple(int(x) for x in item.split(':')) for item in a.batch_at or ()]
+  except ValueError:
+    p.error(f'--batch_at {a.batch_at}: each is n:b, two ints')
+  if any(len(c) != 2 or min(c) < 1 for c in a.cases):
+    p.error(f'--batch_at {a.batch_at}: each is n:b with n, b >= 1')
+  if jax.default_backend() != 'gpu' and a.out == select.PALLAS_TILES_FILE:
+    p.error(f'the JAX backend is {jax.default_backend()!r}: interpreted times are no GPU\'s, '
+            f'so they do not go in {a.out}; give --out')
+  return a
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  on_gpu = jax.default_backend() == 'gpu'
+  quick = a.quick or not on_gpu
+  cases = a.cases or (QUICK_CASES if quick else GPU_CASES)
+  dims = a.head_dims or ([16] if quick else [64, 128])
+  tiles_list = candidates(quick)
+  print(f'the plain fused kernel, causal fwd+bwd, {a.heads} heads, '
+        f'{"bfloat16" if on_gpu else "float32, interpreted"}, {len(tiles_list)} tiles, '
+        f'repeats={a.repeats}, {jax.devices()[0]}, jax {jax.__version__}', flush=True)
+  start, measured = time.time(), []
+  for d, (n, b) in itertools.product(dims, cases):
+    measured.append(measure(n, b, d, a.heads, tiles_list, a.repeats, on_gpu))
+    print_case(measured[-1], a.heads)
+  command = ' '.join(['benchmarks/pallas_tiles.py', *(argv if argv is not None else sys.argv[1:])])
+  with open(a.out, 'w') as f:
+    json.dump(table(measured, command), f, indent=1)
+    f.write('\n')
+  print(f'wrote {a.out} ({time.time() - start:.0f} s)')
+
+
+if __name__ == '__main__':
+  main()
