@@ -120,8 +120,9 @@ def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, 
                      f'randomized positions need one of {registry.position_array_names()}')
   dropout = dropout_rng is not None and dropout_rate > 0.0
   mask = _as_mask(mask, query.shape, key.shape, q_offset)
+  terms = variant.terms(h, **kwargs) if variant.terms is not None else None
   call = kernels.Call(
-      variant=variant, terms=variant.terms(h, **kwargs) if variant.terms is not None else None,
+      variant=variant, terms=terms,
       kwargs=kwargs, params=params, query_shape=tuple(query.shape),
       key_shape=tuple(key.shape), dtype=dtype or query.dtype, mask=mask,
       mask_kind=select.mask_kind(mask, q_offset) if bias is None else None, q_offset=q_offset,
@@ -130,7 +131,7 @@ def describe_call(query, key, *, scheme='dot_product', score=None, tables=None, 
       rng=rng, prev_alignment=prev_alignment, decoding=decoding,
       return_weights=return_weights, chunk_size=select.chunk_size(kernel_options.chunk_size),
       platform=select.platform(),
-      tiles=select.pallas_tiles(query.shape[3], max(query.shape[1], key.shape[1])))
+      tiles=select.pallas_tiles(query.shape[3], max(query.shape[1], key.shape[1]), terms))
   return call, kernel_options.kernel, kernel_options.dense_max_mib
 
 

@@ -150,13 +150,16 @@ def chunk_size(given: int | None = None) -> int:
   return given if given is not None else policy().chunk_size
 
 
-def pallas_tiles(head_dim: int, length: int) -> pallas_gpu.Tiles | None:
+def pallas_tiles(head_dim: int, length: int, terms=None) -> pallas_gpu.Tiles | None:
   """The fused kernel's tiles on a GPU (platform()) for head dim `head_dim`
   and `length` (the longer of n and m), from PALLAS_TILES_FILE: the row of
   that head dim with the least max_length >= length, else its longest.
   None (the kernel's defaults, pallas_gpu.Tiles()) off a GPU, where the
-  kernel is interpreted, and for a head dim the file does not have."""
-  if platform() != 'gpu':
+  kernel is interpreted, for a head dim the file does not have, and for
+  `terms` (scheme.Terms) with lookups or a value lookup: the table times
+  the plain kernel, and a lookup's rows and per-entry sums take more of a
+  program's memory, so larger tiles may not compile for them."""
+  if platform() != 'gpu' or (terms is not None and (terms.lookups or terms.value_lookup)):
     return None
   rows = sorted((row for row in _tile_rows(PALLAS_TILES_FILE) if row['head_dim'] == head_dim),
                 key=lambda row: row['max_length'])

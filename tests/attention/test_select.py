@@ -342,6 +342,8 @@ def test_the_fused_kernels_tiles_on_a_gpu_come_from_the_measured_table(tmp_path,
     assert select.pallas_tiles(64, 100_000) == (128, 64, 8, 3)
     assert select.pallas_tiles(128, 4096) == (64, 32, 4, 3)
     assert select.pallas_tiles(32, 1000) is None
+    shaw = registry.get('shaw').terms(2, **registry.resolve_kwargs('shaw', {}))
+    assert select.pallas_tiles(64, 1000, shaw) is None  # lookups: not the plain kernel's tiles
     monkeypatch.setattr(select, 'PALLAS_TILES_FILE', str(tmp_path / 'none.json'))
     assert select.pallas_tiles(64, 1000) is None
   _tiles_file(tmp_path, monkeypatch, [_row(64, 2048, 64, 64, 4, 2)])
