@@ -45,7 +45,9 @@ Lookups: tables indexed by a query (or a key) position, [b, h, n, R] (or
 q @ table^T, DeBERTa's c2p and p2c): the scores, before the score
 function, gain rows[i, index(q_pos, k_pos)_ij] (or rows[j, ..]), index a
 function of the block's positions. A program reads its block's rows by
-BlockSpec (the other side's rows whole) and the entries by a gather load;
+BlockSpec (the other side's rows whole) and the entries by a gather load
+(a block whose pairs all read one entry, wholly past a clip, loads it once
+per row);
 their gradients are each row's ds summed per entry, in the dq kernel for
 per-query tables and in the dk/dv kernel for per-key ones (`_bucket_sum`:
 one select pass per entry between a block's least and greatest index, so a
@@ -178,7 +180,8 @@ class _HeadRow:
                        "(a batch row, a position): run it with kernel='dense' or 'chunked'")
     rest = key[1:] if isinstance(key, tuple) else ()
     if rest:
-      gathered = self.ref[rest]
+      gathered = (_gathered_once(self.ref, (), rest[0]) if len(rest) == 1
+                  else self.ref[rest])
       return gathered if self.value is None else _read(self.value, _flat(self.value, rest),
                                                        gathered)
     row = self.ref if self.value is None else self.value
@@ -321,7 +324,17 @@ def _gathered(ref, side: str, starts, idx):
     rows = starts[0] + jnp.arange(bq)[:, None]
   else:
     rows = starts[1] + jnp.arange(bk)[None, :]
-  return ref[rows, idx].astype(jnp.float32)
+  return _gathered_once(ref, (rows,), idx).astype(jnp.float32)
+
+
+def _gathered_once(ref, lead: tuple, idx):
+  """ref[*lead, idx] (idx int [bq, bk]) by a gather load per pair, or, in a
+  block whose pairs all read one entry (wholly past Shaw's clip or T5's
+  last bucket), that entry loaded once per row and broadcast."""
+  lo = jnp.min(idx)
+  return jax.lax.cond(lo == jnp.max(idx),
+                      lambda: jnp.broadcast_to(ref[(*lead, lo)], idx.shape),
+                      lambda: ref[(*lead, idx)])
 
 
 def _with_lookups(st: Settings, r: _Refs, s, q_pos, k_pos, starts):
