@@ -23,8 +23,10 @@ still leaves what it measured.
            bfloat16, n=2048, b=4) of dot_product: ms of the dense, chunked,
            cuDNN and fused Pallas kernels, and the kernel `auto` picks, read
            from the lowered program; then attention alone at the recipe's
-           shape (n=256, b=64): the Pallas kernel plain and with ALiBi's and
-           T5's scores against cuDNN, XLA and tokamax where it imports.
+           shape (n=256, b=64, benchmarks/fused_attention.py): the Pallas
+           kernel plain and with every scheme it runs (--quick off a GPU:
+           ALiBi and Shaw), each against its GPU target, beside cuDNN,
+           XLA and tokamax where it imports.
   mha      benchmarks/attention.py: our layer against Flax's at n=2048, b=4.
   mfu      benchmarks/train_throughput.py: Transformer-big, bfloat16, batch 64.
   smollm2  benchmarks/pretrained_speed.py --random_weights: SmolLM2-shaped
@@ -61,7 +63,7 @@ TORCH_PYTHON = None  # main() sets --torch_python
 # gives each budget's source).
 CALLS = {
     1: {'recipe': 165, 'nanogpt': 60, 'tests': 80},
-    2: {'kernels': 90, 'mha': 50, 'mfu': 75, 'smollm2': 80},
+    2: {'kernels': 105, 'mha': 50, 'mfu': 75, 'smollm2': 80},
 }
 SECTIONS = tuple(name for sections in CALLS.values() for name in sections)
 BUDGETS = {name: seconds for sections in CALLS.values() for name, seconds in sections.items()}
@@ -445,28 +447,32 @@ def kernels_section(quick: bool, repeats: int) -> list[dict]:
 
 
 def fused_cases(quick):
-  """(n, b, head_dim) of the attention-only table: the Pallas score kernel
-  against cuDNN and XLA's dense attention (bf16, causal, 8 heads)."""
+  """(n, b, head_dim) of the attention-only table: the Pallas kernel with
+  every scheme it runs against cuDNN and XLA's dense attention (causal, 8
+  heads; benchmarks/fused_attention.py sweeps the targets' lengths)."""
   if quick:
     return [(64, 1, 16)]
   return [(256, 64, 64)]  # the nanoGPT recipe's batch, where auto's choice matters most
 
 
+# The schemes --quick times off a GPU, beside the plain kernel: one through a
+# score (ALiBi), one through lookups of keys and values (Shaw), so that the
+# suite stays within its time (tests/attention/test_entry.py holds every
+# scheme on the kernel to the reference).
+QUICK_FUSED = ('alibi', 'shaw')
+
+
 def fused_section(quick: bool, repeats: int) -> list[dict]:
-  """Attention alone, forward and backward: kernels/pallas_gpu.py (plain and
-  with ALiBi's slopes as a score), cuDNN and XLA through
-  jax.nn.dot_product_attention, and tokamax.dot_product_attention where
-  tokamax imports; TFLOP/s counts the causal half of
-  4 * b * h * n^2 * d forward (3.5x that with the backward, FlashAttention's
-  convention). On CPU (--quick) the Pallas kernel runs interpreted."""
+  """Attention alone, forward and backward, through benchmarks/fused_attention.py:
+  the Pallas kernel plain and with each scheme it runs (on CPU with --quick:
+  QUICK_FUSED, interpreted), cuDNN and XLA through jax.nn.dot_product_attention,
+  and tokamax.dot_product_attention where tokamax imports; bfloat16 on a GPU,
+  float32 elsewhere. Prints a FUSED row per case: each kernel's fused_attention
+  summary, with its targets, and what failed."""
   import jax
-  import jax.numpy as jnp
-  import numpy as np
 
   sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
-  import timing
-  from flaxformer_lite.attention import registry
-  from flaxformer_lite.attention.kernels import pallas_gpu
+  import fused_attention
 
   on_gpu = jax.default_backend() == 'gpu'
   try:  # a Pallas kernel library (benchmarks/gpu_carry.sh carries its wheels)
@@ -476,45 +482,16 @@ def fused_section(quick: bool, repeats: int) -> list[dict]:
     if on_gpu:
       print(f'FUSED-NOTE tokamax not measured: {type(e).__name__}: {str(e)[:200]}', flush=True)
   heads = 2 if quick else 8
-  alibi = registry.get('alibi').terms(heads)  # the scheme's own score and tables
-  alibi_tables = {}  # ALiBi's slopes are a formula of the head index
-  t5 = registry.get('t5_bias').terms(heads, **registry.resolve_kwargs('t5_bias', {}))
-  t5_table = jnp.asarray(np.random.default_rng(2).normal(size=(32, heads)) * 0.1, jnp.float32)
-
+  dtype = (fused_attention.GPU_GRID if on_gpu else fused_attention.CPU_GRID)['dtype']
+  # its own choice of kernel, as a user calls it
+  others = {'tokamax': lambda q, k, v, _: tokamax.dot_product_attention(
+      q, k, v, is_causal=True)} if on_gpu and tokamax is not None else {}
   out = []
   for n, b, d in fused_cases(quick):
-    rng = np.random.default_rng(0)
-    q, k, v, g = (jnp.asarray(rng.normal(size=(b, n, heads, d)), jnp.bfloat16) for _ in range(4))
-
-    def grad_of(attend):
-      def loss(q, k, v):
-        return jnp.sum(attend(q, k, v).astype(jnp.float32) * g.astype(jnp.float32))
-      return lambda: (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v))
-
-    builds = {
-        'pallas': grad_of(lambda q, k, v: pallas_gpu.flash_attention(
-            q, k, v, causal=True, interpret=not on_gpu)),
-        'pallas alibi': grad_of(lambda q, k, v: pallas_gpu.flash_attention(
-            q, k, v, causal=True, score=alibi.score, tables=alibi_tables,
-            interpret=not on_gpu)),
-        'xla': grad_of(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation='xla')),
-    }
-    if on_gpu:
-      builds['cudnn'] = grad_of(lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, is_causal=True, implementation='cudnn'))
-      if tokamax is not None:  # its own choice of kernel, as a user calls it
-        builds['tokamax'] = grad_of(lambda q, k, v: tokamax.dot_product_attention(
-            q, k, v, is_causal=True))
-      builds['pallas t5_bias'] = grad_of(lambda q, k, v: pallas_gpu.flash_attention(
-          q, k, v, causal=True, score=t5.score,
-          tables=t5.prepare({'rel_embedding': t5_table}, None, None)))
-    fns, temps, failed = timing.compile_all(builds)
-    times = timing.interleaved_times(fns, repeats)
-    ms = {name: timing.median(v) for name, v in times.items()}
-    flops = 3.5 * 4 * b * heads * n * n * d / 2
-    row = {'n': n, 'b': b, 'd': d, 'ms': ms, 'temp_mib': temps, 'failed': failed,
-           'tflops': {name: flops / (t / 1e3) / 1e12 for name, t in ms.items()}}
+    values, failed = fused_attention.measure_case(
+        n, b, heads, d, dtype, QUICK_FUSED if quick and not on_gpu else None, repeats,
+        others=others)
+    row = {'n': n, 'b': b, 'd': d, 'dtype': dtype, 'values': values, 'failed': failed}
     print('FUSED ' + json.dumps(row), flush=True)
     out.append(row)
   return out
@@ -533,19 +510,28 @@ def _kernel_row(rows: Rows, c: dict):
 
 
 def _fused_row(rows: Rows, c: dict):
-  ms, tf = c['ms'], c['tflops']
-  cells = ' / '.join(f'{k} {ms[k]:.2f} ({tf[k]:.0f} TFLOP/s)' for k in ms)
-  anchor = ''
-  if 'tokamax' in ms and 'cudnn' in ms:
-    anchor = f"tokamax {ms['tokamax'] / ms['cudnn']:.2f}x cuDNN; "
-  if 'cudnn' in ms:
-    anchor += (f"pallas {ms['pallas'] / ms['cudnn']:.2f}x cuDNN (target <= 1.3); alibi, t5 "
-               f"{ms['pallas alibi'] / ms['pallas']:.2f}x, "
-               f"{ms.get('pallas t5_bias', float('nan')) / ms['pallas']:.2f}x plain "
-               '(target <= 1.3)')
-  rows.add('kernels', f"attention only, bf16 causal n={c['n']} b={c['b']} d={c['d']} "
-           '(fwd+bwd ms)', cells + ('; failed: ' + ', '.join(c['failed']) if c['failed']
-                                    else ''), anchor)
+  """A FUSED case (fused_section) as one row: each kernel's ms and TFLOP/s;
+  as the anchor, each Pallas kernel's target where fused_attention.TARGETS
+  sets one (the plain kernel's against cuDNN), else its time over the plain
+  kernel's."""
+  values = c['values']
+  cells = ' / '.join(f"{k} {v['ms']:.2f} ({v['TFLOP/s']:.0f} TFLOP/s)" for k, v in values.items())
+  anchors = []
+  for name, v in values.items():
+    label = name.removeprefix('pallas ')
+    if v['target']:
+      anchors.append(f"{label}: {v['target']}")
+    elif name.startswith('pallas '):
+      anchors.append(f"{label} {_times(v['x plain'])} plain")
+    elif name == 'tokamax':
+      anchors.append(f"tokamax {_times(v['x cuDNN'])} cuDNN")
+  failed = '; failed: ' + ', '.join(c['failed']) if c['failed'] else ''
+  rows.add('kernels', f"attention only, {c['dtype']} causal n={c['n']} b={c['b']} d={c['d']} "
+           '(fwd+bwd ms)', cells + failed, '; '.join(anchors))
+
+
+def _times(ratio) -> str:
+  return '-' if ratio is None else f'{ratio:.2f}x'
 
 
 def kernels(rows: Rows, quick: bool, seconds: float):

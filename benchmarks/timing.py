@@ -19,24 +19,31 @@ def memory(fn, args):
   return {k: v / 2**20 for k, v in sizes.items() if v is not None}
 
 
-def compile_all(builds):
+def compile_all(builds, errors=(ValueError, NotImplementedError)):
   """builds: {name: () -> (jitted fn, args)} -> ({name: (fn, args)}, {name: temp MiB},
   {name: why it did not build or compile}).
 
   A kernel that refuses a configuration raises ValueError (or
   NotImplementedError) while the step is built or traced; that is reported,
   not raised, so that a table can print '-' for it and go on with the rest.
+  errors: the exceptions reported so; a table of kernels not yet run on the
+  machine may pass Exception (a Triton lowering error, XLA out of memory).
   """
   fns, temps, failed = {}, {}, {}
   for name, build in builds.items():
     try:
       fn, args = build()
       temps[name] = memory(fn, args)['temp']
-    except (ValueError, NotImplementedError) as e:
-      failed[name] = f'{type(e).__name__}: {str(e).splitlines()[0]}'
+    except errors as e:
+      failed[name] = why(e)
     else:
       fns[name] = fn, args
   return fns, temps, failed
+
+
+def why(e: Exception) -> str:
+  """An exception as one line of a table's list of failures: its type and first line."""
+  return f'{type(e).__name__}: {(str(e).splitlines() or [""])[0]}'
 
 
 def interleaved_times(fns, repeats):

@@ -81,10 +81,15 @@ def test_gpu_check_quick_runs_every_call_end_to_end(tmp_path, shared_data, tfds_
   # on CPU at n=64, auto takes the dense path
   kernels = [v for (s, q), v in rows.items() if s == 'kernels' and 'attention only' not in q]
   assert kernels and all(v.endswith('auto -> dense') for v in kernels), kernels
-  # the Pallas kernel (interpreted here) timed beside XLA's attention
-  fused = [v for (s, q), v in rows.items() if s == 'kernels' and 'attention only' in q]
-  assert len(fused) == 1 and all(f'{k} ' in fused[0] for k in ('pallas', 'pallas alibi', 'xla'))
-  assert 'failed' not in fused[0], fused
+  # the Pallas kernel (interpreted here) plain and with the quick schemes, timed beside
+  # XLA's attention; each scheme's time over the plain kernel's, with its target if it has one
+  [(fused, anchor)] = [(v, t) for s, q, v, t in results['rows']
+                       if s == 'kernels' and 'attention only' in q]
+  assert 'failed' not in fused, fused
+  timed = {cell.split(' (')[0].rsplit(' ', 1)[0] for cell in fused.split(' / ')}
+  assert timed == {'pallas', 'xla', *(f'pallas {s}' for s in gpu_check.QUICK_FUSED)}, fused
+  assert 'alibi ' in anchor and 'x plain' in anchor and 'shaw: x plain ' in anchor, anchor
+  assert '<= 1.5' in anchor, anchor  # Shaw with values: at most 1.5x the plain kernel
   assert {'fwd+bwd: ours / Flax ms', 'MFU'} <= {q for s, q in rows if s in ('mha', 'mfu')}
   assert (out / 'results.md').read_text().count('\n| ') >= len(rows)
 
