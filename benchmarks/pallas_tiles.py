@@ -27,7 +27,7 @@ import numpy as np
 
 from flaxformer_lite.attention import select
 from flaxformer_lite.attention.kernels import pallas_gpu
-from timing import interleaved_times, median, memory
+from timing import compile_all, interleaved_times, median
 
 GPU_CASES = ((2048, 4), (8192, 1), (32768, 1))  # (n, b): the fused kernel's targets
 QUICK_CASES = ((64, 1),)
@@ -70,26 +70,14 @@ def name_of(tiles: pallas_gpu.Tiles) -> str:
   return 'q{}k{}w{}s{}'.format(*tiles)
 
 
-def compiled(builds: dict) -> tuple[dict, dict, dict]:
-  """({name: (fn, args)} that compiled and ran once, {name: temp MiB},
-  {name: why not}): a tile Triton refuses (too much shared memory) is left
-  out, not fatal."""
-  fns, temps, failed = {}, {}, {}
-  for name, (fn, args) in builds.items():
-    try:
-      temps[name] = memory(fn, args)['temp']
-      jax.block_until_ready(fn(*args))
-    except Exception as e:  # noqa: BLE001  (Triton's and XLA's errors have no common type)
-      failed[name] = f'{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ""}'
-    else:
-      fns[name] = fn, args
-  return fns, temps, failed
-
-
 def measure(n: int, b: int, d: int, heads: int, tiles_list, repeats: int, on_gpu: bool) -> dict:
   """One case: every tile's and cuDNN's median ms, the fastest tile, and
   what failed."""
-  fns, temps, failed = compiled(case_builds(n, b, d, heads, tiles_list, on_gpu))
+  # A tile Triton refuses (too much shared memory) is left out, not fatal.
+  fns, temps, failed = compile_all(
+      {name: lambda built=built: built
+       for name, built in case_builds(n, b, d, heads, tiles_list, on_gpu).items()},
+      errors=Exception)
   ms = {name: median(t) for name, t in interleaved_times(fns, repeats).items()}
   tiles = [t for t in tiles_list if name_of(t) in ms]
   if not tiles:
