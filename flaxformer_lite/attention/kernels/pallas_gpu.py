@@ -51,7 +51,9 @@ per row);
 their gradients are each row's ds summed per entry, in the dq kernel for
 per-query tables and in the dk/dv kernel for per-key ones (`_bucket_sum`:
 one select pass per entry between a block's least and greatest index, so a
-block wholly past a clip costs one), and reach q, k and the position
+block wholly past a clip costs one; a table wider than CARRIED_ENTRIES,
+DeBERTa's, sums them in the kernel's output, a window of entries at a time,
+not in registers), and reach q, k and the position
 tables through the product that made them (autodiff, outside). A value
 lookup (index, table [R, dv]) adds sum_j p_ij table[index_ij] to the
 output (Shaw's a^V): the forward sums each row's weights per entry beside
@@ -106,6 +108,11 @@ class Tiles(NamedTuple):
   num_stages: int = STAGES
 
 NEG_INF = -1e30  # finite: a fully hidden block must not make exp(NaN)
+# A lookup table of more entries than this gathers its gradient rows in the
+# kernel's output ref, this many entries at a time, not in the loop's carry:
+# [block, entries] float32 there would take the registers the products need
+# (DeBERTa's 512 entries: 256 a thread at 4 warps).
+CARRIED_ENTRIES = 64
 # The running row maximum starts above NEG_INF, so that hidden scores weigh
 # exp(NEG_INF / 2) = 0 even in a row that has seen no key yet.
 ROW_MAX_START = NEG_INF / 2
@@ -348,20 +355,79 @@ def _with_lookups(st: Settings, r: _Refs, s, q_pos, k_pos, starts):
   return s, tuple(indices)
 
 
-def _bucket_sum(x, idx, size: int, axis: int | None = None):
+def _bucket_sum(x, idx, size: int, axis: int | None = None, first=None, last=None):
   """x float32 summed per entry idx (int, x's shape) in [0, size): over
   everything -> [size] (axis None), or for x [bq, bk] over `axis` -> [bq,
   size] (axis 1: per query) or [bk, size] (axis 0: per key). One select
-  pass per entry between the block's least and greatest index: a block
-  wholly past a clip, where every pair reads one entry, costs one pass."""
+  pass per entry between the block's least and greatest index (or over
+  [first, last)): a block wholly past a clip, where every pair reads one
+  entry, costs one pass."""
   entries = jnp.arange(size)
   kept = () if axis is None else (x.shape[1 - axis],)
 
   def add(e, acc):
     part = jnp.sum(jnp.where(idx == e, x, 0.0), axis=axis)
     return jnp.where(entries == e, acc + part[..., None], acc)
-  return jax.lax.fori_loop(jnp.min(idx), jnp.max(idx) + 1, add,
-                           jnp.zeros(kept + (size,), jnp.float32))
+  first = jnp.min(idx) if first is None else first
+  last = jnp.max(idx) + 1 if last is None else last
+  return jax.lax.fori_loop(first, last, add, jnp.zeros(kept + (size,), jnp.float32))
+
+
+def _bucket_add(ref, x, idx, axis: int):
+  """ref [rows, size] += x [bq, bk] summed per entry idx over `axis`
+  (_bucket_sum's), for a table too wide to carry: a block whose pairs all
+  read one entry adds that column; any other sums its entries
+  CARRIED_ENTRIES at a time in registers and adds each window to the ref
+  once."""
+  size, width = ref.shape[1], CARRIED_ENTRIES
+  lo, hi = jnp.min(idx), jnp.max(idx) + 1
+
+  @pl.when(hi - lo == 1)
+  def _():
+    ref[:, pl.ds(lo, 1)] = ref[:, pl.ds(lo, 1)] + jnp.sum(x, axis=axis)[:, None]
+
+  def window(w, carry):
+    start = lo + w * width
+    base = jnp.minimum(start, size - width)  # the window inside the table
+    part = _bucket_sum(x, idx - base, width, axis, start - base,
+                       jnp.minimum(start + width, hi) - base)
+    ref[:, pl.ds(base, width)] = ref[:, pl.ds(base, width)] + part
+    return carry
+
+  @pl.when(hi - lo > 1)
+  def _():
+    jax.lax.fori_loop(0, (hi - lo + width - 1) // width, window, 0)
+
+
+def _lookup_grads_init(refs) -> tuple:
+  """The loop's carry for the gradients of lookup tables (refs: their output
+  refs [rows, entries]): zeros for a table of at most CARRIED_ENTRIES
+  entries; None for a wider one, whose ref is zeroed to gather them."""
+  out = []
+  for ref in refs:
+    if ref.shape[1] > CARRIED_ENTRIES:
+      ref[...] = jnp.zeros(ref.shape, ref.dtype)
+    out.append(None if ref.shape[1] > CARRIED_ENTRIES else jnp.zeros(ref.shape, jnp.float32))
+  return tuple(out)
+
+
+def _lookup_grads_add(accs, refs, ds, indices, axis: int) -> tuple:
+  """The carry `accs` plus ds [bq, bk] summed per entry of each table
+  (indices, theirs) over `axis`; a wide table's added to its ref."""
+  out = []
+  for acc, ref, idx in zip(accs, refs, indices):
+    if acc is None:
+      _bucket_add(ref, ds, idx, axis)
+    else:
+      acc = acc + _bucket_sum(ds, idx, acc.shape[1], axis)
+    out.append(acc)
+  return tuple(out)
+
+
+def _lookup_grads_store(refs, accs):
+  for ref, acc in zip(refs, accs):
+    if acc is not None:
+      ref[...] = acc
 
 
 def _value_index(st: Settings, q_pos, k_pos, shape):
@@ -538,20 +604,18 @@ def _dkdv_kernel(st: Settings, *refs):
     ds = vjp(p * (dp - delta_ref[rows][:, None]))[0]
     dk = dk + jax.lax.dot_general((ds * st.scale).astype(q.dtype), q, (((0,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
-    dlooks = tuple(acc + _bucket_sum(ds, indices[i], acc.shape[1], 0)
-                   for i, acc in zip(by_key, dlooks))
+    dlooks = _lookup_grads_add(dlooks, dlook_refs, ds, [indices[i] for i in by_key], 0)
     return dk, dv, dlooks
 
   num_q = r.q.shape[0] // bq
   lo = jnp.clip((kb * st.block_k - r.offset[0]) // bq, 0, num_q) if st.causal else 0
   lo, hi = _block_range(r, ids, lo, num_q)
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32),
-          tuple(jnp.zeros((st.block_k, r.lookups[i].shape[1]), jnp.float32) for i in by_key))
+          _lookup_grads_init(dlook_refs))
   dk, dv, dlooks = _visit(st, r, 'dkdv', ids, lo, hi, body, init)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
-  for ref, dlook in zip(dlook_refs, dlooks):
-    ref[...] = dlook
+  _lookup_grads_store(dlook_refs, dlooks)
 
 
 def _dq_kernel(st: Settings, *refs):
@@ -561,6 +625,7 @@ def _dq_kernel(st: Settings, *refs):
   r = _unpack(st, refs, backward=True)
   do_ref, lse_ref, delta_ref = r.grads_in
   dq_ref, *drow_refs = r.out
+  dlook_refs = drow_refs[len(st.grads):]
   bk = st.block_k
   ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
   head, qb = ids[1], ids[2]
@@ -583,21 +648,19 @@ def _dq_kernel(st: Settings, *refs):
     p = jnp.exp(s - lse)
     ds, d_rows = vjp(p * (_dp(st, r, do, r.v[keys, :], q_pos, k_pos, starts) - delta))
     dq = dq + jnp.dot((ds * st.scale).astype(k.dtype), k, preferred_element_type=jnp.float32)
-    dlooks = tuple(acc + _bucket_sum(ds, indices[i], acc.shape[1], 1)
-                   for i, acc in zip(by_query, dlooks))
+    dlooks = _lookup_grads_add(dlooks, dlook_refs, ds, [indices[i] for i in by_query], 1)
     return (dq, {name: drows[name] + d_rows[name].astype(jnp.float32) for name in drows},
             dlooks)
 
   init = (jnp.zeros(q.shape, jnp.float32),
           {name: jnp.zeros(value.shape, jnp.float32) for name, value in values.items()},
-          tuple(jnp.zeros((st.block_q, r.lookups[i].shape[1]), jnp.float32) for i in by_query))
+          _lookup_grads_init(dlook_refs))
   lo, hi = _block_range(r, ids, 0, _key_blocks_seen(st, r.offset, qb, r.k.shape[0] // bk))
   dq, drows, dlooks = _visit(st, r, 'dq', ids, lo, hi, body, init)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   for name, ref in zip(st.grads, drow_refs):
     ref[...] = drows[name]
-  for ref, dlook in zip(drow_refs[len(st.grads):], dlooks):
-    ref[...] = dlook
+  _lookup_grads_store(dlook_refs, dlooks)
 
 
 # ---------------------------------------------------------------------------

@@ -380,19 +380,24 @@ def test_without_a_mask_the_blocks_wholly_seen_run_without_the_select(causal, n,
   assert visits == want
 
 @pytest.mark.parametrize('dtype,head_dim', [('bfloat16', 64), ('float16', 128)])
-@pytest.mark.parametrize('score', ['alibi', 'buckets', 'lookups'])
+@pytest.mark.parametrize('score', ['alibi', 'buckets', 'lookups', 'wide lookups'])
 def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu(dtype, head_dim, score):
   """Lowered for the CUDA platform on this machine (no GPU needed): the
   forward is one Triton call, its gradient (q, k, v and the tables) two more
   (dk and dv with the per-key lookups'; dq with the table's and the
   per-query lookups'), and no [n, m] array anywhere; with causal, then with
   a Mask whose arrays are kernel operands, over causal. 'lookups': a
-  per-query and a per-key lookup table and a value lookup."""
+  per-query and a per-key lookup table and a value lookup; 'wide lookups':
+  tables wider than the kernel carries (their gradients gathered in its
+  output)."""
   q = jnp.zeros((2, 128, 4, head_dim), dtype)
   k = v = jnp.zeros((2, 128, 2, head_dim), dtype)
   if score == 'lookups':
     score_fn, names = None, ('q_rows', 'k_rows', 'table_v')
     arrays = (jnp.zeros((2, 4, 128, 7)), jnp.zeros((2, 4, 128, 5)), jnp.zeros((5, head_dim)))
+  elif score == 'wide lookups':
+    score_fn, names = None, ('q_rows', 'k_rows')
+    arrays = (jnp.zeros((2, 4, 128, 200)), jnp.zeros((2, 4, 128, 141)))
   else:
     score_fn, tables = SCORES[score]
     names, arrays = tuple(tables), tuple(jnp.asarray(t) for t in tables.values())
@@ -411,3 +416,50 @@ def test_forward_and_backward_lower_to_triton_for_a_cuda_gpu(dtype, head_dim, sc
       text = jax.jit(fn).trace(q, k, v, arrays).lower(lowering_platforms=('cuda',)).as_text()
       assert text.count('custom_call @__gpu$xla.gpu.triton') == calls, text[:2000]
       assert '128x128' not in text, 'an [n, m] array'
+
+
+def wide_query_index(q_pos, k_pos):
+  """A per-query lookup of 200 entries (more than the kernel carries)."""
+  return (k_pos - q_pos).clip(-100, 99) + 100
+
+
+def wide_key_index(q_pos, k_pos):
+  """A per-key lookup of 141 entries."""
+  return (q_pos - k_pos).clip(-70, 70) + 70
+
+
+def test_lookup_tables_wider_than_the_carry_gather_their_gradients_in_the_output():
+  """Tables of 200 and 141 entries (CARRIED_ENTRIES fewer) under randomized
+  positions spread over 400, so that blocks of 16 read one entry (past the
+  clip), a few or more than a window of them: output and gradients of q, k, v
+  and both tables against attention on whole arrays with gathers in JAX."""
+  assert 141 > pallas_gpu.CARRIED_ENTRIES
+  n, rng = 48, np.random.default_rng(11)
+  pos = np.sort(rng.choice(400, n, replace=False))
+  q, k, v = (rng.normal(size=(1, n, 2, D)).astype(np.float32) for _ in range(3))
+  q_rows = rng.normal(size=(1, 2, n, 200)).astype(np.float32)
+  k_rows = rng.normal(size=(1, 2, n, 141)).astype(np.float32)
+  qi = wide_query_index(pos[:, None], pos[None, :])
+  ki = wide_key_index(pos[:, None], pos[None, :])
+  spans = [np.ptp(idx[a:a + BLOCK, c:c + BLOCK]) for idx in (qi, ki)
+           for a in range(0, n, BLOCK) for c in range(0, n, BLOCK)]
+  assert min(spans) == 0 and max(spans) >= pallas_gpu.CARRIED_ENTRIES
+
+  def kernel(q, k, v, q_rows, k_rows):
+    return pallas_gpu.flash_attention(
+        q, k, v, lookups=(('query', wide_query_index, q_rows), ('key', wide_key_index, k_rows)),
+        q_positions=pos, k_positions=pos, block_q=BLOCK, block_k=BLOCK, interpret=True)
+
+  def whole(q, k, v, q_rows, k_rows):
+    s = jnp.einsum('bnhd,bmhd->bhnm', q, k) / np.sqrt(D)
+    rows = np.arange(n)
+    s = s + q_rows[:, :, rows[:, None], qi] + k_rows[:, :, rows[None, :], ki]
+    return jnp.einsum('bhnm,bmhd->bnhd', jax.nn.softmax(s, axis=-1), v)
+
+  args = (q, k, v, q_rows, k_rows)
+  np.testing.assert_allclose(kernel(*args), whole(*args), rtol=2e-5, atol=2e-5)
+  cot = rng.normal(size=q.shape).astype(np.float32)
+  got, want = (jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=tuple(range(5)))(*args)
+               for f in (kernel, whole))
+  for name, a, b in zip(('dq', 'dk', 'dv', 'd q_rows', 'd k_rows'), got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
