@@ -187,8 +187,8 @@ class _HeadRow:
                        "(a batch row, a position): run it with kernel='dense' or 'chunked'")
     rest = key[1:] if isinstance(key, tuple) else ()
     if rest:
-      gathered = (_gathered_once(self.ref, (), rest[0]) if len(rest) == 1
-                  else self.ref[rest])
+      one_array = len(rest) == 1 and getattr(rest[0], 'ndim', 0) > 0  # T5's buckets
+      gathered = _gathered_once(self.ref, (), rest[0]) if one_array else self.ref[rest]
       return gathered if self.value is None else _read(self.value, _flat(self.value, rest),
                                                        gathered)
     row = self.ref if self.value is None else self.value
@@ -473,27 +473,27 @@ def _state_index(ref, ids):
 
 
 def _whole_blocks(st: Settings, r: _Refs, kernel: str, block):
-  """[start, end) of the blocks that program block `block` visits whose
-  pairs are all seen without a Mask: every key real and, under causal,
-  every key at or before the block's first query. For a query block (the
-  forward and dq kernels) a prefix of the key blocks; for a key block (dkdv)
-  a suffix of the query blocks, none if it holds padding keys."""
+  """Where, without a Mask, the blocks that program block `block` visits
+  turn from wholly seen (every key real and, under causal, at or before the
+  block's first query) to not: for a query block (the forward and dq
+  kernels) the end of a prefix of the key blocks; for a key block (dkdv) the
+  start of a suffix of the query blocks, none if it holds padding keys."""
   bq, bk = st.block_q, st.block_k
   if kernel != 'dkdv':
     end = st.m // bk
     if st.causal:
       end = jnp.minimum(end, jnp.maximum(r.offset[0] + block * bq + 1, 0) // bk)
-    return 0, end
+    return end
   num_q = r.q.shape[0] // bq
   start = 0
   if st.causal:  # the first query block whose first query is at or past the key block's last
     start = jnp.clip(-((r.offset[0] - (block + 1) * bk + 1) // bq), 0, num_q)
-  return jnp.where((block + 1) * bk <= st.m, start, num_q), num_q
+  return jnp.where((block + 1) * bk <= st.m, start, num_q)
 
 
 def _visit(st: Settings, r: _Refs, kernel: str, ids, lo, hi, body, carry):
   """body(i, carry, masked) for the blocks i in [lo, hi) of program ids (b,
-  head, block), in order: without a Mask the blocks of _whole_blocks
+  head, block), in order: without a Mask those wholly seen (_whole_blocks)
   unmasked, the others masked; with one EMPTY blocks skipped, FULL ones
   unmasked. by_query kernels read states[.., block, i], the dkdv kernel
   states[.., i, block]."""
@@ -503,14 +503,11 @@ def _visit(st: Settings, r: _Refs, kernel: str, ids, lo, hi, body, carry):
       jax.debug.callback(functools.partial(VISIT_HOOK, kernel, masked), *ids, i)
     return body(i, carry, masked)
 
-  if r.states is None:
-    start, end = _whole_blocks(st, r, kernel, ids[2])
-    end = jnp.maximum(start, end)
-    for a, b, masked in ((lo, jnp.minimum(hi, start), True),
-                         (jnp.maximum(lo, start), jnp.minimum(hi, end), False),
-                         (jnp.maximum(lo, end), hi, True)):
-      carry = jax.lax.fori_loop(a, b, lambda i, c, masked=masked: run(i, c, masked), carry)
-    return carry
+  if r.states is None:  # two runs of blocks: the wholly seen ones first (by query) or last
+    cut = jnp.clip(_whole_blocks(st, r, kernel, ids[2]), lo, hi)
+    first_masked = kernel == 'dkdv'
+    carry = jax.lax.fori_loop(lo, cut, lambda i, c: run(i, c, first_masked), carry)
+    return jax.lax.fori_loop(cut, hi, lambda i, c: run(i, c, not first_masked), carry)
   b, head, blk = _state_index(r.states, ids)
 
   def step(i, carry):
