@@ -161,12 +161,25 @@ def pallas_tiles(head_dim: int, length: int, terms=None) -> pallas_gpu.Tiles | N
   program's memory, so larger tiles may not compile for them."""
   if platform() != 'gpu' or (terms is not None and (terms.lookups or terms.value_lookup)):
     return None
+  row = _tile_row(head_dim, length)
+  return None if row is None else pallas_gpu.Tiles(*(row[f] for f in pallas_gpu.Tiles._fields))
+
+
+def _tile_row(head_dim: int, length: int) -> dict | None:
+  """PALLAS_TILES_FILE's row for head dim `head_dim` with the least
+  max_length >= length, else its longest; None where it has none."""
   rows = sorted((row for row in _tile_rows(PALLAS_TILES_FILE) if row['head_dim'] == head_dim),
                 key=lambda row: row['max_length'])
   if not rows:
     return None
-  row = next((row for row in rows if row['max_length'] >= length), rows[-1])
-  return pallas_gpu.Tiles(*(row[field] for field in pallas_gpu.Tiles._fields))
+  return next((row for row in rows if row['max_length'] >= length), rows[-1])
+
+
+def _pallas_measured_faster(call: kernels.Call) -> bool:
+  """Whether the tiles table measured the plain fused kernel faster than
+  cuDNN at the call's head dim and length (its row's ms and cudnn_ms)."""
+  row = _tile_row(call.query_shape[3], max(call.query_shape[1], call.key_shape[1]))
+  return bool(row and row.get('cudnn_ms') and row['ms'] < row['cudnn_ms'])
 
 
 TILE_FIELDS = ('head_dim', 'max_length') + pallas_gpu.Tiles._fields
@@ -176,7 +189,8 @@ TILE_FIELDS = ('head_dim', 'max_length') + pallas_gpu.Tiles._fields
 def _tile_rows(path: str) -> tuple[dict, ...]:
   """The rows of a tiles file (benchmarks/pallas_tiles.py's 'tiles'),
   checked: every field of TILE_FIELDS a positive int, the blocks and warps
-  powers of two (Triton's). () where there is no file."""
+  powers of two (Triton's), ms and cudnn_ms (where given) numbers. () where
+  there is no file."""
   if not os.path.exists(path):
     return ()
   try:
@@ -188,6 +202,8 @@ def _tile_rows(path: str) -> tuple[dict, ...]:
         raise ValueError(f'row {row}: {", ".join(TILE_FIELDS)} must be positive ints')
       if any(row[f] & (row[f] - 1) for f in ('block_q', 'block_k', 'num_warps')):
         raise ValueError(f'row {row}: block_q, block_k and num_warps must be powers of two')
+      if not all(isinstance(row.get(f, 0.0) or 0.0, (int, float)) for f in ('ms', 'cudnn_ms')):
+        raise ValueError(f'row {row}: ms and cudnn_ms must be numbers')
   except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f'{path} is not a table of tiles as benchmarks/pallas_tiles.py writes it '
                      f'({type(e).__name__}: {e}); write it again or delete it') from None
@@ -267,11 +283,13 @@ def _auto(call: kernels.Call, dense_max_mib: int | None) -> Choice:
     return Choice(kernels.DENSE, 'weights asked for: only dense has them')
   if variant.chunked is None:
     return Choice(kernels.DENSE, 'the scheme has no blockwise form')
-  for kernel, on in ((kernels.CUDNN, rule.cudnn), (kernels.SPLASH, rule.splash)):
+  faster = _pallas_fits(call) and _pallas_measured_faster(call)
+  for kernel, on in ((kernels.CUDNN, rule.cudnn and not faster), (kernels.SPLASH, rule.splash)):
     if on and kernel.supports(call) is None:
       return Choice(kernel, f'auto: {call.platform}, {dtype}, head dim {d}')
   if _pallas_fits(call):
-    return Choice(kernels.PALLAS, f'auto: {call.platform}, {dtype}, head dim {d}')
+    return Choice(kernels.PALLAS, f'auto: {call.platform}, {dtype}, head dim {d}' + (
+        f'; measured faster than cuDNN ({os.path.basename(PALLAS_TILES_FILE)})' if faster else ''))
   if call.positions is not None:
     return Choice(kernels.DENSE, 'positions given as data')
   if call.decoding and m > 2 * call.chunk_size:
@@ -322,8 +340,8 @@ def describe(name: str) -> str:
   rule = policy(name)
   dtypes = '/'.join(jnp.dtype(t).name for t in kernels.CUDNN_DTYPES)
   fused = (f'dot_product and rotary (grouped-query too) in {dtypes} on cuDNN (head dim a multiple '
-           f'of 8, <= {kernels.CUDNN_MAX_HEAD_DIM}; even lengths > 1; no dropout or weights), else '
-           if rule.cudnn else '')
+           f'of 8, <= {kernels.CUDNN_MAX_HEAD_DIM}; even lengths > 1; no dropout or weights) '
+           'unless the fused kernel measured faster there, else ' if rule.cudnn else '')
   limit = (f'1/{round(1 / rule.memory_share)} of device memory ({rule.dense_max_mib} MiB '
            'where it reports none)' if rule.memory_share else f'{rule.dense_max_mib} MiB')
   if rule.splash:

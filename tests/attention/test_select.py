@@ -402,3 +402,19 @@ def test_the_tiles_benchmark_writes_the_table_select_reads(tmp_path, monkeypatch
   refused = subprocess.run([sys.executable, script, '--quick'], capture_output=True, text=True,
                            timeout=300)
   assert refused.returncode == 2 and 'give --out' in refused.stderr
+
+
+def test_plain_attention_takes_the_fused_kernel_where_the_table_measured_it_faster(
+    tmp_path, monkeypatch, device_memory):
+  """cuDNN for dot_product and rotary on a GPU unless the tiles table's row
+  for the head dim and length has the fused kernel's ms below cuDNN's; the
+  other schemes are not moved by it, and the CPU never reads it."""
+  _tiles_file(tmp_path, monkeypatch, [dict(_row(64, 4096, 64, 64, 4, 2), ms=0.5, cudnn_ms=0.7),
+                                      dict(_row(64, 8192, 128, 64, 8, 2), ms=1.9, cudnn_ms=1.4),
+                                      dict(_row(128, 4096, 64, 64, 4, 2), ms=0.8, cudnn_ms=None)])
+  pick = lambda name, n, d: _pick('gpu', name, 2, n, n, d=d, dtype='bfloat16')  # noqa: E731
+  assert pick('dot_product', 2048, 64) == pick('rotary', 4096, 64) == 'pallas'
+  assert pick('dot_product', 8192, 64) == pick('dot_product', 16384, 64) == 'cudnn'
+  assert pick('dot_product', 2048, 128) == 'cudnn'  # no cuDNN time in its row
+  assert pick('alibi', 8192, 64) == 'pallas'
+  assert _pick('cpu', 'dot_product', 2, 2048, 2048, d=64, dtype='bfloat16') != 'pallas'
