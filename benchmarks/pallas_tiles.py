@@ -6,8 +6,9 @@ table select.py reads (flaxformer_lite/attention/pallas_tiles.json), which
 `auto` then gives the kernel for that head dim and lengths up to the case's
 (select.pallas_tiles).
 
-  .venv/bin/python benchmarks/pallas_tiles.py                  # on a GPU: the issue's grid
-  .venv/bin/python benchmarks/pallas_tiles.py --head_dims 64 --batch_at 2048:4 --out /tmp/t.json
+  .venv/bin/python benchmarks/pallas_tiles.py                  # on a GPU: head dims 64, 128 at 2048, 8192, 32768
+  .venv/bin/python benchmarks/pallas_tiles.py --head_dims 64 --batch_at 2048:4 --warps 4 \\
+      --out /tmp/t.json
   .venv/bin/python benchmarks/pallas_tiles.py --quick --out /tmp/t.json   # any machine
 
 Off a GPU the kernel runs interpreted: the times say nothing of a GPU, and
@@ -33,13 +34,13 @@ GPU_CASES = ((2048, 4), (8192, 1), (32768, 1))  # (n, b): the fused kernel's tar
 QUICK_CASES = ((64, 1),)
 
 
-def candidates(quick: bool) -> list[pallas_gpu.Tiles]:
-  """The tiles tried: blocks of 64 or 128 rows and columns, 4 or 8 warps,
-  2 or 3 stages (--quick: the default and one other)."""
+def candidates(quick: bool, blocks=(64, 128), warps=(4, 8), stages=(2, 3)) -> list:
+  """The pallas_gpu.Tiles tried: every query and key block of `blocks`,
+  warps and stages (--quick: the default and blocks of 32), the default first."""
   if quick:
     return [pallas_gpu.Tiles(), pallas_gpu.Tiles(32, 32)]
-  return [pallas_gpu.Tiles(bq, bk, warps, stages)
-          for bq, bk, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+  tried = [pallas_gpu.Tiles(*t) for t in itertools.product(blocks, blocks, warps, stages)]
+  return [pallas_gpu.Tiles()] + [t for t in tried if t != pallas_gpu.Tiles()]
 
 
 def gradient(q, k, v, g, attend):
@@ -125,6 +126,10 @@ def parse_args(argv=None):
                  help='n:b cases; default: 2048:4 8192:1 32768:1 on a GPU, 64:1 elsewhere')
   p.add_argument('--heads', type=int, default=8)
   p.add_argument('--repeats', type=int, default=10)
+  p.add_argument('--blocks', type=int, nargs='+', default=[64, 128],
+                 help='query and key block sizes tried (powers of two)')
+  p.add_argument('--warps', type=int, nargs='+', default=[4, 8])
+  p.add_argument('--stages', type=int, nargs='+', default=[2, 3])
   p.add_argument('--quick', action='store_true', help='two candidates, tiny sizes')
   p.add_argument('--out', default=select.PALLAS_TILES_FILE)
   a = p.parse_args(argv)
@@ -134,6 +139,8 @@ def parse_args(argv=None):
     p.error(f'--batch_at {a.batch_at}: each is n:b, two ints')
   if any(len(c) != 2 or min(c) < 1 for c in a.cases):
     p.error(f'--batch_at {a.batch_at}: each is n:b with n, b >= 1')
+  if any(x < 1 or x & (x - 1) for x in a.blocks + a.warps):
+    p.error(f'--blocks {a.blocks} --warps {a.warps}: each a power of two')
   if jax.default_backend() != 'gpu' and a.out == select.PALLAS_TILES_FILE:
     p.error(f'the JAX backend is {jax.default_backend()!r}: interpreted times are no GPU\'s, '
             f'so they do not go in {a.out}; give --out')
@@ -146,7 +153,7 @@ def main(argv=None):
   quick = a.quick or not on_gpu
   cases = a.cases or (QUICK_CASES if quick else GPU_CASES)
   dims = a.head_dims or ([16] if quick else [64, 128])
-  tiles_list = candidates(quick)
+  tiles_list = candidates(quick, a.blocks, a.warps, a.stages)
   print(f'the plain fused kernel, causal fwd+bwd, {a.heads} heads, '
         f'{"bfloat16" if on_gpu else "float32, interpreted"}, {len(tiles_list)} tiles, '
         f'repeats={a.repeats}, {jax.devices()[0]}, jax {jax.__version__}', flush=True)
