@@ -297,7 +297,7 @@ def test_a_scored_layer_lowers_to_the_pallas_kernel_for_a_gpu(device_memory):
   padding, for every scheme the fused kernel runs but the two cuDNN takes
   (over the live registry): lowered for CUDA as a GPU chooses, the forward
   is one Triton call and no [n, m] array; the gradient three (forward,
-  dk/dv, dq) for the issue's schemes and local's window; transformer_xl's
+  dk/dv, dq) for the lookup and table schemes and local's window; transformer_xl's
   stays off it."""
   def hlo(attention, grad):
     layer = MultiHeadAttention(num_heads=2, qkv_features=128, attention=attention,
