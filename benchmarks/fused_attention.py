@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +275,8 @@ def parse(argv=None):
   unknown = sorted(set(args.schemes or ()) - set(cases()))
   if unknown:
     p.error(f'--schemes {" ".join(unknown)}: valid: {" ".join(cases())}')
+  if not all(re.fullmatch(r'[1-9]\d*:[1-9]\d*', pair) for pair in args.batch_at):
+    p.error(f'--batch_at {" ".join(args.batch_at)}: each is length:batch, two positive ints')
   return args
 
 
