@@ -6,7 +6,7 @@ table select.py reads (flaxformer_lite/attention/pallas_tiles.json), which
 `auto` then gives the kernel for that head dim and lengths up to the case's
 (select.pallas_tiles).
 
-  .venv/bin/python benchmarks/pallas_tiles.py                  # on a GPU: head dims 64, 128 at 2048, 8192, 32768
+  .venv/bin/python benchmarks/pallas_tiles.py    # on a GPU: head dims 64, 128 at 2048, 8192, 32768
   .venv/bin/python benchmarks/pallas_tiles.py --head_dims 64 --batch_at 2048:4 --warps 4 \\
       --out /tmp/t.json
   .venv/bin/python benchmarks/pallas_tiles.py --quick --out /tmp/t.json   # any machine
@@ -16,19 +16,19 @@ Off a GPU the kernel runs interpreted: the times say nothing of a GPU, and
 """
 import argparse
 import datetime
+import functools
 import itertools
 import json
-import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+import fused_attention
 from flaxformer_lite.attention import select
 from flaxformer_lite.attention.kernels import pallas_gpu
-from timing import compile_all, interleaved_times, median
+from timing import median
 
 GPU_CASES = ((2048, 4), (8192, 1), (32768, 1))  # (n, b): the fused kernel's targets
 QUICK_CASES = ((64, 1),)
@@ -43,28 +43,21 @@ def candidates(quick: bool, blocks=(64, 128), warps=(4, 8), stages=(2, 3)) -> li
   return [pallas_gpu.Tiles()] + [t for t in tried if t != pallas_gpu.Tiles()]
 
 
-def gradient(q, k, v, g, attend):
-  """jitted d/d(q, k, v) of sum(attend(q, k, v) * g), and its arguments."""
-  def loss(q, k, v):
-    return jnp.sum(attend(q, k, v).astype(jnp.float32) * g)
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v)
-
-
-def case_builds(n: int, b: int, d: int, heads: int, tiles_list, on_gpu: bool) -> dict:
-  """{name: (jitted fn, args)}: the plain causal kernel under each tiles
-  (named by them), and cuDNN on a GPU; q, k, v [b, n, heads, d] random."""
-  dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.normal(size=(b, n, heads, d)), dtype) for _ in range(3))
-  g = jnp.asarray(rng.normal(size=(b, n, heads, d)), jnp.float32)
-  builds = {}
+def case_steps(n: int, b: int, d: int, heads: int, tiles_list, on_gpu: bool) -> dict:
+  """{name: () -> (jitted step, args)}: the plain causal kernel's forward and
+  backward under each tiles (named by them), and cuDNN's on a GPU; q, k, v
+  [b, n, heads, d] random (fused_attention's steps)."""
+  q, k, v, g = fused_attention.inputs(n, b, heads, d, jnp.bfloat16 if on_gpu else jnp.float32)
+  steps = {}
   for tiles in tiles_list:
-    builds[name_of(tiles)] = gradient(q, k, v, g, lambda q, k, v, t=tiles: (
-        pallas_gpu.flash_attention(q, k, v, causal=True, interpret=not on_gpu, **t._asdict())))
+    def attention(q, k, v, params, tiles=tiles):
+      del params
+      return pallas_gpu.flash_attention(q, k, v, causal=True, interpret=not on_gpu,
+                                        **tiles._asdict())
+    steps[name_of(tiles)] = functools.partial(fused_attention.grad_step, attention, q, k, v, g, {})
   if on_gpu:
-    builds['cudnn'] = gradient(q, k, v, g, lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation='cudnn'))
-  return builds
+    steps['cudnn'] = functools.partial(fused_attention.jax_nn_step, 'cudnn', q, k, v, g)
+  return steps
 
 
 def name_of(tiles: pallas_gpu.Tiles) -> str:
@@ -73,26 +66,22 @@ def name_of(tiles: pallas_gpu.Tiles) -> str:
 
 def measure(n: int, b: int, d: int, heads: int, tiles_list, repeats: int, on_gpu: bool) -> dict:
   """One case: every tile's and cuDNN's median ms, the fastest tile, and
-  what failed."""
-  # A tile Triton refuses (too much shared memory) is left out, not fatal.
-  fns, temps, failed = compile_all(
-      {name: lambda built=built: built
-       for name, built in case_builds(n, b, d, heads, tiles_list, on_gpu).items()},
-      errors=Exception)
-  ms = {name: median(t) for name, t in interleaved_times(fns, repeats).items()}
+  what failed (a tile Triton refuses, too much shared memory, is left out)."""
+  measured = fused_attention.measure(case_steps(n, b, d, heads, tiles_list, on_gpu), repeats)
+  ms = {name: median(t) for name, t in measured['rounds'].items()}
   tiles = [t for t in tiles_list if name_of(t) in ms]
   if not tiles:
-    raise SystemExit(f'n={n} d={d}: no tile compiled: {failed}')
+    raise SystemExit(f'n={n} d={d}: no tile compiled: {measured["failed"]}')
   best = min(tiles, key=lambda t: ms[name_of(t)])
-  return {'n': n, 'b': b, 'd': d, 'ms': ms, 'temp_mib': temps, 'failed': failed, 'best': best,
-          'default': name_of(pallas_gpu.Tiles())}
+  return {'n': n, 'b': b, 'd': d, 'ms': ms, 'temp_mib': measured['temp'],
+          'failed': measured['failed'], 'best': best, 'default': name_of(pallas_gpu.Tiles())}
 
 
 def print_case(c: dict, heads: int):
   """The case's rows, fastest first: ms, x the default tile, x cuDNN, TFLOP/s
   (the causal half of 4 b h n^2 d forward, 3.5x with the backward)."""
   ms = c['ms']
-  flops = 3.5 * 4 * c['b'] * heads * c['n'] ** 2 * c['d'] / 2
+  flops = fused_attention.flops(c['n'], c['b'], heads, c['d'])
   default, cudnn = ms.get(c['default']), ms.get('cudnn')
   print(f"n={c['n']} b={c['b']} d={c['d']}: fastest {name_of(c['best'])}")
   print(f'  {"tiles":<14}{"ms":>9}{"x default":>11}{"x cuDNN":>9}{"TFLOP/s":>9}{"temp MiB":>10}')

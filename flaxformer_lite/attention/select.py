@@ -283,11 +283,12 @@ def _auto(call: kernels.Call, dense_max_mib: int | None) -> Choice:
     return Choice(kernels.DENSE, 'weights asked for: only dense has them')
   if variant.chunked is None:
     return Choice(kernels.DENSE, 'the scheme has no blockwise form')
-  faster = _pallas_fits(call) and _pallas_measured_faster(call)
+  fused = _pallas_fits(call)
+  faster = fused and _pallas_measured_faster(call)
   for kernel, on in ((kernels.CUDNN, rule.cudnn and not faster), (kernels.SPLASH, rule.splash)):
     if on and kernel.supports(call) is None:
       return Choice(kernel, f'auto: {call.platform}, {dtype}, head dim {d}')
-  if _pallas_fits(call):
+  if fused:
     return Choice(kernels.PALLAS, f'auto: {call.platform}, {dtype}, head dim {d}' + (
         f'; measured faster than cuDNN ({os.path.basename(PALLAS_TILES_FILE)})' if faster else ''))
   if call.positions is not None:

@@ -405,9 +405,11 @@ def _lookup_grads_init(refs) -> tuple:
   entries; None for a wider one, whose ref is zeroed to gather them."""
   out = []
   for ref in refs:
-    if ref.shape[1] > CARRIED_ENTRIES:
-      ref[...] = jnp.zeros(ref.shape, ref.dtype)
-    out.append(None if ref.shape[1] > CARRIED_ENTRIES else jnp.zeros(ref.shape, jnp.float32))
+    zeros = jnp.zeros(ref.shape, jnp.float32)
+    wide = ref.shape[1] > CARRIED_ENTRIES
+    if wide:
+      ref[...] = zeros
+    out.append(None if wide else zeros)
   return tuple(out)
 
 
