@@ -15,7 +15,8 @@ of that round's ratio.
 
 Columns: median ms; x the plain kernel; x XLA; TFLOP/s (the causal half of
 4 b h n^2 d forward, 3.5x that with the backward, FlashAttention's
-convention: the same count for every row); XLA's compiled temp MiB; the
+convention: the same count for every row; FlashAttention-3's published
+figure is printed under the table); XLA's compiled temp MiB; the
 O(n R) lookup tables a scheme makes per call, with their gradients (Shaw's
 q . a^K rows, DeBERTa's c2p and p2c: 2 x b h n R float32); the temp beyond
 those tables over the plain kernel's temp; and the GPU targets (TARGETS) that
@@ -61,6 +62,10 @@ TARGETS = (
     (HELD + ('pallas shaw',), 'x XLA', 0.3, (8192, 8192)),
     (HELD + ('pallas shaw',), 'temp beyond tables x plain', 1.2, (32768, math.inf)),
 )
+# Printed under the table for its TFLOP/s column (the cuDNN row is measured beside it).
+PUBLISHED = ('FlashAttention-3, published (Shah et al. 2024, arXiv:2407.08608; H100 SXM5, '
+             '16-bit): up to 740 TFLOP/s forward, 75% of the chip\'s peak; its figures give '
+             'causal forward and backward per head dim and length')
 
 
 def cases() -> dict[str, tuple[str, dict]]:
@@ -300,6 +305,7 @@ def main(argv=None) -> list[str]:
       print('\n'.join(lines), flush=True)
       rows += lines
       failed += [f'n={n} d={d} {name}: {reason}' for name, reason in why.items()]
+  print(f'- for comparison: {PUBLISHED}')
   for line in failed:
     print(f'- failed: {line}')
   return rows
