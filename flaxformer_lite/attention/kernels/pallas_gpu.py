@@ -52,7 +52,7 @@ their gradients are each row's ds summed per entry, in the dq kernel for
 per-query tables and in the dk/dv kernel for per-key ones (`_bucket_sum`:
 one select pass per entry between a block's least and greatest index, so a
 block wholly past a clip costs one; a table wider than CARRIED_ENTRIES,
-DeBERTa's, sums them in the kernel's output, a window of entries at a time,
+DeBERTa's, sums them in the kernel's output, in aligned windows of entries,
 not in registers), and reach q, k and the position
 tables through the product that made them (autodiff, outside). A value
 lookup (index, table [R, dv]) adds sum_j p_ij table[index_ij] to the
@@ -122,6 +122,9 @@ ROW_MAX_START = NEG_INF / 2
 # kernel 'forward', 'dkdv' or 'dq'; masked False for a FULL block): read
 # while tracing; tests count the blocks visited.
 VISIT_HOOK = None
+# None, or a function(first entry, ref's width) that interpret-mode calls
+# report each read and write of a wide table's gradient window to.
+WINDOW_HOOK = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,42 +377,54 @@ def _bucket_sum(x, idx, size: int, axis: int | None = None, first=None, last=Non
 
 
 def _bucket_add(ref, x, idx, axis: int):
-  """ref [rows, size] += x [bq, bk] summed per entry idx over `axis`
-  (_bucket_sum's), for a table too wide to carry: a block whose pairs all
-  read one entry adds that column; any other sums its entries
-  CARRIED_ENTRIES at a time in registers and adds each window to the ref
-  once."""
-  size, width = ref.shape[1], CARRIED_ENTRIES
+  """ref [rows, width] += x [bq, bk] summed per entry idx over `axis`
+  (_bucket_sum's), for a table too wide to carry (width a power of two, a
+  multiple of CARRIED_ENTRIES): the block's entries CARRIED_ENTRIES at a
+  time, in the ref's aligned windows that hold them, each summed in
+  registers and added once. Every read and write of the ref is one whole
+  aligned window, so an entry's element belongs to the same thread in each:
+  a Triton program orders a load after a store to one address only within
+  a thread, and a window at another offset (or a row's single column, held
+  by several threads) could read a sum before another thread's store."""
+  width = CARRIED_ENTRIES
   lo, hi = jnp.min(idx), jnp.max(idx) + 1
 
-  @pl.when(hi - lo == 1)
-  def _():
-    ref[:, pl.ds(lo, 1)] = ref[:, pl.ds(lo, 1)] + jnp.sum(x, axis=axis)[:, None]
-
   def window(w, carry):
-    start = lo + w * width
-    base = jnp.minimum(start, size - width)  # the window inside the table
-    part = _bucket_sum(x, idx - base, width, axis, start - base,
-                       jnp.minimum(start + width, hi) - base)
-    ref[:, pl.ds(base, width)] = ref[:, pl.ds(base, width)] + part
+    base = w * width
+    part = _bucket_sum(x, idx - base, width, axis, jnp.maximum(lo, base) - base,
+                       jnp.minimum(hi, base + width) - base)
+    _window_write(ref, base, _window_read(ref, base) + part)
     return carry
+  jax.lax.fori_loop(lo // width, (hi - 1) // width + 1, window, 0)
 
-  @pl.when(hi - lo > 1)
-  def _():
-    jax.lax.fori_loop(0, (hi - lo + width - 1) // width, window, 0)
+
+def _window_read(ref, base):
+  if WINDOW_HOOK is not None:
+    jax.debug.callback(WINDOW_HOOK, base, ref.shape[1])
+  return ref[:, pl.ds(base, CARRIED_ENTRIES)]
+
+
+def _window_write(ref, base, value):
+  if WINDOW_HOOK is not None:
+    jax.debug.callback(WINDOW_HOOK, base, ref.shape[1])
+  ref[:, pl.ds(base, CARRIED_ENTRIES)] = value
 
 
 def _lookup_grads_init(refs) -> tuple:
   """The loop's carry for the gradients of lookup tables (refs: their output
   refs [rows, entries]): zeros for a table of at most CARRIED_ENTRIES
-  entries; None for a wider one, whose ref is zeroed to gather them."""
+  entries; None for a wider one, whose ref is zeroed, window by window, to
+  gather them."""
   out = []
   for ref in refs:
-    zeros = jnp.zeros(ref.shape, jnp.float32)
     wide = ref.shape[1] > CARRIED_ENTRIES
     if wide:
-      ref[...] = zeros
-    out.append(None if wide else zeros)
+      def zero(w, carry, ref=ref):
+        _window_write(ref, w * CARRIED_ENTRIES,
+                      jnp.zeros((ref.shape[0], CARRIED_ENTRIES), jnp.float32))
+        return carry
+      jax.lax.fori_loop(0, ref.shape[1] // CARRIED_ENTRIES, zero, 0)
+    out.append(None if wide else jnp.zeros(ref.shape, jnp.float32))
   return tuple(out)
 
 

@@ -428,12 +428,19 @@ def wide_key_index(q_pos, k_pos):
   return (q_pos - k_pos).clip(-70, 70) + 70
 
 
-def test_lookup_tables_wider_than_the_carry_gather_their_gradients_in_the_output():
+def test_lookup_tables_wider_than_the_carry_gather_their_gradients_in_the_output(monkeypatch):
   """Tables of 200 and 141 entries (CARRIED_ENTRIES fewer) under randomized
   positions spread over 400, so that blocks of 16 read one entry (past the
   clip), a few or more than a window of them: output and gradients of q, k, v
-  and both tables against attention on whole arrays with gathers in JAX."""
-  assert 141 > pallas_gpu.CARRIED_ENTRIES
+  and both tables against attention on whole arrays with gathers in JAX.
+  Every read and write of the gradients in the kernel's output is a whole
+  window at a multiple of CARRIED_ENTRIES (on a GPU, an entry is then always
+  held by one thread)."""
+  width = pallas_gpu.CARRIED_ENTRIES
+  assert 141 > width
+  windows = []
+  monkeypatch.setattr(pallas_gpu, 'WINDOW_HOOK',
+                      lambda base, size: windows.append((int(base), int(size))))
   n, rng = 48, np.random.default_rng(11)
   pos = np.sort(rng.choice(400, n, replace=False))
   q, k, v = (rng.normal(size=(1, n, 2, D)).astype(np.float32) for _ in range(3))
@@ -463,3 +470,5 @@ def test_lookup_tables_wider_than_the_carry_gather_their_gradients_in_the_output
                for f in (kernel, whole))
   for name, a, b in zip(('dq', 'dk', 'dv', 'd q_rows', 'd k_rows'), got, want):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+  assert {size for _, size in windows} == {256}  # both padded to a power of two
+  assert {base for base, _ in windows} == {0, 64, 128, 192}
