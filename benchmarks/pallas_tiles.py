@@ -146,14 +146,15 @@ def main(argv=None):
   print(f'the plain fused kernel, causal fwd+bwd, {a.heads} heads, '
         f'{"bfloat16" if on_gpu else "float32, interpreted"}, {len(tiles_list)} tiles, '
         f'repeats={a.repeats}, {jax.devices()[0]}, jax {jax.__version__}', flush=True)
+  command = ' '.join(['benchmarks/pallas_tiles.py', *(argv if argv is not None else sys.argv[1:])])
   start, measured = time.time(), []
   for d, (n, b) in itertools.product(dims, cases):
     measured.append(measure(n, b, d, a.heads, tiles_list, a.repeats, on_gpu))
     print_case(measured[-1], a.heads)
-  command = ' '.join(['benchmarks/pallas_tiles.py', *(argv if argv is not None else sys.argv[1:])])
-  with open(a.out, 'w') as f:
-    json.dump(table(measured, command), f, indent=1)
-    f.write('\n')
+    # Rewritten after every case: a run stopped at a lent machine's limit keeps what it measured.
+    with open(a.out, 'w') as f:
+      json.dump(table(measured, command), f, indent=1)
+      f.write('\n')
   print(f'wrote {a.out} ({time.time() - start:.0f} s)')
 
 

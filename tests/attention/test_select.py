@@ -1,6 +1,7 @@
 """The `auto` kernel policy (attention/select.py): the choice per platform as a
 function of shapes and dtypes, then the path a layer lowered for CUDA on this
 machine takes, read from its HLO."""
+import importlib
 import json
 import os
 import re
@@ -402,6 +403,28 @@ def test_the_tiles_benchmark_writes_the_table_select_reads(tmp_path, monkeypatch
   refused = subprocess.run([sys.executable, script, '--quick'], capture_output=True, text=True,
                            timeout=300)
   assert refused.returncode == 2 and 'give --out' in refused.stderr
+
+
+def test_the_tiles_table_keeps_the_cases_measured_before_a_run_is_stopped(tmp_path, monkeypatch):
+  """pallas_tiles.py rewrites its table after every case: stopped during its
+  second case (here: that case's measure raises), the file holds the first
+  case's row."""
+  monkeypatch.syspath_prepend(os.path.join(REPO, 'benchmarks'))
+  pallas_tiles = importlib.import_module('pallas_tiles')
+  measured, real = [], pallas_tiles.measure
+
+  def measure(*args, **kwargs):
+    if measured:
+      raise RuntimeError('stopped')
+    measured.append(real(*args, **kwargs))
+    return measured[-1]
+  monkeypatch.setattr(pallas_tiles, 'measure', measure)
+  out = tmp_path / 'tiles.json'
+  with pytest.raises(RuntimeError, match='stopped'):
+    pallas_tiles.main(['--quick', '--repeats', '1', '--batch_at', '32:1', '64:1',
+                       '--out', str(out)])
+  row, = json.loads(out.read_text())['tiles']
+  assert (row['head_dim'], row['max_length']) == (16, 32)
 
 
 def test_plain_attention_takes_the_fused_kernel_where_the_table_measured_it_faster(
