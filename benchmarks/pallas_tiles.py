@@ -4,7 +4,9 @@ plain kernel's forward+backward (causal, 8 heads, bfloat16 on a GPU) side by
 side, cuDNN beside them on a GPU; the fastest per case is written to the
 table select.py reads (flaxformer_lite/attention/pallas_tiles.json), which
 `auto` then gives the kernel for that head dim and lengths up to the case's
-(select.pallas_tiles).
+(select.pallas_tiles). The file is rewritten after every case and keeps the
+rows of earlier commands on the same device and jax, so a sweep may be split
+over commands (--head_dims 64, then 128) and one stopped early keeps its rows.
 
   .venv/bin/python benchmarks/pallas_tiles.py    # on a GPU: head dims 64, 128 at 2048, 8192, 32768
   .venv/bin/python benchmarks/pallas_tiles.py --head_dims 64 --batch_at 2048:4 --warps 4 \\
@@ -93,18 +95,34 @@ def print_case(c: dict, heads: int):
     print(f'  {name:<14}failed: {why}')
 
 
-def table(cases: list[dict], command: str) -> dict:
+def table(cases: list[dict], command: str, kept=()) -> dict:
   """The file select.py reads: where and how it was measured, and a row per
   case (head_dim, max_length = the case's n, the fastest tiles, its ms and
-  the default's and cuDNN's)."""
+  the default's and cuDNN's), after the rows `kept` of cases not measured here."""
   device = jax.devices()[0]
   rows = [{'head_dim': c['d'], 'max_length': c['n'], **c['best']._asdict(),
            'ms': round(c['ms'][name_of(c['best'])], 4),
            'default_ms': round(c['ms'].get(c['default'], float('nan')), 4),
            'cudnn_ms': round(c['ms']['cudnn'], 4) if 'cudnn' in c['ms'] else None}
           for c in cases]
+  measured = {(r['head_dim'], r['max_length']) for r in rows}
+  rows = [r for r in kept if (r['head_dim'], r['max_length']) not in measured] + rows
   return {'device': getattr(device, 'device_kind', str(device)), 'jax': jax.__version__,
           'date': datetime.date.today().isoformat(), 'command': command, 'tiles': rows}
+
+
+def kept_rows(path: str) -> list:
+  """The rows of an existing table at `path` measured on this device with
+  this jax (a sweep split over several commands adds to them); none else."""
+  try:
+    with open(path) as f:
+      old = json.load(f)
+  except (OSError, ValueError):
+    return []
+  device = jax.devices()[0]
+  same = (old.get('device') == getattr(device, 'device_kind', str(device))
+          and old.get('jax') == jax.__version__)
+  return list(old.get('tiles', [])) if same else []
 
 
 def parse_args(argv=None):
@@ -147,13 +165,13 @@ def main(argv=None):
         f'{"bfloat16" if on_gpu else "float32, interpreted"}, {len(tiles_list)} tiles, '
         f'repeats={a.repeats}, {jax.devices()[0]}, jax {jax.__version__}', flush=True)
   command = ' '.join(['benchmarks/pallas_tiles.py', *(argv if argv is not None else sys.argv[1:])])
-  start, measured = time.time(), []
+  start, measured, kept = time.time(), [], kept_rows(a.out)
   for d, (n, b) in itertools.product(dims, cases):
     measured.append(measure(n, b, d, a.heads, tiles_list, a.repeats, on_gpu))
     print_case(measured[-1], a.heads)
     # Rewritten after every case: a run stopped at a lent machine's limit keeps what it measured.
     with open(a.out, 'w') as f:
-      json.dump(table(measured, command), f, indent=1)
+      json.dump(table(measured, command, kept), f, indent=1)
       f.write('\n')
   print(f'wrote {a.out} ({time.time() - start:.0f} s)')
 

@@ -405,10 +405,11 @@ def test_the_tiles_benchmark_writes_the_table_select_reads(tmp_path, monkeypatch
   assert refused.returncode == 2 and 'give --out' in refused.stderr
 
 
-def test_the_tiles_table_keeps_the_cases_measured_before_a_run_is_stopped(tmp_path, monkeypatch):
+def test_the_tiles_table_keeps_the_cases_measured_before_a_run_is_stopped_or_by_another(tmp_path, monkeypatch):
   """pallas_tiles.py rewrites its table after every case: stopped during its
   second case (here: that case's measure raises), the file holds the first
-  case's row."""
+  case's row, and a later command on the same device and jax adds its own
+  (on another device, it starts the table anew)."""
   monkeypatch.syspath_prepend(os.path.join(REPO, 'benchmarks'))
   pallas_tiles = importlib.import_module('pallas_tiles')
   measured, real = [], pallas_tiles.measure
@@ -425,6 +426,16 @@ def test_the_tiles_table_keeps_the_cases_measured_before_a_run_is_stopped(tmp_pa
                        '--out', str(out)])
   row, = json.loads(out.read_text())['tiles']
   assert (row['head_dim'], row['max_length']) == (16, 32)
+  # The sweep's next command (here the case stopped above) adds its row to them.
+  monkeypatch.setattr(pallas_tiles, 'measure', real)
+  pallas_tiles.main(['--quick', '--repeats', '1', '--batch_at', '64:1', '--out', str(out)])
+  assert [(r['head_dim'], r['max_length']) for r in json.loads(out.read_text())['tiles']] == [
+      (16, 32), (16, 64)]
+  # Rows measured on another device are not kept.
+  out.write_text(json.dumps(dict(json.loads(out.read_text()), device='another GPU')))
+  pallas_tiles.main(['--quick', '--repeats', '1', '--batch_at', '64:1', '--out', str(out)])
+  assert [(r['head_dim'], r['max_length']) for r in json.loads(out.read_text())['tiles']] == [
+      (16, 64)]
 
 
 def test_plain_attention_takes_the_fused_kernel_where_the_table_measured_it_faster(
