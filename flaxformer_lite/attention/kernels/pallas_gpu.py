@@ -53,8 +53,9 @@ per-query tables and in the dk/dv kernel for per-key ones (`_bucket_sum`:
 one select pass per entry between a block's least and greatest index, so a
 block wholly past a clip costs one; a table wider than CARRIED_ENTRIES,
 DeBERTa's, sums them in the kernel's output, in aligned windows of entries,
-not in registers), and reach q, k and the position
-tables through the product that made them (autodiff, outside). A value
+except a block wholly past a clip, whose one entry's sums stay in
+registers), and reach q, k and the position tables through the product
+that made them (autodiff, outside). A value
 lookup (index, table [R, dv]) adds sum_j p_ij table[index_ij] to the
 output (Shaw's a^V): the forward sums each row's weights per entry beside
 the output, rescaled with it, multiplies by the table once at the end and
@@ -122,8 +123,9 @@ ROW_MAX_START = NEG_INF / 2
 # kernel 'forward', 'dkdv' or 'dq'; masked False for a FULL block): read
 # while tracing; tests count the blocks visited.
 VISIT_HOOK = None
-# None, or a function(first entry, ref's width) that interpret-mode calls
-# report each read and write of a wide table's gradient window to.
+# None, or a function(kind, first entry, ref's width) that interpret-mode
+# calls report each read and write (kind 'read', 'write') of a wide table's
+# gradient window to.
 WINDOW_HOOK = None
 
 
@@ -400,50 +402,93 @@ def _bucket_add(ref, x, idx, axis: int):
 
 def _window_read(ref, base):
   if WINDOW_HOOK is not None:
-    jax.debug.callback(WINDOW_HOOK, base, ref.shape[1])
+    jax.debug.callback(functools.partial(WINDOW_HOOK, 'read'), base, ref.shape[1])
   return ref[:, pl.ds(base, CARRIED_ENTRIES)]
 
 
 def _window_write(ref, base, value):
   if WINDOW_HOOK is not None:
-    jax.debug.callback(WINDOW_HOOK, base, ref.shape[1])
+    jax.debug.callback(functools.partial(WINDOW_HOOK, 'write'), base, ref.shape[1])
   ref[:, pl.ds(base, CARRIED_ENTRIES)] = value
+
+
+def _column_add(ref, entry, sums):
+  """ref[:, entry] += sums [rows], through the aligned window that holds it."""
+  base = entry // CARRIED_ENTRIES * CARRIED_ENTRIES
+  column = jnp.arange(CARRIED_ENTRIES)[None, :] == entry - base
+  _window_write(ref, base, _window_read(ref, base) + jnp.where(column, sums[:, None], 0.0))
+
+
+def _wide_add(ref, far, x, idx, axis: int):
+  """A wide table's gradient (ref [rows, width]) gains x [bq, bk] summed per
+  entry idx over `axis`; far: (sums [rows], entry), the registers' sums for
+  the entry of the last block whose pairs all read one (-1: none yet). Such a
+  block, wholly past a clip, adds to them; they go to the ref when a block of
+  another single entry comes (under a clipped distance at most twice a
+  program: the far blocks before the band, then those after it) and at the end (_wide_flush). Other blocks add
+  window by window (_bucket_add). -> the new far."""
+  sums, entry = far
+  lo, hi = jnp.min(idx), jnp.max(idx) + 1
+  one = hi - lo == 1
+  moved = one & (entry >= 0) & (entry != lo)
+
+  @pl.when(moved)
+  def _():
+    _column_add(ref, entry, sums)
+
+  @pl.when(jnp.logical_not(one))
+  def _():
+    _bucket_add(ref, x, idx, axis)
+
+  block = jnp.sum(x, axis=axis)
+  return (jnp.where(one, jnp.where(moved, 0.0, sums) + block, sums), jnp.where(one, lo, entry))
+
+
+def _wide_flush(ref, far):
+  sums, entry = far
+
+  @pl.when(entry >= 0)
+  def _():
+    _column_add(ref, entry, sums)
 
 
 def _lookup_grads_init(refs) -> tuple:
   """The loop's carry for the gradients of lookup tables (refs: their output
   refs [rows, entries]): zeros for a table of at most CARRIED_ENTRIES
-  entries; None for a wider one, whose ref is zeroed, window by window, to
-  gather them."""
+  entries; for a wider one, whose ref is zeroed window by window to gather
+  them, _wide_add's far carry."""
   out = []
   for ref in refs:
-    wide = ref.shape[1] > CARRIED_ENTRIES
-    if wide:
-      def zero(w, carry, ref=ref):
-        _window_write(ref, w * CARRIED_ENTRIES,
-                      jnp.zeros((ref.shape[0], CARRIED_ENTRIES), jnp.float32))
-        return carry
-      jax.lax.fori_loop(0, ref.shape[1] // CARRIED_ENTRIES, zero, 0)
-    out.append(None if wide else jnp.zeros(ref.shape, jnp.float32))
+    if ref.shape[1] <= CARRIED_ENTRIES:
+      out.append(jnp.zeros(ref.shape, jnp.float32))
+      continue
+
+    def zero(w, carry, ref=ref):
+      _window_write(ref, w * CARRIED_ENTRIES,
+                    jnp.zeros((ref.shape[0], CARRIED_ENTRIES), jnp.float32))
+      return carry
+    jax.lax.fori_loop(0, ref.shape[1] // CARRIED_ENTRIES, zero, 0)
+    out.append((jnp.zeros((ref.shape[0],), jnp.float32), jnp.int32(-1)))
   return tuple(out)
 
 
 def _lookup_grads_add(accs, refs, ds, indices, axis: int) -> tuple:
   """The carry `accs` plus ds [bq, bk] summed per entry of each table
-  (indices, theirs) over `axis`; a wide table's added to its ref."""
+  (indices, theirs) over `axis`; a wide table's through _wide_add."""
   out = []
   for acc, ref, idx in zip(accs, refs, indices):
-    if acc is None:
-      _bucket_add(ref, ds, idx, axis)
+    if ref.shape[1] > CARRIED_ENTRIES:
+      out.append(_wide_add(ref, acc, ds, idx, axis))
     else:
-      acc = acc + _bucket_sum(ds, idx, acc.shape[1], axis)
-    out.append(acc)
+      out.append(acc + _bucket_sum(ds, idx, acc.shape[1], axis))
   return tuple(out)
 
 
 def _lookup_grads_store(refs, accs):
   for ref, acc in zip(refs, accs):
-    if acc is not None:
+    if ref.shape[1] > CARRIED_ENTRIES:
+      _wide_flush(ref, acc)
+    else:
       ref[...] = acc
 
 

@@ -428,29 +428,18 @@ def wide_key_index(q_pos, k_pos):
   return (q_pos - k_pos).clip(-70, 70) + 70
 
 
-def test_lookup_tables_wider_than_the_carry_gather_their_gradients_in_the_output(monkeypatch):
-  """Tables of 200 and 141 entries (CARRIED_ENTRIES fewer) under randomized
-  positions spread over 400, so that blocks of 16 read one entry (past the
-  clip), a few or more than a window of them: output and gradients of q, k, v
-  and both tables against attention on whole arrays with gathers in JAX.
-  Every read and write of the gradients in the kernel's output is a whole
-  window at a multiple of CARRIED_ENTRIES (on a GPU, an entry is then always
-  held by one thread)."""
-  width = pallas_gpu.CARRIED_ENTRIES
-  assert 141 > width
-  windows = []
-  monkeypatch.setattr(pallas_gpu, 'WINDOW_HOOK',
-                      lambda base, size: windows.append((int(base), int(size))))
-  n, rng = 48, np.random.default_rng(11)
-  pos = np.sort(rng.choice(400, n, replace=False))
+def _wide_lookups_against_whole_arrays(pos, monkeypatch, seed=11):
+  """Tables of 200 and 141 entries (CARRIED_ENTRIES fewer), per query and per
+  key, at positions pos [n]: output and gradients of q, k, v and both tables
+  against attention on whole arrays with gathers in JAX. -> the backward's
+  window reads and writes (kind, first entry, width), from WINDOW_HOOK."""
+  assert 141 > pallas_gpu.CARRIED_ENTRIES
+  n, rng = len(pos), np.random.default_rng(seed)
   q, k, v = (rng.normal(size=(1, n, 2, D)).astype(np.float32) for _ in range(3))
   q_rows = rng.normal(size=(1, 2, n, 200)).astype(np.float32)
   k_rows = rng.normal(size=(1, 2, n, 141)).astype(np.float32)
   qi = wide_query_index(pos[:, None], pos[None, :])
   ki = wide_key_index(pos[:, None], pos[None, :])
-  spans = [np.ptp(idx[a:a + BLOCK, c:c + BLOCK]) for idx in (qi, ki)
-           for a in range(0, n, BLOCK) for c in range(0, n, BLOCK)]
-  assert min(spans) == 0 and max(spans) >= pallas_gpu.CARRIED_ENTRIES
 
   def kernel(q, k, v, q_rows, k_rows):
     return pallas_gpu.flash_attention(
@@ -466,9 +455,44 @@ def test_lookup_tables_wider_than_the_carry_gather_their_gradients_in_the_output
   args = (q, k, v, q_rows, k_rows)
   np.testing.assert_allclose(kernel(*args), whole(*args), rtol=2e-5, atol=2e-5)
   cot = rng.normal(size=q.shape).astype(np.float32)
-  got, want = (jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=tuple(range(5)))(*args)
-               for f in (kernel, whole))
+  windows = []
+  monkeypatch.setattr(pallas_gpu, 'WINDOW_HOOK',
+                      lambda kind, base, size: windows.append((kind, int(base), int(size))))
+  got = jax.grad(lambda *a: jnp.sum(kernel(*a) * cot), argnums=tuple(range(5)))(*args)
+  monkeypatch.setattr(pallas_gpu, 'WINDOW_HOOK', None)
+  want = jax.grad(lambda *a: jnp.sum(whole(*a) * cot), argnums=tuple(range(5)))(*args)
   for name, a, b in zip(('dq', 'dk', 'dv', 'd q_rows', 'd k_rows'), got, want):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
-  assert {size for _, size in windows} == {256}  # both padded to a power of two
-  assert {base for base, _ in windows} == {0, 64, 128, 192}
+  return windows
+
+
+def test_lookup_tables_wider_than_the_carry_gather_their_gradients_in_the_output(monkeypatch):
+  """Randomized positions spread over 400, so that blocks of 16 read one
+  entry (past the clip), a few or more than a window of them: output and
+  every gradient equal attention on whole arrays. Every read and write of
+  the gradients in the kernel's output is a whole window at a multiple of
+  CARRIED_ENTRIES (on a GPU, an entry is then always held by one thread)."""
+  pos = np.sort(np.random.default_rng(11).choice(400, 48, replace=False))
+  spans = [np.ptp(idx[a:a + BLOCK, c:c + BLOCK])
+           for idx in (wide_query_index(pos[:, None], pos[None, :]),
+                       wide_key_index(pos[:, None], pos[None, :]))
+           for a in range(0, len(pos), BLOCK) for c in range(0, len(pos), BLOCK)]
+  assert min(spans) == 0 and max(spans) >= pallas_gpu.CARRIED_ENTRIES
+  windows = _wide_lookups_against_whole_arrays(pos, monkeypatch)
+  assert {size for _, _, size in windows} == {256}  # both padded to a power of two
+  assert {base for _, base, _ in windows} == {0, 64, 128, 192}
+
+
+def test_blocks_past_the_clip_add_to_registers_not_to_the_output(monkeypatch):
+  """Six blocks of 16 positions, 1000 apart: every block off the diagonal is
+  past both clips and reads one entry (0 or the last), so its sums stay in
+  registers and reach the output once per run of equal entries. Hand count
+  of the backward's window reads: the dq kernel (per-query table, a block's
+  distances -15..15 at entries 85..115: one window) reads its diagonal block's
+  window once per program and flushes once per far side, 1 + 2 + 2 + 2 + 2 +
+  1 = 10 for the six query blocks, so 6 + 10 per head; the dk/dv kernel
+  (entries 55..85: two windows) 12 + 10; with 2 heads, 2 x (16 + 22) = 76.
+  A read per far block would make it 156."""
+  pos = (1000 * np.arange(6)[:, None] + np.arange(BLOCK)).reshape(-1)
+  windows = _wide_lookups_against_whole_arrays(pos, monkeypatch, seed=3)
+  assert sum(kind == 'read' for kind, _, _ in windows) == 76
