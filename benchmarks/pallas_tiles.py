@@ -95,11 +95,16 @@ def print_case(c: dict, heads: int):
     print(f'  {name:<14}failed: {why}')
 
 
+def machine() -> dict:
+  """Where a table is measured: {'device': the device kind, 'jax': its version}."""
+  device = jax.devices()[0]
+  return {'device': getattr(device, 'device_kind', str(device)), 'jax': jax.__version__}
+
+
 def table(cases: list[dict], command: str, kept=()) -> dict:
   """The file select.py reads: where and how it was measured, and a row per
   case (head_dim, max_length = the case's n, the fastest tiles, its ms and
   the default's and cuDNN's), after the rows `kept` of cases not measured here."""
-  device = jax.devices()[0]
   rows = [{'head_dim': c['d'], 'max_length': c['n'], **c['best']._asdict(),
            'ms': round(c['ms'][name_of(c['best'])], 4),
            'default_ms': round(c['ms'].get(c['default'], float('nan')), 4),
@@ -107,8 +112,8 @@ def table(cases: list[dict], command: str, kept=()) -> dict:
           for c in cases]
   measured = {(r['head_dim'], r['max_length']) for r in rows}
   rows = [r for r in kept if (r['head_dim'], r['max_length']) not in measured] + rows
-  return {'device': getattr(device, 'device_kind', str(device)), 'jax': jax.__version__,
-          'date': datetime.date.today().isoformat(), 'command': command, 'tiles': rows}
+  return {**machine(), 'date': datetime.date.today().isoformat(), 'command': command,
+          'tiles': rows}
 
 
 def kept_rows(path: str) -> list:
@@ -119,9 +124,7 @@ def kept_rows(path: str) -> list:
       old = json.load(f)
   except (OSError, ValueError):
     return []
-  device = jax.devices()[0]
-  same = (old.get('device') == getattr(device, 'device_kind', str(device))
-          and old.get('jax') == jax.__version__)
+  same = all(old.get(key) == value for key, value in machine().items())
   return list(old.get('tiles', [])) if same else []
 
 

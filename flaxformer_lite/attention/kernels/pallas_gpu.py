@@ -425,8 +425,9 @@ def _wide_add(ref, far, x, idx, axis: int):
   the entry of the last block whose pairs all read one (-1: none yet). Such a
   block, wholly past a clip, adds to them; they go to the ref when a block of
   another single entry comes (under a clipped distance at most twice a
-  program: the far blocks before the band, then those after it) and at the end (_wide_flush). Other blocks add
-  window by window (_bucket_add). -> the new far."""
+  program: the far blocks before the band, then those after it) and at the
+  end (_wide_flush). Other blocks add window by window (_bucket_add). -> the
+  new far."""
   sums, entry = far
   lo, hi = jnp.min(idx), jnp.max(idx) + 1
   one = hi - lo == 1
